@@ -1,0 +1,171 @@
+"""flash.rms_norm / flash.add_rms_norm: opcheck, gradcheck, numerics, bad inputs."""
+import pytest
+import torch
+
+import torch_flash
+from torch_flash.reference import rms_norm as ref
+from _utils import TOL, assert_rel_close, run_opcheck, to64
+
+SHAPES = [(2, 8, 64), (1, 3, 16), (5, 32), (7, 1, 96)]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _x(shape, dtype, rg=False, noncontig=False):
+    if noncontig:  # a strided view over a wider buffer
+        base = torch.randn(*shape[:-1], shape[-1] * 2, dtype=dtype)
+        x = base[..., ::2]
+    else:
+        x = torch.randn(shape, dtype=dtype)
+    return x.requires_grad_(rg)
+
+
+def _samples_rms():
+    for shape in SHAPES:
+        for dtype in DTYPES:
+            for rg in (False, True):
+                for nc in (False, True):
+                    w = torch.randn(shape[-1], dtype=dtype, requires_grad=rg)
+                    yield (_x(shape, dtype, rg, nc), w, 1e-5), {"cast_before_weight": nc}
+    yield (_x((3, 16), torch.float32, True), None, 1e-6), {}
+    yield (_x((3, 16), torch.bfloat16, True), torch.randn(16, requires_grad=True), 1e-6), {"weight_offset": 1.0}
+
+
+def _samples_rms_bwd():
+    for shape in SHAPES[:2]:
+        for dtype in DTYPES:
+            x = _x(shape, dtype)
+            yield (torch.randn_like(x), x, torch.randn(shape[-1], dtype=dtype), 1e-5, 0.0, True), {}
+    x = _x((4, 32), torch.float32)
+    yield (torch.randn_like(x), x, None, 1e-5, 0.0, False), {}
+
+
+def _samples_add():
+    for shape in SHAPES[:3]:
+        for dtype in DTYPES:
+            for rg in (False, True):
+                w = torch.randn(shape[-1], dtype=dtype, requires_grad=rg)
+                yield ((_x(shape, dtype, rg), _x(shape, dtype, rg, noncontig=True), w, 1e-5),
+                       {"residual_in_fp32": rg})
+
+
+def _samples_add_bwd():
+    for dtype in DTYPES:
+        s = _x((3, 5, 32), torch.float32)
+        yield ((torch.randn_like(s, dtype=dtype), torch.randn_like(s), s, torch.randn(32, dtype=dtype),
+                1e-5, 0.0, True, dtype), {})
+    yield ((torch.randn(4, 16), None, _x((4, 16), torch.float32), None, 1e-5, 1.0, False,
+            torch.float32), {})
+
+
+OPCHECK_SAMPLES = {
+    "rms_norm": _samples_rms,
+    "rms_norm_backward": _samples_rms_bwd,
+    "add_rms_norm": _samples_add,
+    "add_rms_norm_backward": _samples_add_bwd,
+}
+
+
+@pytest.mark.parametrize("op", list(OPCHECK_SAMPLES))
+def test_opcheck(op):
+    for args, kwargs in OPCHECK_SAMPLES[op]():
+        run_opcheck(getattr(torch.ops.flash, op).default, args, kwargs)
+
+
+@pytest.mark.parametrize("offset,cbw", [(0.0, True), (1.0, False), (0.5, True)])
+def test_gradcheck(offset, cbw):
+    x, w, r = (torch.randn(s, dtype=torch.float64, requires_grad=True) for s in ((2, 3, 8), (8,), (2, 3, 8)))
+    assert torch.autograd.gradcheck(
+        lambda a, b: torch_flash.rms_norm(a, b, 1e-5, weight_offset=offset, cast_before_weight=cbw), (x, w))
+    assert torch.autograd.gradcheck(lambda a: torch_flash.rms_norm(a, None, 1e-5), (x,))
+    assert torch.autograd.gradcheck(
+        lambda a, b, c: torch_flash.add_rms_norm(a, c, b, 1e-5, weight_offset=offset,
+                                                 cast_before_weight=cbw), (x, w, r))
+
+
+def _hf_llama(x, w, eps):  # transformers' LlamaRMSNorm.forward
+    dt = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(dt)
+
+
+def _gemma(x, w, eps):  # transformers' GemmaRMSNorm.forward
+    h = x.float()
+    out = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * (1.0 + w.float())).type_as(x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("model", ["llama", "gemma"])
+def test_matches_model_code(dtype, model):
+    """Same values and dtype as the model code it replaces, and within tolerance of fp64."""
+    x = torch.randn(4, 7, 256, dtype=dtype) * 3
+    w = torch.randn(256, dtype=dtype)
+    if model == "llama":
+        out, theirs = torch_flash.rms_norm(x, w, 1e-6), _hf_llama(x, w, 1e-6)
+        exact = ref.rms_norm(*to64(x, w), 1e-6)
+    else:
+        out = torch_flash.rms_norm(x, w, 1e-6, weight_offset=1.0, cast_before_weight=False)
+        theirs, exact = _gemma(x, w, 1e-6), _gemma(*to64(x, w), 1e-6)
+    assert out.dtype == theirs.dtype
+    torch.testing.assert_close(out, theirs)
+    assert_rel_close(out, exact, TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_numerics_and_grads(dtype):
+    x, r = torch.randn(3, 9, 128, dtype=dtype), torch.randn(3, 9, 128, dtype=dtype)
+    w = torch.randn(128, dtype=dtype)
+    leaves = [t.clone().requires_grad_() for t in (x, r, w)]
+    y, s = torch_flash.add_rms_norm(leaves[0], leaves[1], leaves[2], 1e-6)
+    leaves64 = [t.double().requires_grad_() for t in (x, r, w)]
+    s64 = leaves64[0] + leaves64[1]
+    y64 = ref.rms_norm(s64, leaves64[2], 1e-6)
+    assert_rel_close(s, s64, TOL[dtype])
+    assert_rel_close(y, y64, TOL[dtype])
+    gy, gs = torch.randn_like(y), torch.randn_like(s)
+    torch.autograd.backward((y, s), (gy, gs))
+    torch.autograd.backward((y64, s64), (gy.double(), gs.double()))
+    for a, b, name in zip(leaves, leaves64, ("dx", "dresidual", "dweight")):
+        assert_rel_close(a.grad, b.grad, 2 * TOL[dtype], what=name)
+
+
+def test_residual_in_fp32():
+    x, r = torch.randn(2, 64, dtype=torch.bfloat16), torch.randn(2, 64, dtype=torch.float32)
+    y, s = torch_flash.add_rms_norm(x, r, None, residual_in_fp32=True)
+    assert s.dtype == torch.float32 and y.dtype == torch.bfloat16
+    torch.testing.assert_close(s, x.float() + r)
+
+
+def test_large_hidden():
+    x = torch.randn(2, 70000)
+    assert_rel_close(torch_flash.rms_norm(x), ref.rms_norm(x.double()), TOL[torch.float32])
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda: torch_flash.rms_norm(torch.randn(4, 8), torch.randn(7)), "weight has 7 elements"),
+    (lambda: torch_flash.rms_norm(torch.randn(4, 0), None), "non-empty last dimension"),
+    (lambda: torch_flash.rms_norm(torch.randint(0, 3, (4, 8)), None), "dtype"),
+    (lambda: torch_flash.rms_norm(torch.randn(4, 8), torch.randn(2, 8)), "weight must have 1 dimensions"),
+    (lambda: torch_flash.add_rms_norm(torch.randn(4, 8), torch.randn(4, 9)), "residual shape"),
+    (lambda: torch_flash.rms_norm(torch.randn(4, 8), None, -1.0), "eps must be >= 0"),
+])
+def test_bad_inputs(bad, match):
+    with pytest.raises(ValueError, match=f"flash.(add_)?rms_norm: .*{match}"):
+        bad()
+
+
+def test_empty_batch():
+    x = torch.randn(0, 5, 32, requires_grad=True)
+    y = torch_flash.rms_norm(x, torch.ones(32))
+    assert y.shape == x.shape
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+
+
+def test_inputs_untouched():
+    x, r, w = torch.randn(3, 32), torch.randn(3, 32), torch.randn(32)
+    copies = [t.clone() for t in (x, r, w)]
+    torch_flash.add_rms_norm(x, r, w)
+    for a, b in zip((x, r, w), copies):
+        assert torch.equal(a, b)

@@ -1,0 +1,46 @@
+"""The one table of torch-flash ops.
+
+Every public op of the `flash` namespace has a row here. `tests/test_registry.py` walks
+the table and fails when an op lacks any of its pieces: the schema, a fake from
+`torch_flash.meta_kernels`, an autograd rule, a backward op with its own fake, a
+plain-PyTorch reference in `torch_flash.reference.<stem>`, and opcheck samples in
+`tests/ops/test_<stem>.py`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class OpEntry:
+    name: str  # op name inside the `flash` namespace
+    stem: str  # file stem shared by ops/, reference/, meta_kernels/, tests/ops/
+    family: str  # compile-pass family: attention | norm | loss | rotary
+    backward: str | None  # backward op, None for inference-only ops
+    mutates: tuple[str, ...] = ()  # arguments the op writes in place
+
+
+OPS: tuple[OpEntry, ...] = (
+    OpEntry("attention", "attention", "attention", "attention_backward"),
+    OpEntry("attention_with_lse", "attention", "attention", "attention_backward"),
+    OpEntry("attention_varlen", "attention_varlen", "attention", "attention_varlen_backward"),
+    OpEntry("attention_decode", "attention_decode", "attention", None, ("k_cache", "v_cache")),
+    OpEntry("rms_norm", "rms_norm", "norm", "rms_norm_backward"),
+    OpEntry("add_rms_norm", "rms_norm", "norm", "add_rms_norm_backward"),
+    OpEntry("layer_norm", "layer_norm", "norm", "layer_norm_backward"),
+    OpEntry("add_layer_norm", "layer_norm", "norm", "add_layer_norm_backward"),
+    OpEntry("cross_entropy", "cross_entropy", "loss", "cross_entropy_backward"),
+    OpEntry("linear_cross_entropy", "linear_cross_entropy", "loss", "linear_cross_entropy_backward"),
+    OpEntry("rotary", "rotary", "rotary", "rotary_backward"),
+)
+
+BY_NAME = {e.name: e for e in OPS}
+
+
+def backward_ops() -> list[tuple[str, str]]:
+    """(backward op, stem) pairs, each once."""
+    seen: dict[str, str] = {}
+    for e in OPS:
+        if e.backward is not None:
+            seen.setdefault(e.backward, e.stem)
+    return list(seen.items())

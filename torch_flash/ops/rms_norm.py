@@ -1,0 +1,147 @@
+"""flash.rms_norm and flash.add_rms_norm: schemas, dispatch, autograd, public functions.
+
+Shapes: x (..., N), weight (N,) or None, residual like x. Statistics in fp32; see
+torch_flash/reference/rms_norm.py for the exact dtype rules (LLaMA vs Gemma).
+The backward recomputes the per-row rstd from x instead of saving it: the backward
+reads x anyway, so this costs no memory traffic and keeps the schema a single output.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.library import triton_op
+
+from .. import _dispatch
+from ..reference import rms_norm as ref
+from ._autograd import grad_or_empty
+from ._checks import check, check_same_device, check_tensor
+
+
+def check_args(op: str, x, weight, eps, residual=None) -> None:
+    check_tensor(op, "x", x, min_ndim=1)
+    check(x.shape[-1] > 0, op, f"x must have a non-empty last dimension, got shape {tuple(x.shape)}")
+    if weight is not None:
+        check_tensor(op, "weight", weight, ndim=1)
+        check(weight.shape[0] == x.shape[-1], op,
+              f"weight has {weight.shape[0]} elements but x has hidden size {x.shape[-1]}")
+    if residual is not None:
+        check_tensor(op, "residual", residual)
+        check(residual.shape == x.shape, op,
+              f"residual shape {tuple(residual.shape)} differs from x shape {tuple(x.shape)}")
+    check(eps >= 0.0, op, f"eps must be >= 0, got {eps}")
+    check_same_device(op, x=x, weight=weight, residual=residual)
+
+
+def out_dtype(x_dtype: torch.dtype, weight, cast_before_weight: bool) -> torch.dtype:
+    """dtype of y: the model's own rule (see the reference)."""
+    if weight is not None and cast_before_weight:
+        return torch.promote_types(x_dtype, weight.dtype)
+    return x_dtype
+
+
+def _backend(op: str, x: Tensor) -> str:
+    # Only the reference path exists so far; select() still rejects a forced backend
+    # (TORCH_FLASH_BACKEND) that cannot serve the call instead of ignoring it.
+    return _dispatch.select(op, x.device, triton=False)
+
+
+@triton_op("flash::rms_norm", mutates_args=())
+def _rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, *,
+              weight_offset: float = 0.0, cast_before_weight: bool = True) -> Tensor:
+    check_args("rms_norm", x, weight, eps)
+    _backend("rms_norm", x)
+    return ref.rms_norm(x, weight, eps, weight_offset, cast_before_weight)
+
+
+@triton_op("flash::rms_norm_backward", mutates_args=())
+def _rms_norm_backward(grad_y: Tensor, x: Tensor, weight: Optional[Tensor], eps: float,
+                       weight_offset: float, cast_before_weight: bool) -> tuple[Tensor, Tensor]:
+    _backend("rms_norm_backward", x)
+    dx, dw = ref.rms_norm_backward(grad_y, x, weight, eps, weight_offset, cast_before_weight)
+    return dx.to(x.dtype), grad_or_empty(dw, x)
+
+
+@triton_op("flash::add_rms_norm", mutates_args=())
+def _add_rms_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, *,
+                  weight_offset: float = 0.0, cast_before_weight: bool = True,
+                  residual_in_fp32: bool = False) -> tuple[Tensor, Tensor]:
+    check_args("add_rms_norm", x, weight, eps, residual)
+    _backend("add_rms_norm", x)
+    return ref.add_rms_norm(x, residual, weight, eps, weight_offset, cast_before_weight, residual_in_fp32)
+
+
+@triton_op("flash::add_rms_norm_backward", mutates_args=())
+def _add_rms_norm_backward(grad_y: Tensor, grad_residual_out: Optional[Tensor], residual_out: Tensor,
+                           weight: Optional[Tensor], eps: float, weight_offset: float,
+                           cast_before_weight: bool, x_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Returns (d(x + residual), dweight); the caller casts the first to x's and residual's dtypes."""
+    _backend("add_rms_norm_backward", residual_out)
+    dsum, dw = ref.rms_norm_backward(grad_y, residual_out, weight, eps, weight_offset,
+                                     cast_before_weight, out_dtype=x_dtype)
+    if grad_residual_out is not None:
+        dsum = dsum + grad_residual_out
+    return dsum.to(residual_out.dtype), grad_or_empty(dw, residual_out)
+
+
+def _rms_setup(ctx, inputs, keyword_only_inputs, output):
+    x, weight, eps = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps = eps
+    ctx.weight_offset = keyword_only_inputs["weight_offset"]
+    ctx.cast_before_weight = keyword_only_inputs["cast_before_weight"]
+
+
+def _rms_backward(ctx, grad_y):
+    x, weight = ctx.saved_tensors
+    dx, dw = torch.ops.flash.rms_norm_backward(grad_y, x, weight, ctx.eps, ctx.weight_offset,
+                                               ctx.cast_before_weight)
+    return dx, (dw if weight is not None else None), None
+
+
+def _add_rms_setup(ctx, inputs, keyword_only_inputs, output):
+    x, residual, weight, eps = inputs
+    _, residual_out = output
+    ctx.save_for_backward(residual_out, weight)
+    ctx.eps = eps
+    ctx.weight_offset = keyword_only_inputs["weight_offset"]
+    ctx.cast_before_weight = keyword_only_inputs["cast_before_weight"]
+    ctx.x_dtype, ctx.residual_dtype = x.dtype, residual.dtype
+
+
+def _add_rms_backward(ctx, grad_y, grad_residual_out):
+    residual_out, weight = ctx.saved_tensors
+    dsum, dw = torch.ops.flash.add_rms_norm_backward(
+        grad_y, grad_residual_out, residual_out, weight, ctx.eps, ctx.weight_offset,
+        ctx.cast_before_weight, ctx.x_dtype)
+    return dsum.to(ctx.x_dtype), dsum.to(ctx.residual_dtype), (dw if weight is not None else None), None
+
+
+_rms_norm.register_autograd(_rms_backward, setup_context=_rms_setup)
+_add_rms_norm.register_autograd(_add_rms_backward, setup_context=_add_rms_setup)
+
+
+def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, *,
+             weight_offset: float = 0.0, cast_before_weight: bool = True) -> Tensor:
+    """RMSNorm over the last dimension of x (..., N).
+
+    weight_offset=1.0 gives Gemma's (1 + w). cast_before_weight=True follows HF LLaMA
+    (normalise in fp32, cast to x.dtype, then multiply by w); False follows Gemma
+    (multiply in fp32, then cast). Returns a tensor shaped like x.
+    """
+    return torch.ops.flash.rms_norm(x, weight, eps, weight_offset=weight_offset,
+                                    cast_before_weight=cast_before_weight)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, *,
+                 weight_offset: float = 0.0, cast_before_weight: bool = True,
+                 residual_in_fp32: bool = False) -> tuple[Tensor, Tensor]:
+    """Pre-norm residual block: returns (rms_norm(x + residual), x + residual).
+
+    The sum is returned in x's dtype, or fp32 with residual_in_fp32=True (and the norm
+    then reads the fp32 sum). One pass over memory instead of an add and a norm.
+    """
+    return torch.ops.flash.add_rms_norm(x, residual, weight, eps, weight_offset=weight_offset,
+                                        cast_before_weight=cast_before_weight,
+                                        residual_in_fp32=residual_in_fp32)
