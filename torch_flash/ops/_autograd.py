@@ -9,7 +9,6 @@ With no gradient needed it dispatches straight to the op's own kernel.
 """
 from __future__ import annotations
 
-import inspect
 import warnings
 from typing import Any, Callable
 
@@ -24,9 +23,11 @@ def register_autograd_via(opdef: CustomOpDef, *, forward: Callable[..., tuple[An
                           setup_context: Callable, backward: Callable) -> None:
     """forward(**inputs) -> (output, state); setup_context(ctx, inputs, output, state);
     backward(ctx, *grad_outputs) -> {input name: gradient}."""
-    sig = inspect.signature(opdef._init_fn)
-    names = list(sig.parameters)
     overload = opdef._opoverload
+    # bind by the schema: triton_op's implementation is a (*args, **kwargs) wrapper
+    arguments = overload._schema.arguments
+    names = [a.name for a in arguments]
+    defaults = {a.name: a.default_value for a in arguments if a.has_default_value()}
 
     class _Function(torch.autograd.Function):
         @staticmethod
@@ -42,9 +43,8 @@ def register_autograd_via(opdef: CustomOpDef, *, forward: Callable[..., tuple[An
             return tuple(got.get(n) for n in names)
 
     def autograd_kernel(*args, **kwargs):
-        bound = sig.bind(*args, **kwargs)
-        bound.apply_defaults()
-        values = list(bound.arguments.values())
+        given = {**dict(zip(names, args)), **kwargs}
+        values = [given[n] if n in given else defaults[n] for n in names]
         needs_grad = torch.is_grad_enabled() and any(
             isinstance(v, torch.Tensor) and v.requires_grad for v in values)
         if not needs_grad:
@@ -54,7 +54,7 @@ def register_autograd_via(opdef: CustomOpDef, *, forward: Callable[..., tuple[An
 
     with warnings.catch_warnings():
         # custom_op installs a placeholder Autograd kernel that raises; this replaces it.
-        warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel.*")
+        warnings.filterwarnings("ignore", message=r"(?s).*Overriding a previously registered kernel")
         torch.library.impl(opdef._qualname, "Autograd")(autograd_kernel)
     REGISTERED[opdef._qualname.split("::")[1]] = autograd_kernel
 

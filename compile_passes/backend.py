@@ -1,0 +1,156 @@
+"""The user-facing entry points of the compile pass: the `flash` Dynamo backend,
+enable()/disable() for plain torch.compile, rewrite() for exported programs and
+pre-dispatch graphs, and explain()."""
+from __future__ import annotations
+
+import copy
+import functools
+import warnings
+from collections import Counter
+from typing import Callable, Iterable
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from . import rewrite_graph
+from .patterns import FAMILIES
+from .report import Report
+
+# Matches per op over every graph compiled in this process (`flash.<op>` -> count).
+COUNTERS: Counter = Counter()
+
+
+def _predispatch(gm: fx.GraphModule) -> fx.GraphModule:
+    """Re-trace a Dynamo graph to pre-dispatch ATen IR under Dynamo's own fake values, so
+    symbolic sizes stay the ones Dynamo guards on. The mode comes from the values: the
+    TracingContext a backend runs in holds a different FakeTensorMode (same ShapeEnv)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    fake_args = [n.meta["example_value"] for n in gm.graph.find_nodes(op="placeholder")]
+    mode = next(a.fake_mode for a in fake_args if isinstance(a, FakeTensor))
+    # running through an Interpreter under preserve_node_meta carries each node's stack
+    # trace onto the ATen nodes it becomes (explain() reports source lines from it)
+    with mode, torch.fx.traceback.preserve_node_meta():
+        return make_fx(lambda *args: fx.Interpreter(gm).run(*args), pre_dispatch=True)(*fake_args)
+
+
+def _rewrite_dynamo_graph(gm: fx.GraphModule, families) -> tuple[fx.GraphModule, Report]:
+    pgm = _predispatch(gm)
+    report = rewrite_graph(pgm, families)
+    COUNTERS.update(report.counters())
+    return pgm, report
+
+
+def backend(ops: Iterable[str] | None = None, inner: Callable | None = None) -> Callable:
+    """A Dynamo backend that rewrites into flash ops, then compiles with `inner`
+    (Inductor's compile_fx by default). ops: families to use (default all: see FAMILIES).
+
+        torch.compile(model, backend=torch_flash.backend(ops=["attention"]))
+    """
+    families = list(FAMILIES) if ops is None else list(ops)
+    unknown = set(families) - set(FAMILIES)
+    if unknown:
+        raise ValueError(f"torch_flash.backend: unknown op families {sorted(unknown)}; known: {sorted(FAMILIES)}")
+
+    def compile_flash(gm: fx.GraphModule, example_inputs):
+        compiler = inner or _compile_fx_predispatch
+        try:
+            pgm, _ = _rewrite_dynamo_graph(gm, families)
+            return compiler(pgm, example_inputs)
+        except Exception as e:  # never fail a user's compile because of the rewrite
+            warnings.warn(f"torch_flash: the rewritten graph failed to compile ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}); using the unmodified graph")
+            return compiler(gm, example_inputs)
+
+    return compile_flash
+
+
+def _compile_fx_predispatch(gm: fx.GraphModule, example_inputs):
+    """Inductor on a pre-dispatch ATen graph. Its default pre-grad passes expect Torch IR
+    (measured: on ATen graphs they dropped the gradients flowing through flash.attention);
+    is_predispatch selects the passes written for this IR."""
+    import torch._inductor.config as config
+    from torch._inductor.compile_fx import compile_fx
+
+    with config.patch(is_predispatch=True):
+        return compile_fx(gm, example_inputs)
+
+
+class _PreGradPass:
+    """Inductor pre-grad custom pass: the same rewrite for plain torch.compile(model)."""
+
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __call__(self, graph: fx.Graph) -> None:
+        if self.previous is not None:
+            self.previous(graph)
+        gm = graph.owning_module
+        try:
+            pgm, _ = _rewrite_dynamo_graph(gm, None)
+        except Exception as e:
+            warnings.warn(f"torch_flash: rewrite skipped ({type(e).__name__}: {e})")
+            return
+        gm.graph = pgm.graph
+        gm.recompile()
+
+
+def enable() -> None:
+    """Make a plain `torch.compile(model)` (Inductor) rewrite into flash ops too."""
+    import torch._inductor.config as config
+
+    if not isinstance(config.pre_grad_custom_pass, _PreGradPass):
+        config.pre_grad_custom_pass = _PreGradPass(config.pre_grad_custom_pass)
+
+
+def disable() -> None:
+    """Undo enable()."""
+    import torch._inductor.config as config
+
+    if isinstance(config.pre_grad_custom_pass, _PreGradPass):
+        config.pre_grad_custom_pass = config.pre_grad_custom_pass.previous
+
+
+def rewrite(obj, ops: Iterable[str] | None = None):
+    """Rewrite an ExportedProgram (returns a new one that validates, runs, saves and loads)
+    or a pre-dispatch GraphModule (rewritten in place and returned)."""
+    if isinstance(obj, torch.export.ExportedProgram):
+        ep = copy.deepcopy(obj)
+        report = rewrite_graph(ep.graph_module, ops)
+        COUNTERS.update(report.counters())
+        # replaced output nodes have new names: keep the signature in step with the graph
+        outputs = next(iter(ep.graph.find_nodes(op="output"))).args[0]
+        for spec, node in zip(ep.graph_signature.output_specs, outputs):
+            if isinstance(node, fx.Node) and hasattr(spec.arg, "name"):
+                spec.arg.name = node.name
+        return ep
+    if isinstance(obj, fx.GraphModule):
+        report = rewrite_graph(obj, ops)
+        COUNTERS.update(report.counters())
+        return obj
+    raise TypeError(f"torch_flash.rewrite: expected an ExportedProgram or GraphModule, got {type(obj).__name__}")
+
+
+def explain(model: Callable, *args, **kwargs) -> Report:
+    """Every candidate site of `model(*args, **kwargs)`: rewritten (to which op) or not, and why.
+    Runs the model once through Dynamo without changing it."""
+    report = Report()
+
+    def record(gm, example_inputs):
+        report.extend(rewrite_graph(_predispatch(gm), None))
+        return gm.forward
+
+    torch.compile(model, backend=record)(*args, **kwargs)
+    return report
+
+
+def flash(gm: fx.GraphModule, example_inputs):
+    """The `flash` backend of torch.compile(model, backend="flash"): all op families, then
+    Inductor. Dynamo finds it through the `torch_dynamo_backends` entry point (pyproject)."""
+    return _default_backend()(gm, example_inputs)
+
+
+@functools.cache
+def _default_backend() -> Callable:
+    return backend()

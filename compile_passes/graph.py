@@ -1,0 +1,148 @@
+"""Graph helpers for the rewrites: normalisation and small queries on pre-dispatch ATen IR."""
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+A = torch.ops.aten
+
+CASTS = (A.to.dtype, A._to_copy.default, A.to.dtype_layout, A.type_as.default)
+
+
+def is_op(node: Any, *targets) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def val(node: Any):
+    """The FakeTensor (or SymInt) a node computes, None for non-nodes."""
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def dtype_of(node: Any) -> torch.dtype | None:
+    v = val(node)
+    return v.dtype if isinstance(v, torch.Tensor) else None
+
+
+def number(x: Any) -> float | None:
+    """A Python number argument (SymFloats from dynamic shapes are not constants)."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Number):
+        return None
+    return float(x)
+
+
+def split_const(node: fx.Node) -> tuple[fx.Node | None, float | None]:
+    """For a binary op with one tensor node and one Python number, (node, number)."""
+    a, b = node.args[0], node.args[1]
+    if isinstance(a, fx.Node) and number(b) is not None:
+        return a, number(b)
+    if isinstance(b, fx.Node) and number(a) is not None:
+        return b, number(a)
+    return None, None
+
+
+def cast_dtype(node: fx.Node) -> torch.dtype | None:
+    """The target dtype if node is a pure dtype cast, else None."""
+    if not is_op(node, *CASTS):
+        return None
+    return dtype_of(node)
+
+
+def strip_casts(node: Any) -> Any:
+    """Walk up through dtype casts to the value they convert."""
+    while isinstance(node, fx.Node) and cast_dtype(node) is not None:
+        node = node.args[0]
+    return node
+
+
+def only_user(node: fx.Node) -> fx.Node | None:
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def other_operand(node: fx.Node, known: fx.Node) -> Any:
+    a, b = node.args[0], node.args[1]
+    if a is known:
+        return b
+    if b is known:
+        return a
+    return None
+
+
+def last_dim(dims: Any, ndim: int) -> bool:
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    return len(dims) == 1 and dims[0] in (-1, ndim - 1)
+
+
+def location(node: fx.Node) -> str:
+    """Where the user wrote it: the last frame of the stack trace, or the module path."""
+    trace = node.meta.get("stack_trace")
+    if trace:
+        frames = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File ")]
+        if frames:
+            return frames[-1].replace("File ", "")
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        return list(stack.values())[-1][0]
+    return node.name
+
+
+def fake_call(op, *args, **kwargs):
+    """Run op on the FakeTensors of node arguments: the output metadata of a new node."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._pytree import tree_leaves, tree_map
+
+    def to_val(a):
+        return val(a) if isinstance(a, fx.Node) else a
+
+    fargs, fkwargs = tree_map(to_val, args), tree_map(to_val, kwargs)
+    # the values' own mode: under a Dynamo backend the ambient TracingContext holds another
+    mode = next(a.fake_mode for a in tree_leaves(fargs) if isinstance(a, FakeTensor))
+    with mode:
+        return op(*fargs, **fkwargs)
+
+
+def insert_call(graph: fx.Graph, before: fx.Node, op, args: tuple, kwargs: dict | None = None) -> fx.Node:
+    """Insert op(args) before a node, with its `val` meta filled in."""
+    kwargs = kwargs or {}
+    with graph.inserting_before(before):
+        node = graph.call_function(op, args, kwargs)
+    node.meta["val"] = fake_call(op, *args, **kwargs)
+    for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+        if key in before.meta:
+            node.meta[key] = before.meta[key]
+    return node
+
+
+def getitem(graph: fx.Graph, node: fx.Node, i: int) -> fx.Node:
+    import operator
+    with graph.inserting_after(node):
+        g = graph.call_function(operator.getitem, (node, i))
+    g.meta["val"] = val(node)[i]
+    return g
+
+
+def same_meta(a: Any, b: Any) -> bool:
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape))
+
+
+def normalize(gm: fx.GraphModule) -> None:
+    """Remove nodes that hide patterns without computing anything: aliases, `.to(dtype)` to
+    the dtype a tensor already has (aten.to returns its input then, so aliasing is
+    unchanged), metadata asserts that torch.export puts beside .to(), and eval-mode
+    dropout (the identity)."""
+    g = gm.graph
+    for n in list(g.nodes):
+        noop_to = (is_op(n, A.to.dtype) and len(n.args) == 2 and not n.kwargs
+                   and dtype_of(n.args[0]) == n.args[1])
+        if noop_to or is_op(n, A.alias.default):
+            n.replace_all_uses_with(n.args[0])
+            g.erase_node(n)
+        elif is_op(n, A._assert_tensor_metadata.default) and not n.users:
+            g.erase_node(n)
+        elif is_op(n, A.dropout.default) and (n.args[2] if len(n.args) > 2 else n.kwargs.get("train")) is False:
+            n.replace_all_uses_with(n.args[0])
+            g.erase_node(n)

@@ -1,0 +1,30 @@
+"""A normal (non-editable) install puts meta_kernels/ and compile_passes/ inside torch_flash.
+
+CI itself runs from an editable install; this checks the other kind in a throwaway venv that
+borrows the already installed torch (no download, no build isolation)."""
+import os
+import subprocess
+import sys
+import venv
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+def test_normal_install(tmp_path):
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(system_site_packages=True, with_pip=True).create(env_dir)
+    py = str(env_dir / "bin" / "python")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                    "-w", str(tmp_path / "dist"), ROOT], check=True, cwd=tmp_path)
+    wheel = next((tmp_path / "dist").glob("torch_flash-*.whl"))
+    subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True, cwd=tmp_path)
+    code = ("import torch, torch_flash, torch_flash.meta_kernels as m, torch_flash.compile_passes as c; "
+            "print(torch_flash.__file__, m.__file__, c.__file__); "
+            "assert hasattr(torch.ops.flash, 'rms_norm')")
+    out = subprocess.run([py, "-c", code], check=True, cwd=tmp_path, capture_output=True, text=True).stdout
+    site = str(env_dir)
+    assert all(p.startswith(site) for p in out.split()), out
+    assert sys.prefix != site

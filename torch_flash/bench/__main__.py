@@ -1,0 +1,43 @@
+"""python -m torch_flash.bench <suite> [--out DIR] [--quick]
+python -m torch_flash.bench plot <results.json> [...]   (PNG from saved JSON, e.g. on a CPU machine)
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+
+from ._common import write_json
+
+SUITES = ("attention", "norm", "cross_entropy", "linear_cross_entropy", "rotary", "decode")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m torch_flash.bench")
+    p.add_argument("suite", choices=SUITES + ("plot",))
+    p.add_argument("files", nargs="*", help="JSON files to plot (suite 'plot')")
+    p.add_argument("--out", default="docs/perf", help="folder for the JSON and PNG")
+    p.add_argument("--quick", action="store_true", help="a few small shapes (smoke run)")
+    args = p.parse_args(argv)
+    if args.suite == "plot":
+        for path in args.files:
+            with open(path) as f:
+                data = json.load(f)
+            mod = importlib.import_module(f"torch_flash.bench.{data['suite']}")
+            mod.plot(data, os.path.splitext(path)[0] + ".png")
+        return
+    mod = importlib.import_module(f"torch_flash.bench.{args.suite}")
+    rows = mod.run(args)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"{args.suite}.json")
+    write_json(path, args.suite, rows)
+    try:
+        with open(path) as f:
+            mod.plot(json.load(f), os.path.splitext(path)[0] + ".png")
+    except ImportError as e:  # no matplotlib on this machine: plot later with `bench plot`
+        print(f"no plot ({e}); run `python -m torch_flash.bench plot {path}` where matplotlib is installed")
+
+
+if __name__ == "__main__":
+    main()

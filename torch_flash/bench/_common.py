@@ -1,0 +1,85 @@
+"""Timing, environment and output helpers shared by the benchmark suites."""
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import sys
+from typing import Callable
+
+import torch
+
+
+def env_info() -> dict:
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+    }
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    try:
+        import liger_kernel  # noqa: F401
+        from importlib.metadata import version
+        info["liger_kernel"] = version("liger_kernel")
+    except Exception:
+        info["liger_kernel"] = None
+    return info
+
+
+def median_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float:
+    """Median time of fn in milliseconds (triton.testing.do_bench on GPU, wall clock on CPU)."""
+    if torch.cuda.is_available():
+        from triton.testing import do_bench
+        return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+    import statistics
+    import time
+    fn()
+    times = []
+    for _ in range(max(3, rep // 20)):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def try_time(name: str, fn: Callable[[], object], **kw) -> float | None:
+    """Time fn; a baseline that fails on this input (unsupported backend, OOM) gives None."""
+    try:
+        return median_ms(fn, **kw)
+    except Exception as e:  # the report says which baseline could not run and why
+        print(f"    {name}: not available ({type(e).__name__}: {str(e).splitlines()[0][:120]})",
+              file=sys.stderr)
+        return None
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def copy_bandwidth(nbytes: int, device: str = "cuda") -> float:
+    """Device-to-device copy in bytes/s, counting bytes read and written (the ceiling)."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() / (ms * 1e-3)
+
+
+def peak_memory(fn: Callable[[], object], device: str = "cuda") -> int:
+    """Peak bytes allocated by fn beyond what was allocated before it ran."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def write_json(path: str, suite: str, rows: list[dict], extra: dict | None = None) -> None:
+    with open(path, "w") as f:
+        json.dump({"suite": suite, "env": env_info(), **(extra or {}), "rows": rows}, f, indent=1)
+    print(f"wrote {path}")
