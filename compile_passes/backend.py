@@ -92,6 +92,11 @@ class _PreGradPass:
         except Exception as e:
             warnings.warn(f"torch_flash: rewrite skipped ({type(e).__name__}: {e})")
             return
+        # later stages read Dynamo's per-input bookkeeping off the placeholders
+        for old, new in zip(gm.graph.find_nodes(op="placeholder"), pgm.graph.find_nodes(op="placeholder")):
+            if hasattr(old, "_dynamo_source"):
+                new._dynamo_source = old._dynamo_source
+            new.meta = {**old.meta, **new.meta}
         gm.graph = pgm.graph
         gm.recompile()
 

@@ -1,1 +1,26 @@
-"""TODO: being written."""
+"""Fakes for flash.linear_cross_entropy and flash.linear_cross_entropy_backward."""
+import torch
+
+from torch_flash.ops.cross_entropy import LossOptions, check_grad_loss, loss_shape
+from torch_flash.ops.linear_cross_entropy import check_args
+from torch_flash.reference._common import compute_dtype
+
+
+@torch.library.register_fake("flash::linear_cross_entropy")
+def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100, label_smoothing=0.0,
+                         z_loss=0.0, softcap=0.0, reduction="mean", chunk_size=0):
+    check_args("linear_cross_entropy", hidden, weight, target, bias,
+               LossOptions(ignore_index, label_smoothing, z_loss, softcap), reduction, chunk_size)
+    return hidden.new_empty(loss_shape(target, reduction), dtype=compute_dtype(hidden.dtype))
+
+
+@torch.library.register_fake("flash::linear_cross_entropy_backward")
+def linear_cross_entropy_backward(grad_loss, hidden, weight, target, bias, *, ignore_index=-100,
+                                  label_smoothing=0.0, z_loss=0.0, softcap=0.0, reduction="mean",
+                                  chunk_size=0):
+    op = "linear_cross_entropy_backward"
+    check_args(op, hidden, weight, target, bias,
+               LossOptions(ignore_index, label_smoothing, z_loss, softcap), reduction, chunk_size)
+    check_grad_loss(op, grad_loss, target, reduction)
+    dbias = weight.new_empty(0) if bias is None else bias.new_empty(bias.shape)
+    return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape), dbias

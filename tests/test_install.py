@@ -3,6 +3,7 @@
 CI itself runs from an editable install; this checks the other kind in a throwaway venv that
 borrows the already installed torch (no download, no build isolation)."""
 import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -17,8 +18,12 @@ def test_normal_install(tmp_path):
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(system_site_packages=True, with_pip=True).create(env_dir)
     py = str(env_dir / "bin" / "python")
+    # build from a copy: an in-tree build leaves torch_flash.egg-info in the checkout, whose stale
+    # metadata (entry points) would shadow the installed package's for anything run from there
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                    "-w", str(tmp_path / "dist"), ROOT], check=True, cwd=tmp_path)
+                    "-w", str(tmp_path / "dist"), str(src)], check=True, cwd=tmp_path)
     wheel = next((tmp_path / "dist").glob("torch_flash-*.whl"))
     subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True, cwd=tmp_path)
     code = ("import torch, torch_flash, torch_flash.meta_kernels as m, torch_flash.compile_passes as c; "

@@ -16,7 +16,21 @@ if (_os.path.isfile(_os.path.join(_root, "meta_kernels", "__init__.py"))
 from . import ops  # noqa: E402  (registers the ops)
 from . import meta_kernels  # noqa: E402  (registers their fakes)
 from ._registry import OPS  # noqa: E402
+from .compile_passes.backend import COUNTERS as counters  # noqa: E402
+from .compile_passes.backend import backend, disable, enable, explain, rewrite  # noqa: E402
+from . import nn  # noqa: E402
+from .ops.attention import attention, attention_with_lse  # noqa: E402
+from .ops.attention_decode import attention_decode  # noqa: E402
+from .ops.attention_varlen import attention_varlen  # noqa: E402
+from .ops.cross_entropy import cross_entropy  # noqa: E402
+from .ops.layer_norm import add_layer_norm, layer_norm  # noqa: E402
+from .ops.linear_cross_entropy import linear_cross_entropy  # noqa: E402
 from .ops.rms_norm import add_rms_norm, rms_norm  # noqa: E402
+from .ops.rotary import rotary, rotary_cos_sin  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["OPS", "rms_norm", "add_rms_norm"]
+__all__ = [
+    "OPS", "backend", "enable", "disable", "rewrite", "explain", "counters",
+    "attention", "attention_with_lse", "attention_varlen", "attention_decode", "rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm",
+    "cross_entropy", "linear_cross_entropy", "rotary", "rotary_cos_sin", "nn",
+]

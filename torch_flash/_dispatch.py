@@ -55,12 +55,21 @@ def triton_can_run(device: torch.device) -> bool:
     return device.type == "cpu" and triton_interpret()
 
 
+# The path each op took on its latest call (`python -m torch_flash demo` reports it).
+LAST: dict[str, Backend] = {}
+
+
 def select(op: str, device: torch.device, *, triton: bool, cuda: bool = False) -> Backend:
     """Pick the backend for one call of `flash.<op>` on tensors of `device`.
 
     `triton` / `cuda` say whether that kernel exists and supports this particular call
     (shapes, dtypes, features); the op decides, the rules here stay the same for all ops.
     """
+    LAST[op] = backend = _select(op, device, triton=triton, cuda=cuda)
+    return backend
+
+
+def _select(op: str, device: torch.device, *, triton: bool, cuda: bool) -> Backend:
     forced = forced_backend()
     if forced == "reference":
         return "reference"

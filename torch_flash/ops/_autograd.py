@@ -53,9 +53,10 @@ def register_autograd_via(opdef: CustomOpDef, *, forward: Callable[..., tuple[An
         return _Function.apply(*values)
 
     with warnings.catch_warnings():
-        # custom_op installs a placeholder Autograd kernel that raises; this replaces it.
+        # custom_op installs an Autograd kernel that runs register_autograd's rule; this one
+        # replaces it (torch 2.11 refuses the override unless it is asked for explicitly)
         warnings.filterwarnings("ignore", message=r"(?s).*Overriding a previously registered kernel")
-        torch.library.impl(opdef._qualname, "Autograd")(autograd_kernel)
+        opdef._lib.impl(opdef._name, autograd_kernel, "Autograd", allow_override=True)
     REGISTERED[opdef._qualname.split("::")[1]] = autograd_kernel
 
 

@@ -56,7 +56,7 @@ def check_same_dtype(op: str, **tensors) -> None:
 
 def check_last_dim_contiguous(op: str, **tensors) -> None:
     for name, t in tensors.items():
-        if t is not None and t.dim() > 0 and t.shape[-1] > 1:
+        if t is not None and t.dim() > 0 and t.shape[-1] > 1 and t.numel() > 0:
             check(t.stride(-1) == 1, op,
                   f"{name} must have a contiguous last dimension (stride 1), got strides {t.stride()}")
 

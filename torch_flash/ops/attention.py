@@ -1,1 +1,210 @@
-"""TODO: being written."""
+"""flash.attention and flash.attention_with_lse: schemas, dispatch, autograd, public functions.
+
+Shapes (SDPA layout): q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv), Hq % Hkv == 0,
+any strides with a contiguous last dim; out (B, Hq, Sq, Dv) contiguous in q's dtype, lse
+(B, Hq, Sq) fp32 (fp64 for fp64 inputs). Semantics (causal bottom-right, window, softcap,
+bias, dropout mask) are spelled out in torch_flash/reference/attention.py.
+Both ops share one backward op, fed the lse that the forward computed: `attention`'s
+autograd runs `attention_with_lse` underneath so that it never recomputes it.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.library import triton_op
+
+from .. import _dispatch
+from ..reference import attention as ref
+from ..reference._common import compute_dtype
+from ._autograd import grad_or_empty, register_autograd_via
+from ._checks import (FLOAT_DTYPES, check, check_last_dim_contiguous, check_probability,
+                      check_same_device, check_same_dtype, check_tensor)
+
+
+def check_common(op: str, q, k, v, seq_dim: int, softcap, dropout_p, dropout_seed,
+                 window_left, window_right) -> None:
+    """Checks shared with flash.attention_varlen ((B, H, S, D) or (T, H, D) tensors, heads
+    at dim 1): q/k/v agree on dtype, device, head dims, heads and key length (dim
+    `seq_dim`), and the scalar arguments are in range."""
+    check_same_dtype(op, q=q, k=k, v=v)
+    check_same_device(op, q=q, k=k, v=v)
+    check(q.shape[-1] > 0 and v.shape[-1] > 0, op,
+          f"head dims must be > 0, got q {tuple(q.shape)} and v {tuple(v.shape)}")
+    check(k.shape[-1] == q.shape[-1], op, f"k has head dim {k.shape[-1]} but q has {q.shape[-1]}")
+    check(v.shape[seq_dim] == k.shape[seq_dim], op,
+          f"v has {v.shape[seq_dim]} keys but k has {k.shape[seq_dim]}")
+    hq, hkv = q.shape[1], k.shape[1]  # the head dim is 1 in both layouts
+    check(v.shape[1] == hkv, op, f"v has {v.shape[1]} heads but k has {hkv}")
+    check(hkv > 0 and hq % hkv == 0, op,
+          f"q has {hq} heads, which is not a multiple of the {hkv} heads of k and v")
+    check_last_dim_contiguous(op, q=q, k=k, v=v)
+    check(softcap >= 0, op, f"softcap must be >= 0, got {softcap}")
+    check_probability(op, "dropout_p", dropout_p)
+    for name, w in (("window_left", window_left), ("window_right", window_right)):
+        check(w >= -1, op, f"{name} must be >= -1 (-1 = unbounded), got {w}")
+    if dropout_seed is not None:
+        check_tensor(op, "dropout_seed", dropout_seed, dtypes=(torch.int64,))
+        check(dropout_seed.numel() == 1, op,
+              f"dropout_seed must hold one value, got shape {tuple(dropout_seed.shape)}")
+        check(dropout_seed.device.type == "cpu" or dropout_seed.device == q.device, op,
+              f"dropout_seed must be on the CPU or on {q.device}, got {dropout_seed.device}")
+    check(dropout_p == 0 or dropout_seed is not None, op,
+          "dropout_seed is required when dropout_p > 0 (the public function draws one)")
+
+
+def check_args(op: str, q, k, v, attn_bias, softcap, dropout_p, dropout_seed,
+               window_left, window_right) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(op, name, t, ndim=4)
+    check_common(op, q, k, v, 2, softcap, dropout_p, dropout_seed, window_left, window_right)
+    check(k.shape[0] == q.shape[0] and v.shape[0] == q.shape[0], op,
+          f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
+    if attn_bias is not None:
+        check_tensor(op, "attn_bias", attn_bias, dtypes=FLOAT_DTYPES + (torch.bool,))
+        check_same_device(op, q=q, attn_bias=attn_bias)
+        target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        shape = tuple(attn_bias.shape)
+        check(len(shape) <= 4 and all(s in (1, t) for s, t in zip(shape[::-1], target[::-1])), op,
+              f"attn_bias of shape {shape} does not broadcast to (B, Hq, Sq, Sk) = {target}")
+
+
+def out_shapes(q, v) -> tuple[tuple, tuple, torch.dtype]:
+    """(out shape, lse shape, lse dtype)."""
+    b, hq, sq, _ = q.shape
+    return (b, hq, sq, v.shape[-1]), (b, hq, sq), compute_dtype(q.dtype)
+
+
+def spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p,
+            dropout_seed) -> ref.Spec:
+    return ref.Spec(ref.resolve_scale(scale, q.shape[-1]), causal, window_left, window_right,
+                    softcap, dropout_p, dropout_seed if dropout_p > 0 else None)
+
+
+def _backend(op: str, q: Tensor) -> str:
+    # The Triton kernels are wired in later; select() still rejects a forced backend
+    # (TORCH_FLASH_BACKEND) that cannot serve the call instead of ignoring it.
+    return _dispatch.select(op, q.device, triton=False)
+
+
+def _forward(op: str, q, k, v, attn_bias, scale, causal, window_left, window_right, softcap,
+             dropout_p, dropout_seed) -> tuple[Tensor, Tensor]:
+    check_args(op, q, k, v, attn_bias, softcap, dropout_p, dropout_seed, window_left, window_right)
+    _backend(op, q)
+    spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
+    return ref.forward(q, k, v, attn_bias, spec)
+
+
+@triton_op("flash::attention", mutates_args=())
+def _attention(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor] = None,
+               dropout_seed: Optional[Tensor] = None, *, scale: Optional[float] = None,
+               causal: bool = False, window_left: int = -1, window_right: int = -1,
+               softcap: float = 0.0, dropout_p: float = 0.0) -> Tensor:
+    return _forward("attention", q, k, v, attn_bias, scale, causal, window_left, window_right,
+                    softcap, dropout_p, dropout_seed)[0]
+
+
+@triton_op("flash::attention_with_lse", mutates_args=())
+def _attention_with_lse(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor] = None,
+                        dropout_seed: Optional[Tensor] = None, *, scale: Optional[float] = None,
+                        causal: bool = False, window_left: int = -1, window_right: int = -1,
+                        softcap: float = 0.0, dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
+    return _forward("attention_with_lse", q, k, v, attn_bias, scale, causal, window_left,
+                    window_right, softcap, dropout_p, dropout_seed)
+
+
+@triton_op("flash::attention_backward", mutates_args=())
+def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor,
+                        v: Tensor, attn_bias: Optional[Tensor], out: Tensor, lse: Tensor,
+                        scale: float, causal: bool, window_left: int, window_right: int,
+                        softcap: float, dropout_p: float, dropout_seed: Optional[Tensor],
+                        bias_requires_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dbias); dbias has attn_bias's shape, or is empty unless bias_requires_grad."""
+    _backend("attention_backward", q)
+    spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
+    dq, dk, dv, dbias = ref.backward(grad_out, grad_lse, q, k, v, attn_bias, out, lse, spec,
+                                     bias_requires_grad)
+    return dq, dk, dv, grad_or_empty(dbias, q)
+
+
+_SCALARS = ("causal", "window_left", "window_right", "softcap", "dropout_p")
+
+
+def _save(ctx, args: dict, out: Tensor, lse: Tensor) -> None:
+    q = args["q"]
+    ctx.save_for_backward(q, args["k"], args["v"], args["attn_bias"], out, lse, args["dropout_seed"])
+    ctx.scale = ref.resolve_scale(args["scale"], q.shape[-1])
+    ctx.scalars = [args[n] for n in _SCALARS]
+    # not ctx.needs_input_grad: the dispatcher drops trailing default arguments (bias None)
+    ctx.bias_grad = args["attn_bias"] is not None and args["attn_bias"].requires_grad
+
+
+def _grads(ctx, grad_out: Tensor, grad_lse: Optional[Tensor]) -> tuple:
+    """Gradients of (q, k, v, attn_bias)."""
+    q, k, v, attn_bias, out, lse, dropout_seed = ctx.saved_tensors
+    dq, dk, dv, dbias = torch.ops.flash.attention_backward(
+        grad_out, grad_lse, q, k, v, attn_bias, out, lse, ctx.scale, *ctx.scalars,
+        dropout_seed, ctx.bias_grad)
+    return dq, dk, dv, dbias if ctx.bias_grad else None
+
+
+def _setup_with_lse(ctx, inputs, keyword_only_inputs, output):
+    q, k, v, attn_bias, dropout_seed = inputs
+    _save(ctx, dict(q=q, k=k, v=v, attn_bias=attn_bias, dropout_seed=dropout_seed,
+                    **keyword_only_inputs), *output)
+
+
+_attention_with_lse.register_autograd(
+    lambda ctx, grad_out, grad_lse: (*_grads(ctx, grad_out, grad_lse), None),
+    setup_context=_setup_with_lse)
+register_autograd_via(
+    _attention,
+    forward=lambda **inputs: torch.ops.flash.attention_with_lse(**inputs),
+    setup_context=lambda ctx, inputs, out, lse: _save(ctx, inputs, out, lse),
+    backward=lambda ctx, grad_out: dict(zip(("q", "k", "v", "attn_bias"), _grads(ctx, grad_out, None))),
+)
+
+
+def op_kwargs(op: str, scale, causal, window, softcap, dropout_p) -> dict:
+    """Keyword arguments of the ops from the public ones; draws the dropout seed."""
+    check(isinstance(window, (tuple, list)) and len(window) == 2, op,
+          f"window must be a pair (left, right), got {window!r}")
+    # torch.manual_seed makes the mask reproducible; backward regenerates it from the seed
+    seed = torch.randint(2**62, (), dtype=torch.int64) if dropout_p > 0 else None
+    return dict(scale=scale, causal=causal, window_left=window[0], window_right=window[1],
+                softcap=softcap, dropout_p=dropout_p, dropout_seed=seed)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor] = None, *,
+              scale: Optional[float] = None, causal: bool = False, window: tuple[int, int] = (-1, -1),
+              softcap: float = 0.0, dropout_p: float = 0.0) -> Tensor:
+    """Exact softmax attention, FlashAttention-style (no Sq x Sk matrix in memory).
+
+    q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv) with Hq % Hkv == 0 (GQA/MQA);
+    any strides with a contiguous last dim, e.g. a (B, S, H, D) tensor `.transpose(1, 2)`.
+    Returns out (B, Hq, Sq, Dv) in q's dtype.
+
+    scale defaults to D ** -0.5. attn_bias: float (added to the scores) or bool (True =
+    attend), broadcastable to (B, Hq, Sq, Sk); differentiable when float. causal and
+    window = (left, right) (-1 = unbounded) align the diagonal bottom-right when Sq != Sk
+    (query i sees key j iff i + Sk - Sq - left <= j <= i + Sk - Sq + right; causal sets
+    right = 0). softcap > 0 applies softcap * tanh(s / softcap) to the scaled scores
+    before bias and mask (Gemma 2). dropout_p drops attention probabilities with a seed
+    drawn from torch's default generator. A query that sees no key gets zeros.
+    """
+    return torch.ops.flash.attention(q, k, v, attn_bias,
+                                     **op_kwargs("attention", scale, causal, window, softcap, dropout_p))
+
+
+def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor] = None, *,
+                       scale: Optional[float] = None, causal: bool = False,
+                       window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                       dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
+    """`attention`, also returning lse (B, Hq, Sq): the log-sum-exp of each query's
+    scores over its visible keys, fp32 (fp64 for fp64 inputs), -inf where none is
+    visible. Differentiable in both outputs (merging partial attentions, ring attention).
+    """
+    return torch.ops.flash.attention_with_lse(q, k, v, attn_bias,
+                                              **op_kwargs("attention_with_lse", scale, causal, window,
+                                                         softcap, dropout_p))

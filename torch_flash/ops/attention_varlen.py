@@ -1,1 +1,151 @@
-"""TODO: being written."""
+"""flash.attention_varlen: attention over packed variable-length sequences.
+
+Shapes: q (Tq, Hq, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv), Hq % Hkv == 0; cu_seqlens_q/_k
+int32 or int64 (batch + 1,), starting at 0 and ending at Tq / Tk; out (Tq, Hq, Dv)
+contiguous in q's dtype, lse (Hq, Tq) fp32 (fp64 for fp64 inputs). max_seqlen_q/_k are
+upper bounds on the sequence lengths (kernels size their grids by them; no host sync).
+Per-sequence semantics and the dropout mask: torch_flash/reference/attention_varlen.py.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
+from torch.library import triton_op
+
+from .. import _dispatch
+from ..reference import attention_varlen as ref
+from ..reference._common import compute_dtype
+from ..reference.attention import resolve_scale
+from ._checks import INDEX_DTYPES, check, check_same_device, check_tensor
+from .attention import check_common, op_kwargs, spec_of
+
+
+def check_cu_seqlens(op: str, name: str, cu_seqlens) -> None:
+    check_tensor(op, name, cu_seqlens, ndim=1, dtypes=INDEX_DTYPES)
+    check(cu_seqlens.shape[0] >= 1, op, f"{name} must hold batch + 1 >= 1 offsets, got none")
+
+
+def check_args(op: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+               softcap, dropout_p, dropout_seed, window_left, window_right) -> None:
+    """Metadata checks (the fake runs them too); the offsets' values: check_offsets."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(op, name, t, ndim=3)
+    check_common(op, q, k, v, 0, softcap, dropout_p, dropout_seed, window_left, window_right)
+    check_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q)
+    check_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k)
+    check_same_device(op, q=q, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    check(cu_seqlens_q.shape[0] == cu_seqlens_k.shape[0], op,
+          f"cu_seqlens_q has {cu_seqlens_q.shape[0]} offsets but cu_seqlens_k has {cu_seqlens_k.shape[0]}")
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        check(m >= 0, op, f"{name} must be >= 0, got {m}")
+
+
+def check_offsets(op: str, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, total_q: int, total_k: int,
+                  max_seqlen_q: int, max_seqlen_k: int) -> None:
+    """Checks of the offsets' values (they read the data)."""
+    for x, cu, total, longest in (("q", cu_seqlens_q, total_q, max_seqlen_q),
+                                  ("k", cu_seqlens_k, total_k, max_seqlen_k)):
+        name = f"cu_seqlens_{x}"
+        c = cu.tolist()
+        lengths = [b - a for a, b in zip(c[:-1], c[1:])]
+        check(c[0] == 0 and c[-1] == total, op,
+              f"{name} must run from 0 to the {total} tokens, got {c[0]} .. {c[-1]}")
+        check(min(lengths, default=0) >= 0, op, f"{name} must be non-decreasing, got {c}")
+        most = max(lengths, default=0)
+        check(most <= longest, op,
+              f"{name} holds a sequence of {most} tokens, more than max_seqlen_{x}={longest}")
+
+
+def out_shapes(q, v) -> tuple[tuple, tuple, torch.dtype]:
+    """(out shape, lse shape, lse dtype)."""
+    return (q.shape[0], q.shape[1], v.shape[-1]), (q.shape[1], q.shape[0]), compute_dtype(q.dtype)
+
+
+def _backend(op: str, q: Tensor) -> str:
+    # The Triton kernels are wired in later; select() still rejects a forced backend
+    # (TORCH_FLASH_BACKEND) that cannot serve the call instead of ignoring it.
+    return _dispatch.select(op, q.device, triton=False)
+
+
+@triton_op("flash::attention_varlen", mutates_args=())
+def _attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                      max_seqlen_q: int, max_seqlen_k: int, dropout_seed: Optional[Tensor] = None,
+                      *, scale: Optional[float] = None, causal: bool = False,
+                      window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                      dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
+    op = "attention_varlen"
+    check_args(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softcap,
+               dropout_p, dropout_seed, window_left, window_right)
+    _backend(op, q)
+    # the offsets' values only where reading them costs nothing: CPU tensors with data
+    # (not on GPU: host sync; not the fake tensors of torch.compile tracing this body)
+    if cu_seqlens_q.device.type == "cpu" and not is_fake(cu_seqlens_q):
+        check_offsets(op, cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
+                      max_seqlen_k)
+    spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
+    return ref.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, spec)
+
+
+@triton_op("flash::attention_varlen_backward", mutates_args=())
+def _attention_varlen_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor,
+                               v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                               max_seqlen_q: int, max_seqlen_k: int, out: Tensor, lse: Tensor,
+                               scale: float, causal: bool, window_left: int, window_right: int,
+                               softcap: float, dropout_p: float,
+                               dropout_seed: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv)."""
+    _backend("attention_varlen_backward", q)
+    spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
+    return ref.backward(grad_out, grad_lse, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, spec)
+
+
+def _setup(ctx, inputs, keyword_only_inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_seed = inputs
+    kw = keyword_only_inputs
+    ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, *output, dropout_seed)
+    ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
+    ctx.scalars = (resolve_scale(kw["scale"], q.shape[-1]), kw["causal"], kw["window_left"],
+                   kw["window_right"], kw["softcap"], kw["dropout_p"])
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, dropout_seed = ctx.saved_tensors
+    dq, dk, dv = torch.ops.flash.attention_varlen_backward(
+        grad_out, grad_lse, q, k, v, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens, out, lse,
+        *ctx.scalars, dropout_seed)
+    return dq, dk, dv, None, None, None, None, None
+
+
+_attention_varlen.register_autograd(_backward, setup_context=_setup)
+
+
+def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                     max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None, *,
+                     scale: Optional[float] = None, causal: bool = False,
+                     window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                     dropout_p: float = 0.0, return_lse: bool = False):
+    """Attention within each of the packed sequences (FlashAttention's varlen API).
+
+    q (Tq, Hq, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv): the tokens of all sequences end to end;
+    cu_seqlens_q / cu_seqlens_k (batch + 1,) int32: cumulative sequence lengths from 0.
+    max_seqlen_q / max_seqlen_k: the longest sequence (an upper bound is fine); computed
+    from cu_seqlens when omitted, which costs a host synchronisation on GPU.
+    scale, causal, window, softcap, dropout_p as in `torch_flash.attention`, per sequence
+    (causal and window aligned bottom-right within each sequence).
+    Returns out (Tq, Hq, Dv), or (out, lse (Hq, Tq) fp32) with return_lse=True.
+    """
+    kwargs = op_kwargs("attention_varlen", scale, causal, window, softcap, dropout_p)
+    seed = kwargs.pop("dropout_seed")
+    lengths = []
+    for name, cu, given in (("cu_seqlens_q", cu_seqlens_q, max_seqlen_q),
+                            ("cu_seqlens_k", cu_seqlens_k, max_seqlen_k)):
+        if given is None:
+            check_cu_seqlens("attention_varlen", name, cu)
+            given = int(cu.diff().max()) if cu.shape[0] > 1 else 0
+        lengths.append(given)
+    out, lse = torch.ops.flash.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *lengths,
+                                                seed, **kwargs)
+    return (out, lse) if return_lse else out

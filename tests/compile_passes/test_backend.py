@@ -1,0 +1,159 @@
+"""The flash backend, enable()/disable(), rewrite() of exported programs, explain()."""
+import pytest
+import torch
+
+import torch_flash
+from models import GemmaRMSNorm, LlamaBlock, NanoGPTAttention, PlainRMSNorm, causal_additive_mask
+
+
+def _flash_nodes(gm):
+    return sorted(str(n.target) for n in gm.graph.nodes if str(n.target).startswith("flash."))
+
+
+def _train_step(model, fn, *args):
+    """One forward/backward of fn (model itself or its compiled form); model's gradients."""
+    model.zero_grad()
+    out = fn(*args)
+    out.float().square().mean().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _compiled_graphs(model, backend, *args):
+    """Compile with the flash backend but record the ATen graphs Inductor receives."""
+    graphs = []
+
+    def inner(gm, example_inputs):
+        graphs.append(gm)
+        from torch._inductor.compile_fx import compile_fx
+        return compile_fx(gm, example_inputs)
+
+    return torch.compile(model, backend=torch_flash.backend(inner=inner)), graphs
+
+
+@pytest.mark.parametrize("norm", [torch.nn.Identity, PlainRMSNorm, GemmaRMSNorm])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_train_llama_block(norm, attn):
+    torch.manual_seed(0)
+    model = LlamaBlock(norm=(lambda d: norm()) if norm is torch.nn.Identity else norm, attn=attn)
+    x, mask = torch.randn(2, 8, 32), causal_additive_mask(2, 8)
+    ref, ref_grads = _train_step(model, model, x, mask)
+    torch_flash.counters.clear()
+    compiled = torch.compile(model, backend="flash")
+    out, grads = _train_step(model, compiled, x, mask)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, atol=1e-5, rtol=1e-4, msg=name)
+    assert torch_flash.counters["flash.attention"] == 1
+    if norm is not torch.nn.Identity:
+        assert torch_flash.counters["flash.rms_norm"] == 1
+        assert torch_flash.counters["flash.add_rms_norm"] == 1
+
+
+def test_fused_backward_in_compiled_graph():
+    """The ops' own backward runs: Inductor's backward graph calls flash.*_backward."""
+    torch.manual_seed(0)
+    model = LlamaBlock()
+    x, mask = torch.randn(2, 8, 32), causal_additive_mask(2, 8)
+    seen = []
+
+    def inner(gm, example_inputs):
+        from torch._functorch.aot_autograd import aot_module_simplified
+
+        def record(g, _):
+            seen.append(g.code)
+            return g.forward
+        return aot_module_simplified(gm, example_inputs, fw_compiler=record, bw_compiler=record)
+
+    compiled = torch.compile(model, backend=torch_flash.backend(inner=inner))
+    # keep the ops whole in the AOT graphs (by default their bodies are inlined for Inductor)
+    with torch._functorch.config.patch(decompose_custom_triton_ops=False):
+        compiled(x, mask).sum().backward()
+    fw, bw = seen
+    assert "flash.attention" in fw
+    assert "flash.attention_backward" in bw
+    assert "flash.add_rms_norm_backward" in bw and "flash.rms_norm_backward" in bw
+
+
+def test_inference_mode_and_bf16():
+    torch.manual_seed(0)
+    model = LlamaBlock().to(torch.bfloat16).eval()
+    x, mask = torch.randn(2, 8, 32, dtype=torch.bfloat16), causal_additive_mask(2, 8, torch.bfloat16)
+    with torch.inference_mode():
+        ref = model(x, mask)
+        out = torch.compile(model, backend="flash")(x, mask)
+    torch.testing.assert_close(out, ref, atol=3e-2, rtol=3e-2)
+
+
+def test_dynamic_shapes():
+    torch.manual_seed(0)
+    model = LlamaBlock().eval()
+    compiled = torch.compile(model, backend="flash", dynamic=True)
+    torch_flash.counters.clear()
+    with torch.no_grad():
+        for b, s in ((2, 8), (3, 5)):
+            x, mask = torch.randn(b, s, 32), causal_additive_mask(b, s)
+            torch.testing.assert_close(compiled(x, mask), model(x, mask), atol=1e-5, rtol=1e-5)
+    assert torch_flash.counters["flash.attention"] >= 1
+
+
+def test_enable_disable():
+    torch.manual_seed(0)
+    model = LlamaBlock()
+    x, mask = torch.randn(2, 8, 32), causal_additive_mask(2, 8)
+    ref, ref_grads = _train_step(model, model, x, mask)
+    torch_flash.counters.clear()
+    torch_flash.enable()
+    try:
+        out, grads = _train_step(model, torch.compile(model), x, mask)
+    finally:
+        torch_flash.disable()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, atol=1e-5, rtol=1e-4, msg=name)
+    assert torch_flash.counters["flash.attention"] == 1
+    torch_flash.counters.clear()
+    torch._dynamo.reset()
+    torch.compile(model)(x, mask)
+    assert not torch_flash.counters
+
+
+def test_rewrite_exported_program(tmp_path):
+    torch.manual_seed(0)
+    model = NanoGPTAttention().eval()
+    x = torch.randn(2, 10, 32)
+    ep = torch_flash.rewrite(torch.export.export(model, (x,)))
+    assert _flash_nodes(ep.graph_module) == ["flash.attention.default"]
+    ep._validate()
+    torch.testing.assert_close(ep.module()(x), model(x), atol=1e-5, rtol=1e-5)
+    path = tmp_path / "m.pt2"
+    torch.export.save(ep, path)
+    loaded = torch.export.load(path)
+    torch.testing.assert_close(loaded.module()(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_rewrite_when_output_is_replaced(tmp_path):
+    norm = PlainRMSNorm(16)
+    x = torch.randn(3, 16)
+    ep = torch_flash.rewrite(torch.export.export(norm, (x,)))
+    assert _flash_nodes(ep.graph_module) == ["flash.rms_norm.default"]
+    torch.export.save(ep, tmp_path / "n.pt2")
+    torch.testing.assert_close(torch.export.load(tmp_path / "n.pt2").module()(x), norm(x))
+
+
+def test_explain_reports_sites_and_reasons():
+    torch.manual_seed(0)
+
+    class Odd(torch.nn.Module):
+        def forward(self, x, y):
+            s = torch.softmax(x @ y.transpose(-1, -2), dim=1)  # not over the keys
+            r = x * torch.rsqrt(x.pow(2).mean(0, keepdim=True) + 1e-6)  # not the last dim
+            return s, r
+
+    report = torch_flash.explain(Odd(), torch.randn(2, 2, 4, 8), torch.randn(2, 2, 4, 8))
+    assert len(report.sites) == 2 and not any(s.rewritten for s in report.sites)
+    text = str(report)
+    assert "softmax is not over the last dimension" in text
+    assert "not over the last dimension with keepdim=True" in text
+    assert "test_backend.py" in text  # the user's source line
+    ok = torch_flash.explain(LlamaBlock(), torch.randn(2, 8, 32), causal_additive_mask(2, 8))
+    assert sorted(s.op for s in ok.sites) == ["add_rms_norm", "attention", "rms_norm"]

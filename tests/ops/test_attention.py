@@ -1,0 +1,463 @@
+"""flash.attention / flash.attention_with_lse / flash.attention_backward: opcheck, gradcheck,
+numerics against float64 and SDPA, dropout, memory of the chunked CPU path, bad inputs."""
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import torch_flash  # noqa: F401  (registers the ops)
+from torch_flash.ops.attention import attention, attention_with_lse
+from torch_flash.reference import attention as ref
+from _utils import TOL, assert_rel_close, rel_err, run_opcheck, to64
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _qkv(b=2, hq=4, hkv=2, sq=5, sk=7, d=8, dv=None, dtype=torch.float32, rg=False, bshd=False):
+    """q, k, v; bshd=True gives (B, S, H, D) buffers viewed as (B, H, S, D)."""
+    def make(h, s, dd):
+        t = torch.randn(b, s, h, dd, dtype=dtype).transpose(1, 2) if bshd else \
+            torch.randn(b, h, s, dd, dtype=dtype)
+        return t.requires_grad_(rg)
+    return make(hq, sq, d), make(hkv, sk, d), make(hkv, sk, dv or d)
+
+
+def _seed(value=1234):
+    return torch.tensor(value, dtype=torch.int64)
+
+
+# (shape kwargs of _qkv, op kwargs, bias shape or None, bias dtype)
+CASES = [
+    (dict(), dict(), None, None),
+    (dict(sq=6, sk=6, hkv=4), dict(causal=True), None, None),
+    (dict(sq=3, sk=9), dict(causal=True), None, None),
+    (dict(sq=9, sk=3), dict(causal=True), None, None),
+    (dict(sq=1, sk=7, hkv=1), dict(causal=True), None, None),
+    (dict(dv=4), dict(window_left=2, window_right=1), None, None),
+    (dict(), dict(softcap=3.0, scale=0.5), None, None),
+    (dict(), dict(), (5, 7), "float"),
+    (dict(), dict(causal=True), (2, 1, 5, 7), "bool"),
+    (dict(hkv=1), dict(window_left=3, window_right=-1), (4, 1, 7), "float"),
+    (dict(bshd=True, sq=4, sk=4), dict(causal=True, softcap=2.0), (1, 4), "float"),
+]
+
+
+def _bias(shape, kind, dtype, rg=False):
+    if shape is None:
+        return None
+    if kind == "bool":
+        return torch.rand(shape) > 0.2
+    return torch.randn(shape, dtype=dtype).requires_grad_(rg)
+
+
+# (case index in CASES, dtype, requires_grad); together they cover every feature
+FWD_SAMPLES = [
+    (10, torch.float32, True), (0, torch.float32, True), (1, torch.bfloat16, False),
+    (2, torch.float16, True), (4, torch.float32, False), (5, torch.float32, True),
+    (6, torch.bfloat16, True), (8, torch.float16, False),
+]
+
+
+# every feature at once: transposed bf16 GQA inputs, D != Dv, bias, window, softcap, dropout
+_ALL = dict(b=2, hq=4, hkv=2, sq=5, sk=7, d=8, dv=4, dtype=torch.bfloat16, bshd=True)
+_ALL_KW = dict(causal=True, window_left=3, softcap=2.0, dropout_p=0.3)
+
+
+def _samples_fwd():
+    q, k, v = _qkv(**_ALL, rg=True)
+    yield (q, k, v, _bias((4, 1, 7), "float", torch.bfloat16, True), _seed()), _ALL_KW
+    for i, dtype, rg in FWD_SAMPLES:
+        shape, kw, bshape, bkind = CASES[i]
+        q, k, v = _qkv(**shape, dtype=dtype, rg=rg)
+        yield (q, k, v, _bias(bshape, bkind, dtype, rg)), kw
+
+
+def _samples_bwd():
+    q, k, v = _qkv(**_ALL)
+    bias = _bias((4, 1, 7), "float", torch.bfloat16)
+    out, lse = torch.ops.flash.attention_with_lse(q, k, v, bias, _seed(), **_ALL_KW)
+    yield (torch.randn_like(out), torch.randn_like(lse), q, k, v, bias, out, lse, 8 ** -0.5, True,
+           3, -1, 2.0, 0.3, _seed(), True), {}
+    for i, dtype, with_grad_lse in ((7, torch.float32, True), (2, torch.bfloat16, False),
+                                    (9, torch.float16, True), (10, torch.float32, False)):
+        shape, kw, bshape, bkind = CASES[i]
+        q, k, v = _qkv(**shape, dtype=dtype)
+        bias = _bias(bshape, bkind, dtype)
+        out, lse = torch.ops.flash.attention_with_lse(q, k, v, bias, **kw)
+        scalars = (kw.get("scale", q.shape[-1] ** -0.5), kw.get("causal", False),
+                   kw.get("window_left", -1), kw.get("window_right", -1), kw.get("softcap", 0.0))
+        grad_lse = torch.randn_like(lse) if with_grad_lse else None
+        yield (torch.randn_like(out), grad_lse, q, k, v, bias, out, lse, *scalars, 0.0, None,
+               bkind == "float"), {}
+
+
+OPCHECK_SAMPLES = {
+    "attention": _samples_fwd,
+    "attention_with_lse": _samples_fwd,
+    "attention_backward": _samples_bwd,
+}
+
+
+FULL_OPCHECKS = 1  # opcheck compiles each sample (aot_dispatch): in full only the first
+CHEAP_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor")
+
+
+@pytest.mark.parametrize("op", list(OPCHECK_SAMPLES))
+def test_opcheck(op):
+    overload = getattr(torch.ops.flash, op).default
+    for i, (args, kwargs) in enumerate(OPCHECK_SAMPLES[op]()):
+        if i < FULL_OPCHECKS:
+            run_opcheck(overload, args, kwargs)
+        else:
+            torch.library.opcheck(overload, args, kwargs, test_utils=CHEAP_UTILS)
+
+
+# ---------------------------------------------------------------------------- gradients
+
+GRAD_CASES = {
+    "plain": (dict(), dict(), None),
+    "causal_bottom_right": (dict(sq=3, sk=5), dict(causal=True), None),
+    "causal_square": (dict(sq=4, sk=4), dict(causal=True), None),
+    "window": (dict(sq=5, sk=5), dict(window_left=1, window_right=1), None),
+    "softcap": (dict(), dict(softcap=1.5), None),
+    "bias_full": (dict(), dict(), (1, 2, 3, 5)),
+    "bias_broadcast": (dict(), dict(causal=True), (3, 5)),
+    "bias_heads": (dict(), dict(softcap=2.0), (2, 1, 1)),
+    "gqa_dv": (dict(hq=4, hkv=1, dv=3), dict(window_left=2, window_right=0), None),
+    "dropout": (dict(), dict(dropout_p=0.3), None),
+}
+
+
+@pytest.mark.parametrize("case", list(GRAD_CASES))
+def test_gradcheck(case):
+    shape, kw, bshape = GRAD_CASES[case]
+    dims = dict(b=1, hq=2, hkv=1, sq=3, sk=5, d=4) | shape
+    q, k, v = _qkv(**dims, dtype=torch.float64, rg=True)
+    inputs = [q, k, v] + ([torch.randn(bshape, dtype=torch.float64, requires_grad=True)] if bshape else [])
+    seed = _seed() if kw.get("dropout_p") else None
+
+    def fn(q, k, v, bias=None):
+        out, lse = torch.ops.flash.attention_with_lse(q, k, v, bias, seed, **kw)
+        # every row sees a key in these cases, so lse is finite and differentiable
+        return out, lse, torch.ops.flash.attention(q, k, v, bias, seed, **kw)
+
+    assert torch.autograd.gradcheck(fn, inputs)
+
+
+def test_gradcheck_bool_bias():
+    q, k, v = _qkv(b=1, hq=2, hkv=1, sq=3, sk=5, d=4, dtype=torch.float64, rg=True)
+    bias = torch.rand(3, 5) > 0.3
+    bias[:, 0] = True
+    assert torch.autograd.gradcheck(lambda q, k, v: attention(q, k, v, bias), (q, k, v))
+
+
+# ---------------------------------------------------------------------------- numerics
+
+def _public_kw(kw):
+    """op keyword arguments -> the public function's."""
+    kw = dict(kw)
+    window = (kw.pop("window_left", -1), kw.pop("window_right", -1))
+    return kw | ({"window": window} if window != (-1, -1) else {})
+
+
+def _leaves(ts, dtype=None):
+    return [t.detach().to(dtype or t.dtype).requires_grad_() for t in ts]
+
+
+def _check_against_fp64(shape, kw, bshape, bkind, dtype):
+    """out, lse and all gradients of both ops against the fp64 formula."""
+    q, k, v = _qkv(**shape, dtype=dtype)
+    bias = _bias(bshape, bkind, dtype)
+    pkw, grad_bias = _public_kw(kw), bkind == "float"
+    inputs = (q, k, v, bias) if grad_bias else (q, k, v)
+    names = ("dq", "dk", "dv", "dbias")
+
+    def call(fn, ts):
+        return fn(*ts[:3], ts[3] if grad_bias else bias, **pkw)
+
+    mine, exact = _leaves(inputs), _leaves(inputs, torch.float64)
+    out, lse = call(attention_with_lse, mine)
+    o64, lse64 = call(ref.attention_with_lse, exact)
+    assert out.dtype == dtype and out.is_contiguous() and lse.dtype == torch.float32
+    assert_rel_close(out, o64, TOL[dtype])
+    finite = torch.isfinite(lse64)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert_rel_close(lse[finite], lse64[finite], TOL[torch.float32] * 10, what="lse")
+    assert not out[~finite].any(), "rows without a visible key must be 0"
+    g, gl = torch.randn_like(out), torch.randn_like(lse).masked_fill(~finite, 0)
+    torch.autograd.backward((out, lse), (g, gl))
+    torch.autograd.backward((o64, lse64), (g.double(), gl.double()))
+    for a, b, name in zip(mine, exact, names):
+        assert_rel_close(a.grad, b.grad, 3 * TOL[dtype], what=name)
+    # flash.attention: same output, its own autograd path (no grad_lse)
+    mine, exact = _leaves(inputs), _leaves(inputs, torch.float64)
+    out2 = call(attention, mine)
+    assert torch.equal(out2, out)
+    out2.backward(g)
+    call(ref.attention, exact).backward(g.double())
+    for a, b, name in zip(mine, exact, names):
+        assert_rel_close(a.grad, b.grad, 3 * TOL[dtype], what=name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_numerics_vs_fp64(case, dtype):
+    _check_against_fp64(*CASES[case], dtype)
+
+
+CHUNK_CASES = [
+    (dict(sq=11, sk=7), dict(causal=True), (2, 1, 11, 7), "float"),
+    (dict(sq=11, sk=7, hkv=1), dict(window_left=2, window_right=1, softcap=2.0), (4, 1, 7), "float"),
+    (dict(sq=11, sk=11), dict(), (11, 11), "bool"),
+    (dict(sq=13, sk=5, dv=3), dict(causal=True), None, None),
+    (dict(sq=11, sk=7), dict(window_left=0, window_right=0), (1, 4, 11, 1), "float"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CHUNK_CASES)))
+def test_numerics_many_chunks(case, monkeypatch):
+    """The chunked path in chunks of a few rows: row offsets of masks, bias and dbias."""
+    monkeypatch.setattr(ref, "CHUNK_ELEMENTS", 200)
+    _check_against_fp64(*CHUNK_CASES[case], torch.float32)
+
+
+def _sdpa_mask(sq, sk, kw):
+    spec = ref.Spec(1.0, kw.get("causal", False), *kw.get("window", (-1, -1)))
+    return ref.visible(ref.dense_positions(sq, sk, "cpu"), 0, sq, spec)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kw,sq,sk", [
+    (dict(), 64, 96),
+    (dict(causal=True), 80, 80),
+    (dict(causal=True), 48, 112),
+    (dict(window=(16, 8)), 96, 96),
+    (dict(scale=0.3), 33, 65),
+])
+def test_vs_sdpa(kw, sq, sk, dtype):
+    """Same as SDPA (with an explicit bottom-right mask), and in bf16 no further from fp64."""
+    q, k, v = _qkv(b=2, hq=4, hkv=2, sq=sq, sk=sk, d=32, dtype=dtype, bshd=True)
+    mask = _sdpa_mask(sq, sk, kw)
+    sdpa_kw = dict(scale=kw.get("scale"), enable_gqa=True)
+    theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **sdpa_kw)
+    exact = F.scaled_dot_product_attention(*to64(q, k, v), attn_mask=mask, **sdpa_kw)
+    ours = attention(q, k, v, **kw)
+    if kw.get("causal") and sq != sk:
+        from torch.nn.attention.bias import causal_lower_right
+        lower_right = F.scaled_dot_product_attention(
+            *to64(q, k, v), attn_mask=causal_lower_right(sq, sk), **sdpa_kw)
+        torch.testing.assert_close(lower_right, exact)
+    err, their_err = rel_err(ours, exact), rel_err(theirs, exact)
+    assert err <= TOL[dtype]
+    assert err <= 1.1 * their_err + 1e-6, f"ours {err:.3e} vs SDPA {their_err:.3e}"
+
+
+def test_bias_float_and_bool_vs_sdpa():
+    q, k, v = _qkv(sq=6, sk=9, d=16)
+    fbias = torch.randn(2, 1, 6, 9)
+    bbias = torch.rand(6, 9) > 0.3
+    bbias[:, 0] = True
+    for bias in (fbias, bbias):
+        theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
+        torch.testing.assert_close(attention(q, k, v, bias), theirs)
+
+
+def test_softcap_formula():
+    q, k, v = _qkv(dtype=torch.float64)
+    s = (q @ k.repeat_interleave(2, 1).transpose(-1, -2)) * 0.4
+    s = 5.0 * torch.tanh(s / 5.0)
+    expected = torch.softmax(s, -1) @ v.repeat_interleave(2, 1)
+    torch.testing.assert_close(attention(q, k, v, scale=0.4, softcap=5.0), expected)
+
+
+def test_rows_without_keys():
+    """causal with Sq > Sk: the first Sq - Sk queries see nothing -> out 0, lse -inf, no NaN."""
+    q, k, v = _qkv(sq=6, sk=2, rg=True)
+    out, lse = attention_with_lse(q, k, v, causal=True)
+    assert torch.isinf(lse[:, :, :4]).all() and (lse[:, :, :4] < 0).all()
+    assert not out[:, :, :4].any() and torch.isfinite(lse[:, :, 4:]).all()
+    (out.sum() + lse[:, :, 4:].sum()).backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+# ---------------------------------------------------------------------------- dropout
+
+def test_dropout_reproducible():
+    q, k, v = _qkv(sq=16, sk=16, rg=True)
+
+    def run():
+        out = attention(q, k, v, dropout_p=0.4)
+        return (out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
+
+    torch.manual_seed(7)
+    first = run()
+    torch.manual_seed(7)
+    second = run()
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    third = run()
+    assert not torch.equal(first[0], third[0])
+    assert not torch.equal(first[0], attention(q, k, v))
+
+
+@pytest.mark.parametrize("chunk", [ref.CHUNK_ELEMENTS, 100])
+def test_dropout_matches_reference_and_keep_fraction(chunk, monkeypatch):
+    monkeypatch.setattr(ref, "CHUNK_ELEMENTS", chunk)
+    q, k, v = _qkv(sq=9, dtype=torch.float64)
+    out = torch.ops.flash.attention(q, k, v, None, _seed(99), dropout_p=0.3, causal=True)
+    expected = ref.attention(q, k, v, causal=True, dropout_p=0.3, dropout_seed=99)
+    torch.testing.assert_close(out, expected)
+    for p in (0.1, 0.5):
+        keep = ref.dropout_keep(ref.Spec(1.0, dropout_p=p, seed=5), ref.dense_positions(64, 256, "cpu"),
+                                2, 4, 0, 64)
+        assert abs(keep.float().mean().item() - (1 - p)) < 0.01
+
+
+_TRITON_PHILOX_CHECK = """
+import torch, triton, triton.language as tl
+from torch_flash.reference.attention import philox_uniform
+
+@triton.jit
+def kernel(seed_ptr, c0_ptr, c1_ptr, c2_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    c0 = tl.load(c0_ptr + i, mask=i < n).to(tl.uint32)
+    c1 = tl.load(c1_ptr + i, mask=i < n).to(tl.uint32)
+    c2 = tl.load(c2_ptr + i, mask=i < n).to(tl.uint32)
+    r, _, _, _ = tl.philox(tl.load(seed_ptr), c0, c1, c2, c0 * 0)
+    tl.store(out_ptr + i, tl.uint_to_uniform_float(r), mask=i < n)
+
+n = 600
+c = [torch.cat([torch.arange(100), torch.randint(0, 2**31, (n - 100,))]).int() for _ in range(3)]
+for seed in (0, -3, 2**62 + 11):
+    out = torch.empty(n)
+    seed_t = torch.tensor([seed], dtype=torch.int64)
+    kernel[(triton.cdiv(n, 128),)](seed_t, *c, out, n, BLOCK=128)
+    assert torch.equal(out, philox_uniform(seed_t, *(t.long() for t in c))), seed
+"""
+
+
+def test_dropout_mask_is_triton_philox():
+    """The mask's uniforms are Triton's philox, so a Triton kernel reproduces it bit for bit
+    (in a subprocess: the interpreter must be on before triton is imported)."""
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    subprocess.run([sys.executable, "-c", _TRITON_PHILOX_CHECK], env=env, check=True, timeout=300)
+
+
+# ---------------------------------------------------------------------------- memory
+
+class _LargestTensor(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+def test_long_sequence_no_square_buffer():
+    """Sq = Sk = 4096 through the chunked path (window and softcap): no tensor of the
+    reference's forward or backward comes near Sq * Sk elements."""
+    s = 4096
+    q, k, v = _qkv(b=1, hq=1, hkv=1, sq=s, sk=s, d=16)
+    spec = ref.Spec(0.25, causal=True, window_left=512, softcap=10.0)
+    with _LargestTensor() as mode:
+        out, lse = ref.forward(q, k, v, None, spec)
+        ref.backward(torch.randn_like(out), None, q, k, v, None, out, lse, spec, False)
+    assert mode.numel <= ref.CHUNK_ELEMENTS and mode.numel < s * s // 2
+    # spot check the last rows against the formula on the keys they can see
+    tail = slice(s - 8, s)
+    expected = ref.attention(q[:, :, tail], k[:, :, -600:], v[:, :, -600:], scale=0.25, causal=True,
+                             window=(512, -1), softcap=10.0)
+    torch.testing.assert_close(out[:, :, tail], expected)
+
+
+# ---------------------------------------------------------------------------- edge cases
+
+@pytest.mark.parametrize("b,sq,sk", [(0, 5, 7), (2, 0, 7), (2, 5, 0), (2, 0, 0)])
+def test_empty(b, sq, sk):
+    q, k, v = _qkv(b=b, sq=sq, sk=sk, rg=True)
+    bias = torch.randn(5 if sq else 0, 7 if sk else 0).requires_grad_() if sq and sk else None
+    out, lse = attention_with_lse(q, k, v, bias, causal=True)
+    assert out.shape == (b, 4, sq, 8) and lse.shape == (b, 4, sq)
+    assert not out.any() if sk == 0 else True
+    if sk == 0 and b * sq:
+        assert (lse == -math.inf).all()
+    out.sum().backward()
+    for t in (q, k, v):
+        assert t.grad.shape == t.shape and not t.grad.any()
+
+
+def test_inputs_untouched_and_contiguous_out():
+    q, k, v = _qkv(bshd=True, dv=4)
+    bias = torch.randn(5, 7)
+    copies = [t.clone() for t in (q, k, v, bias)]
+    out, lse = attention_with_lse(q, k, v, bias, softcap=1.0)
+    attention(q, k, v, dropout_p=0.2)
+    assert out.is_contiguous() and lse.is_contiguous()
+    for a, b in zip((q, k, v, bias), copies):
+        assert torch.equal(a, b)
+
+
+def test_forced_backend(monkeypatch):
+    q, k, v = _qkv()
+    monkeypatch.setenv("TORCH_FLASH_BACKEND", "reference")
+    attention(q, k, v)
+    monkeypatch.setenv("TORCH_FLASH_BACKEND", "triton")
+    with pytest.raises(RuntimeError, match="flash.attention: TORCH_FLASH_BACKEND=triton"):
+        attention(q, k, v)
+
+
+def _bad(**over):
+    q, k, v = _qkv()
+    args = dict(q=q, k=k, v=v, attn_bias=None) | over
+    kw = {n: args.pop(n) for n in list(args) if n not in ("q", "k", "v", "attn_bias")}
+    return lambda: attention(args["q"], args["k"], args["v"], args["attn_bias"], **kw)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (_bad(q=torch.randn(4, 5, 8)), "q must have 4 dimensions"),
+    (_bad(k=torch.randn(2, 2, 7, 6)), "k has head dim 6 but q has 8"),
+    (_bad(v=torch.randn(2, 2, 6, 8)), "v has 6 keys but k has 7"),
+    (_bad(v=torch.randn(2, 1, 7, 8)), "v has 1 heads but k has 2"),
+    (_bad(k=torch.randn(2, 3, 7, 8), v=torch.randn(2, 3, 7, 8)), "not a multiple of the 3 heads"),
+    (_bad(k=torch.randn(3, 2, 7, 8), v=torch.randn(3, 2, 7, 8)), "batch sizes differ"),
+    (_bad(v=torch.randn(2, 2, 7, 8, dtype=torch.float64)), "dtype mismatch"),
+    (_bad(q=torch.randint(0, 3, (2, 4, 5, 8))), "q has dtype torch.int64"),
+    (_bad(q=torch.randn(2, 4, 8, 5).transpose(-1, -2)), "q must have a contiguous last dimension"),
+    (_bad(attn_bias=torch.randn(3, 7)), r"attn_bias of shape \(3, 7\) does not broadcast"),
+    (_bad(attn_bias=torch.randn(1, 2, 4, 5, 7)), "does not broadcast"),
+    (_bad(attn_bias=torch.ones(5, 7, dtype=torch.int32)), "attn_bias has dtype torch.int32"),
+    (_bad(dropout_p=1.0), r"dropout_p must be in \[0, 1\)"),
+    (_bad(dropout_p=-0.1), "dropout_p must be in"),
+    (_bad(softcap=-1.0), "softcap must be >= 0"),
+    (_bad(window=(-2, 0)), "window_left must be >= -1"),
+    (_bad(window=(0, -5)), "window_right must be >= -1"),
+    (_bad(window=3), "window must be a pair"),
+    (_bad(q=torch.randn(2, 4, 5, 0), k=torch.randn(2, 2, 7, 0)), "head dims must be > 0"),
+    (lambda: torch.ops.flash.attention(*_qkv(), dropout_p=0.5), "dropout_seed is required"),
+    (lambda: torch.ops.flash.attention(*_qkv(), None, torch.tensor([1.0])), "dropout_seed has dtype"),
+    (lambda: torch.ops.flash.attention(*_qkv(), None, torch.tensor([1, 2])), "dropout_seed must hold one"),
+])
+def test_bad_inputs(bad, match):
+    with pytest.raises(ValueError, match=f"flash.attention: .*{match}"):
+        bad()
+
+
+def test_bad_inputs_fail_at_trace_time():
+    q, k, v = _qkv()
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fq, fk = mode.from_tensor(q), mode.from_tensor(torch.randn(2, 2, 7, 6))
+        with pytest.raises(ValueError, match="flash.attention_with_lse: k has head dim 6"):
+            torch.ops.flash.attention_with_lse(fq, fk, mode.from_tensor(v))

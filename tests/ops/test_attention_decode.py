@@ -1,0 +1,290 @@
+"""flash.attention_decode: against a naive per-sequence loop, contiguous vs paged caches,
+the in-place append, opcheck, bad inputs."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_flash  # noqa: F401  (registers the ops)
+from torch_flash.ops.attention_decode import attention_decode
+from torch_flash.ops.rotary import rotary_cos_sin
+from _utils import TOL, assert_rel_close, rel_err, run_opcheck
+
+S_MAX, BLOCK = 16, 4
+
+
+def rope_complex(x, cos, sin, pos, interleaved):
+    """RoPE as a complex product (Meta's LLaMA code) in float64, on x (..., S, D) at positions
+    pos (S,): pairs (x[2i], x[2i+1]) if interleaved, else (x[i], x[i + rd/2])."""
+    rd = 2 * cos.shape[-1]
+    xr = x[..., :rd].double()
+    pairs = xr.unflatten(-1, (-1, 2)) if interleaved else xr.unflatten(-1, (2, -1)).transpose(-1, -2)
+    z = torch.view_as_complex(pairs.contiguous()) * torch.complex(cos[pos].double(), sin[pos].double())
+    rotated = torch.view_as_real(z) if interleaved else torch.view_as_real(z).transpose(-1, -2)
+    return torch.cat((rotated.flatten(-2).to(x.dtype), x[..., rd:]), -1)
+
+
+def naive(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *, scale=None, causal=True,
+          window_left=-1, window_right=-1, softcap=0.0, rotary_cos=None, rotary_sin=None,
+          rotary_interleaved=False):
+    """One query and one sequence at a time, in float64, on contiguous caches.
+    Returns (out, lse, k_cache after the append, v_cache after the append)."""
+    kc, vc = k_cache.clone(), v_cache.clone()
+    B, Hq, Sq, D = q.shape
+    group = Hq // kc.shape[1]
+    scale = D ** -0.5 if scale is None else scale
+    out = torch.zeros(B, Hq, Sq, vc.shape[-1], dtype=torch.float64)
+    lse = torch.full((B, Hq, Sq), -math.inf, dtype=torch.float64)
+    for b in range(B):
+        n, qb = int(cache_seqlens[b]), q[b]
+        if k_new is not None:
+            kn, m = k_new[b], k_new.shape[2]
+            if rotary_cos is not None:
+                qb, kn = (rope_complex(t, rotary_cos, rotary_sin, torch.arange(t.shape[1]) + n,
+                                       rotary_interleaved) for t in (qb, kn))
+            kc[b, :, n:n + m], vc[b, :, n:n + m] = kn, v_new[b]
+            n += m
+        for h in range(Hq):
+            for i in range(Sq):
+                pos = n - Sq + i
+                keys = [j for j in range(n) if (not causal or j <= pos)
+                        and (window_left < 0 or j >= pos - window_left)
+                        and (window_right < 0 or j <= pos + window_right)]
+                if not keys:
+                    continue
+                s = kc[b, h // group, keys].double() @ qb[h, i].double() * scale
+                if softcap > 0:
+                    s = softcap * torch.tanh(s / softcap)
+                lse[b, h, i] = torch.logsumexp(s, 0)
+                out[b, h, i] = torch.softmax(s, 0) @ vc[b, h // group, keys].double()
+    return out, lse, kc, vc
+
+
+def to_paged(k_cache, v_cache, block_size=BLOCK, spare=3):
+    """Scatter contiguous (B, H, S_max, D) caches over shuffled pools of blocks with spare
+    blocks; returns (k_pool, v_pool, block_table)."""
+    B, H, S, _ = k_cache.shape
+    nb = S // block_size
+    phys = torch.randperm(B * nb + spare)[:B * nb]
+    pools = []
+    for cache in (k_cache, v_cache):
+        pool = torch.randn(B * nb + spare, H, block_size, cache.shape[-1], dtype=cache.dtype)
+        pool[phys] = cache.reshape(B, H, nb, block_size, -1).transpose(1, 2).reshape(B * nb, H, block_size, -1)
+        pools.append(pool)
+    return pools[0], pools[1], phys.view(B, nb).int()
+
+
+def from_paged(pool, block_table):
+    B, nb = block_table.shape
+    blocks = pool[block_table.long()]  # (B, nb, H, block_size, D)
+    return blocks.transpose(1, 2).reshape(B, pool.shape[1], nb * pool.shape[2], pool.shape[3])
+
+
+def make(B=3, Hq=2, Hkv=2, Sq=1, Snew=1, D=16, Dv=None, dtype=torch.float32, rotary_dim=0,
+         flash_layout=False, **flags):
+    """Inputs of one call: (args, kwargs). cache_seqlens leave every query a visible key."""
+    Dv = Dv or D
+
+    def t(*shape):  # (B, H, S, D), or the .transpose(1, 2) view of (B, S, H, D)
+        if flash_layout:
+            return torch.randn(shape[0], shape[2], shape[1], shape[3], dtype=dtype).transpose(1, 2)
+        return torch.randn(shape, dtype=dtype)
+
+    q, kc, vc = t(B, Hq, Sq, D), t(B, Hkv, S_MAX, D), t(B, Hkv, S_MAX, Dv)
+    low = max(Sq - Snew, 0)
+    cache_seqlens = torch.randint(low, S_MAX - Snew + 1, (B,), dtype=torch.int32)
+    cache_seqlens[0] = low
+    kn, vn = (t(B, Hkv, Snew, D), t(B, Hkv, Snew, Dv)) if Snew else (None, None)
+    if rotary_dim:
+        flags["rotary_cos"], flags["rotary_sin"] = rotary_cos_sin(S_MAX + Sq, rotary_dim)
+    return (q, kc, vc, cache_seqlens, kn, vn), flags
+
+
+CONFIGS = {
+    "decode": {},
+    "gqa": dict(Hq=4, Hkv=2),
+    "mqa_sq3": dict(Hq=4, Hkv=1, Sq=3, Snew=3),
+    "no_append": dict(Sq=2, Snew=0),
+    "window": dict(Sq=2, Snew=2, window_left=3),
+    "window_noncausal": dict(Sq=3, Snew=1, causal=False, window_left=2, window_right=1),
+    "noncausal": dict(Sq=2, Snew=2, causal=False),
+    "softcap": dict(Hq=4, softcap=2.0, scale=0.7),
+    "rotary_neox_partial": dict(Hq=4, Sq=2, Snew=2, rotary_dim=8),
+    "rotary_gptj": dict(Sq=1, Snew=1, rotary_dim=16, rotary_interleaved=True),
+    "dv": dict(Hq=4, D=16, Dv=8, Sq=2, Snew=2),
+}
+
+
+def _clone(args):
+    return tuple(None if a is None else a.clone() for a in args)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_matches_naive_contiguous_and_paged(name):
+    args, kwargs = make(**CONFIGS[name])
+    q, kc, vc, cache_seqlens, kn, vn = args
+    want_out, want_lse, want_kc, want_vc = naive(*args, **kwargs)
+    exact_cache = "rotary_cos" not in kwargs  # rotation rounding may differ by an ulp
+
+    k1, v1 = kc.clone(), vc.clone()
+    out, lse = attention_decode(q, k1, v1, cache_seqlens, kn, vn, **kwargs)
+    assert out.shape == want_out.shape and out.is_contiguous() and lse.dtype == torch.float32
+    assert_rel_close(out, want_out, TOL[torch.float32], what="out")
+    assert_rel_close(lse, want_lse, TOL[torch.float32], what="lse")
+    for got, want in ((k1, want_kc), (v1, want_vc)):
+        if exact_cache:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want)
+
+    kp, vp, table = to_paged(kc, vc)
+    spare = torch.ones(kp.shape[0], dtype=torch.bool)
+    spare[table.long().flatten()] = False
+    kp_spare, vp_spare = kp[spare].clone(), vp[spare].clone()
+    out_p, lse_p = attention_decode(q, kp, vp, cache_seqlens, kn, vn, table, **kwargs)
+    torch.testing.assert_close(out_p, out, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lse_p, lse, rtol=1e-6, atol=1e-6)
+    assert torch.equal(from_paged(kp, table), k1) and torch.equal(from_paged(vp, table), v1)
+    assert torch.equal(kp[spare], kp_spare) and torch.equal(vp[spare], vp_spare)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision(dtype):
+    """Within tolerance of fp64 and no worse than SDPA in the same dtype (over the appended cache)."""
+    args, kwargs = make(B=2, Hq=4, Hkv=2, Sq=2, Snew=2, D=32, dtype=dtype)
+    q, kc, vc, cache_seqlens, kn, vn = args
+    want_out, want_lse, want_kc, want_vc = naive(*args, **kwargs)
+    out, lse = attention_decode(*_clone(args), **kwargs)
+    err = assert_rel_close(out, want_out, TOL[dtype])
+    assert_rel_close(lse, want_lse, TOL[torch.float32])
+    lengths = cache_seqlens.long() + 2
+    key, query = torch.arange(S_MAX), lengths[:, None] - 2 + torch.arange(2)
+    mask = (key < lengths[:, None, None]) & (key <= query[:, :, None])
+    theirs = F.scaled_dot_product_attention(q, want_kc.repeat_interleave(2, 1), want_vc.repeat_interleave(2, 1),
+                                            attn_mask=mask[:, None])
+    assert err <= 1.5 * rel_err(theirs, want_out) + 1e-4
+
+
+def test_flash_layout_caches():
+    """(B, S, H, D) tensors passed as .transpose(1, 2) views: same answer, appended in place."""
+    args, kwargs = make(Hq=4, Sq=2, Snew=2, rotary_dim=8, flash_layout=True)
+    q, kc, vc, cache_seqlens, kn, vn = args
+    contiguous = tuple(a.contiguous() for a in (q, kc, vc)) + (cache_seqlens, kn.contiguous(), vn.contiguous())
+    out, lse = attention_decode(*contiguous, **kwargs)
+    storage = kc.transpose(1, 2)  # the (B, S, H, D) tensor the user holds
+    out_f, lse_f = attention_decode(q, kc, vc, cache_seqlens, kn, vn, **kwargs)
+    torch.testing.assert_close(out_f, out)
+    torch.testing.assert_close(lse_f, lse)
+    torch.testing.assert_close(storage.transpose(1, 2), contiguous[1])
+
+
+def test_queries_without_keys():
+    """Empty cache, and queries before the first key (Sq > L, causal): out 0, lse -inf."""
+    q = torch.randn(2, 2, 3, 8)
+    kc, vc = torch.randn(2, 2, 8, 8), torch.randn(2, 2, 8, 8)
+    cache_seqlens = torch.tensor([0, 2], dtype=torch.int32)
+    out, lse = attention_decode(q, kc, vc, cache_seqlens)
+    want_out, want_lse, _, _ = naive(q, kc, vc, cache_seqlens)
+    assert not out.isnan().any()
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.equal(out[1, :, 0], torch.zeros_like(out[1, :, 0]))
+    assert torch.equal(lse.isinf(), want_lse.isinf()) and (lse[lse.isinf()] < 0).all()
+    assert_rel_close(out, want_out, TOL[torch.float32])
+
+
+def test_compile_appends():
+    """A traced call (functionalised, as torch.compile runs it) appends and attends the same."""
+    args, kwargs = make(Hq=4, Sq=1, Snew=1, rotary_dim=16)
+    eager_args, compiled_args = _clone(args), _clone(args)
+    want = attention_decode(*eager_args, **kwargs)
+    step = torch.compile(lambda *a: attention_decode(*a, **kwargs), backend="aot_eager", fullgraph=True)
+    got = step(*compiled_args)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(compiled_args[1], eager_args[1])
+    torch.testing.assert_close(compiled_args[2], eager_args[2])
+
+
+def _samples_decode():
+    for name, dtype in (("decode", torch.float32), ("mqa_sq3", torch.bfloat16), ("no_append", torch.float16),
+                        ("window_noncausal", torch.float32), ("softcap", torch.bfloat16),
+                        ("rotary_gptj", torch.float32), ("dv", torch.float16)):
+        (q, kc, vc, cs, kn, vn), kw = make(dtype=dtype, flash_layout=dtype == torch.float16, **CONFIGS[name])
+        cos, sin = kw.pop("rotary_cos", None), kw.pop("rotary_sin", None)
+        yield (q, kc, vc, cs, kn, vn, None, cos, sin), kw
+    (q, kc, vc, cs, kn, vn), kw = make(Hq=4, Sq=2, Snew=2, rotary_dim=8)
+    kp, vp, table = to_paged(kc, vc)
+    yield (q, kp, vp, cs, kn, vn, table, *rotary_cos_sin(S_MAX + 2, 8)), {"window_left": 4}
+
+
+OPCHECK_SAMPLES = {"attention_decode": _samples_decode}
+
+
+def test_opcheck():
+    for args, kwargs in _samples_decode():
+        run_opcheck(torch.ops.flash.attention_decode.default, args, kwargs)
+
+
+def _bad_cases():
+    q, kc, vc = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 8, 16), torch.randn(2, 2, 8, 16)
+    cs, kn, vn = torch.tensor([3, 5], dtype=torch.int32), torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16)
+    cos, sin = rotary_cos_sin(8, 16)
+    pool, table = torch.randn(5, 2, 4, 16), torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    return [
+        (lambda: attention_decode(q, kc[..., :8], vc, cs), "k_cache has head dim 8 but q has 16"),
+        (lambda: attention_decode(q[:, :3], kc, vc, cs), "q has 3 heads, not a multiple of the 2 kv heads"),
+        (lambda: attention_decode(q, kc, vc[:, :, :4], cs), "v_cache shape .* does not match k_cache"),
+        (lambda: attention_decode(q, kc, vc, cs[:1]), "cache_seqlens has 1 entries, expected batch size 2"),
+        (lambda: attention_decode(q, kc, vc, cs.float()), "cache_seqlens has dtype"),
+        (lambda: attention_decode(q, kc[:1], vc[:1], cs), "k_cache has batch 1 but q has 2"),
+        (lambda: attention_decode(q, kc, vc, cs, kn), "k_new and v_new must be given together"),
+        (lambda: attention_decode(q, kc, vc, cs, kn[:, :, :, :8], vn), "k_new has shape"),
+        (lambda: attention_decode(q, kc, vc, cs, kn, vn[:1]), "v_new has shape"),
+        (lambda: attention_decode(q, kc, vc, cs, torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)),
+         "k_new has 9 tokens, more than the cache holds \\(8\\)"),
+        (lambda: attention_decode(q, kc, vc, torch.tensor([3, 8], dtype=torch.int32), kn, vn),
+         "exceeds the cache capacity 8"),
+        (lambda: attention_decode(q, kc, vc, torch.tensor([3, -1], dtype=torch.int32)), "cache_seqlens must be >= 0"),
+        (lambda: attention_decode(q, pool, pool, cs, block_table=table[:, :1]), "exceeds the cache capacity 4"),
+        (lambda: attention_decode(q, pool, pool, cs, block_table=table + 2), "block_table entries in use"),
+        (lambda: attention_decode(q, pool, pool, cs, block_table=table.float()), "block_table has dtype"),
+        (lambda: attention_decode(q, pool, pool, cs, block_table=table[:1]), "block_table has 1 rows"),
+        (lambda: attention_decode(q.half(), kc, vc, cs), "dtype mismatch"),
+        (lambda: attention_decode(torch.randn(2, 4, 1, 32)[..., ::2], kc, vc, cs),
+         "q must have a contiguous last dimension"),
+        (lambda: attention_decode(q, kc, vc, cs, window_left=-2), "window_left/window_right must be >= -1"),
+        (lambda: attention_decode(q, kc, vc, cs, softcap=-1.0), "softcap must be >= 0"),
+        (lambda: attention_decode(q, kc, vc, cs, rotary_cos=cos, rotary_sin=sin), "need k_new"),
+        (lambda: attention_decode(q, kc, vc, cs, kn, vn, rotary_cos=cos), "must be given together"),
+        (lambda: attention_decode(q, kc, vc, cs, kn, vn, rotary_cos=cos[:, :8].repeat(1, 2), rotary_sin=sin[:, :8].repeat(1, 2)),
+         "rotary_dim 32 .* exceeds the head dim 16"),
+        (lambda: attention_decode(q, kc, vc, cs, kn, vn, rotary_cos=cos[:5], rotary_sin=sin[:5]),
+         "5 positions, but a token sits at position 5"),
+        (lambda: attention_decode(q[0], kc, vc, cs), "q must have 4 dimensions"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_cases())))
+def test_bad_inputs(case):
+    bad, match = _bad_cases()[case]
+    with pytest.raises(ValueError, match=f"flash.attention_decode: .*{match}"):
+        bad()
+
+
+def test_inputs_other_than_caches_untouched():
+    args, kwargs = make(Hq=4, Sq=2, Snew=2, rotary_dim=8)
+    kp, vp, table = to_paged(args[1], args[2])
+    q, _, _, cs, kn, vn = args
+    others = (q, cs, kn, vn, table, kwargs["rotary_cos"], kwargs["rotary_sin"])
+    copies = [t.clone() for t in others]
+    attention_decode(q, kp, vp, cs, kn, vn, table, **kwargs)
+    for a, b in zip(others, copies):
+        assert torch.equal(a, b)
+
+
+def test_inference_only():
+    """Runs forward with inputs that require grad; a backward through it is refused."""
+    args, kwargs = make()
+    q = args[0].clone().requires_grad_()
+    out, _ = attention_decode(q, *args[1:], **kwargs)
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        out.sum().backward()

@@ -1,0 +1,216 @@
+"""flash.layer_norm / flash.add_layer_norm: opcheck, gradcheck, numerics, bad inputs."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_flash  # noqa: F401  (registers the ops)
+from torch_flash.ops.layer_norm import add_layer_norm, layer_norm
+from _utils import TOL, assert_rel_close, rel_err, run_opcheck, to64
+
+SHAPES = [(2, 8, 64), (1, 3, 16), (5, 32), (7, 1, 96)]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _x(shape, dtype, rg=False, noncontig=False):
+    if noncontig:  # a strided view over a wider buffer
+        base = torch.randn(*shape[:-1], shape[-1] * 2, dtype=dtype)
+        x = base[..., ::2]
+    else:
+        x = torch.randn(shape, dtype=dtype)
+    return x.requires_grad_(rg)
+
+
+def _p(n, dtype, rg=False):
+    return torch.randn(n, dtype=dtype, requires_grad=rg)
+
+
+def _samples_ln():
+    for shape in SHAPES:
+        for dtype in DTYPES:
+            for rg in (False, True):
+                for nc in (False, True):
+                    n = shape[-1]
+                    yield (_x(shape, dtype, rg, nc), _p(n, dtype, rg), _p(n, dtype, rg), 1e-5), {}
+    yield (_x((3, 16), torch.float32, True), None, None, 1e-6), {}
+    yield (_x((3, 16), torch.float32, True), _p(16, torch.float32, True), None, 1e-6), {"weight_offset": 1.0}
+    yield (_x((3, 16), torch.bfloat16, True), None, _p(16, torch.float32, True), 1e-6), {}
+    yield (_x((3, 16), torch.float32, True).t(), _p(3, torch.float32, True), _p(3, torch.float32), 1e-5), {}
+
+
+def _samples_ln_bwd():
+    for shape in SHAPES[:2]:
+        for dtype in DTYPES:
+            x, n = _x(shape, dtype), shape[-1]
+            yield (torch.randn_like(x), x, _p(n, dtype), _p(n, dtype), 1e-5, 0.0), {}
+    x = _x((4, 32), torch.float32)
+    yield (torch.randn_like(x), x, None, None, 1e-5, 0.0), {}
+    yield (torch.randn_like(x), x, _p(32, torch.float32), None, 1e-5, 1.0), {}
+    yield (torch.randn_like(x), x, None, _p(32, torch.float32), 1e-5, 0.0), {}
+
+
+def _samples_add():
+    for shape in SHAPES[:3]:
+        for dtype in DTYPES:
+            for rg in (False, True):
+                n = shape[-1]
+                yield ((_x(shape, dtype, rg), _x(shape, dtype, rg, noncontig=True), _p(n, dtype, rg),
+                        _p(n, dtype, rg), 1e-5), {"residual_in_fp32": rg})
+    yield (_x((3, 16), torch.float32, True), _x((3, 16), torch.float32, True), None, None, 1e-5), {}
+
+
+def _samples_add_bwd():
+    for dtype in DTYPES:
+        s = _x((3, 5, 32), torch.float32)
+        yield ((torch.randn_like(s, dtype=dtype), torch.randn_like(s), s, _p(32, dtype), _p(32, dtype),
+                1e-5, 0.0), {})
+    yield (torch.randn(4, 16), None, _x((4, 16), torch.float32), None, None, 1e-5, 1.0), {}
+    yield (torch.randn(4, 16), None, _x((4, 16), torch.float32), _p(16, torch.float32), None, 1e-5, 0.0), {}
+
+
+OPCHECK_SAMPLES = {
+    "layer_norm": _samples_ln,
+    "layer_norm_backward": _samples_ln_bwd,
+    "add_layer_norm": _samples_add,
+    "add_layer_norm_backward": _samples_add_bwd,
+}
+
+
+@pytest.mark.parametrize("op", list(OPCHECK_SAMPLES))
+def test_opcheck(op):
+    for args, kwargs in OPCHECK_SAMPLES[op]():
+        run_opcheck(getattr(torch.ops.flash, op).default, args, kwargs)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_gradcheck(offset):
+    x, w, b, r = (torch.randn(s, dtype=torch.float64, requires_grad=True)
+                  for s in ((2, 3, 8), (8,), (8,), (2, 3, 8)))
+    assert torch.autograd.gradcheck(lambda a, c, d: layer_norm(a, c, d, 1e-5, weight_offset=offset),
+                                    (x, w, b))
+    assert torch.autograd.gradcheck(lambda a: layer_norm(a, None, None, 1e-5), (x,))
+    assert torch.autograd.gradcheck(lambda a, c: layer_norm(a, c, None, 1e-5, weight_offset=offset), (x, w))
+    assert torch.autograd.gradcheck(lambda a, d: layer_norm(a, None, d, 1e-5), (x, b))
+    assert torch.autograd.gradcheck(
+        lambda a, c, d, e: add_layer_norm(a, e, c, d, 1e-5, weight_offset=offset), (x, w, b, r))
+
+
+def _mean_var_ln(x, w, b, eps):
+    """LayerNorm spelled out with mean and biased variance."""
+    mu = x.mean(-1, keepdim=True)
+    var = ((x - mu) ** 2).mean(-1, keepdim=True)
+    return (x - mu) / torch.sqrt(var + eps) * w + b
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_f_layer_norm(dtype):
+    """Same values and dtype as F.layer_norm, within tolerance of a float64 mean/var
+    LayerNorm, and no further from it than PyTorch's own path."""
+    x = torch.randn(4, 7, 256, dtype=dtype) * 3 + 1
+    w, b = _p(256, dtype), _p(256, dtype)
+    out, theirs = layer_norm(x, w, b, 1e-5), F.layer_norm(x, (256,), w, b, 1e-5)
+    exact = _mean_var_ln(*to64(x, w, b), 1e-5)
+    assert out.dtype == theirs.dtype == dtype
+    torch.testing.assert_close(out, theirs)
+    err = assert_rel_close(out, exact, TOL[dtype])
+    assert err <= 1.01 * rel_err(theirs, exact) + 1e-7
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grads_match_f_layer_norm(dtype):
+    x, w, b = torch.randn(3, 5, 128, dtype=dtype), _p(128, dtype), _p(128, dtype)
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    leaves64 = [t.double().requires_grad_() for t in (x, w, b)]
+    y = layer_norm(*leaves, 1e-5, weight_offset=0.5)
+    y64 = _mean_var_ln(leaves64[0], leaves64[1] + 0.5, leaves64[2], 1e-5)
+    gy = torch.randn_like(y)
+    y.backward(gy)
+    y64.backward(gy.double())
+    for a, e, name in zip(leaves, leaves64, ("dx", "dweight", "dbias")):
+        assert a.grad.dtype == dtype
+        assert_rel_close(a.grad, e.grad, 2 * TOL[dtype], what=name)
+
+
+def test_mixed_param_dtype():
+    """Half x with fp32 parameters: y stays in x's dtype, as F.layer_norm."""
+    x, w, b = torch.randn(4, 64, dtype=torch.bfloat16), _p(64, torch.float32), _p(64, torch.float32)
+    out = layer_norm(x, w, b)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, F.layer_norm(x, (64,), w, b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_layer_norm_numerics_and_grads(dtype):
+    x, r = torch.randn(3, 9, 128, dtype=dtype), torch.randn(3, 9, 128, dtype=dtype)
+    w, b = _p(128, dtype), _p(128, dtype)
+    leaves = [t.clone().requires_grad_() for t in (x, r, w, b)]
+    y, s = add_layer_norm(leaves[0], leaves[1], leaves[2], leaves[3], 1e-5)
+    leaves64 = [t.double().requires_grad_() for t in (x, r, w, b)]
+    s64 = leaves64[0] + leaves64[1]
+    y64 = _mean_var_ln(s64, leaves64[2], leaves64[3], 1e-5)
+    assert y.dtype == s.dtype == dtype
+    assert_rel_close(s, s64, TOL[dtype])
+    assert_rel_close(y, y64, TOL[dtype])
+    gy, gs = torch.randn_like(y), torch.randn_like(s)
+    torch.autograd.backward((y, s), (gy, gs))
+    torch.autograd.backward((y64, s64), (gy.double(), gs.double()))
+    for a, e, name in zip(leaves, leaves64, ("dx", "dresidual", "dweight", "dbias")):
+        assert_rel_close(a.grad, e.grad, 2 * TOL[dtype], what=name)
+
+
+def test_residual_in_fp32():
+    x, r = torch.randn(2, 64, dtype=torch.bfloat16), torch.randn(2, 64, dtype=torch.float32)
+    w = _p(64, torch.bfloat16)
+    y, s = add_layer_norm(x, r, w, None, residual_in_fp32=True)
+    assert s.dtype == torch.float32 and y.dtype == torch.bfloat16
+    torch.testing.assert_close(s, x.float() + r)
+    torch.testing.assert_close(y, F.layer_norm(s, (64,), w.float()).bfloat16())
+
+
+def test_large_hidden():
+    x, w, b = torch.randn(2, 70000) + 5, _p(70000, torch.float32), _p(70000, torch.float32)
+    assert_rel_close(layer_norm(x, w, b), _mean_var_ln(*to64(x, w, b), 1e-5), TOL[torch.float32])
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda: layer_norm(torch.randn(4, 8), torch.randn(7)), "weight has 7 elements"),
+    (lambda: layer_norm(torch.randn(4, 8), None, torch.randn(9)), "bias has 9 elements"),
+    (lambda: layer_norm(torch.randn(4, 8), None, torch.randn(1, 8)), "bias must have 1 dimensions"),
+    (lambda: layer_norm(torch.randn(4, 8), None, torch.randint(0, 3, (8,))), "bias has dtype"),
+    (lambda: layer_norm(torch.randn(4, 0)), "non-empty last dimension"),
+    (lambda: layer_norm(torch.randint(0, 3, (4, 8))), "x has dtype"),
+    (lambda: layer_norm(torch.randn(4, 8), torch.randn(2, 8)), "weight must have 1 dimensions"),
+    (lambda: add_layer_norm(torch.randn(4, 8), torch.randn(4, 9)), "residual shape"),
+    (lambda: layer_norm(torch.randn(4, 8), None, None, -1.0), "eps must be >= 0"),
+])
+def test_bad_inputs(bad, match):
+    with pytest.raises(ValueError, match=f"flash.(add_)?layer_norm: .*{match}"):
+        bad()
+
+
+def test_empty_batch():
+    x = torch.randn(0, 5, 32, requires_grad=True)
+    w, b = torch.ones(32, requires_grad=True), torch.zeros(32, requires_grad=True)
+    y = layer_norm(x, w, b)
+    assert y.shape == x.shape
+    y.sum().backward()
+    assert x.grad.shape == x.shape and w.grad.shape == w.shape and b.grad.shape == b.shape
+
+
+def test_inputs_untouched():
+    x, r, w, b = torch.randn(3, 32), torch.randn(3, 32), torch.randn(32), torch.randn(32)
+    copies = [t.clone() for t in (x, r, w, b)]
+    add_layer_norm(x, r, w, b)
+    layer_norm(x, w, b)
+    for a, e in zip((x, r, w, b), copies):
+        assert torch.equal(a, e)
+
+
+def test_compile_fullgraph():
+    """The op traces (fake + autograd) under torch.compile and gives the eager result."""
+    x, w, b = torch.randn(4, 32, requires_grad=True), _p(32, torch.float32), _p(32, torch.float32)
+    fn = torch.compile(lambda a: layer_norm(a, w, b).sum(), backend="aot_eager", fullgraph=True)
+    fn(x).backward()
+    g = x.grad.clone()
+    x.grad = None
+    layer_norm(x, w, b).sum().backward()
+    torch.testing.assert_close(g, x.grad)

@@ -1,0 +1,194 @@
+"""flash.linear_cross_entropy: opcheck, gradcheck, equality with cross_entropy(hidden @ W.T + b),
+chunking (the full logits never exist), bad inputs, empty batch, inputs untouched."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_flash  # noqa: F401  (registers the ops)
+from torch_flash.ops.cross_entropy import cross_entropy
+from torch_flash.ops.linear_cross_entropy import linear_cross_entropy
+from torch_flash.reference import cross_entropy as ce_ref
+from torch_flash.reference import linear_cross_entropy as ref
+from _utils import TOL, assert_rel_close, rel_err, run_opcheck
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+REDUCTIONS = ["mean", "sum", "none"]
+OPTIONS = [{}, {"label_smoothing": 0.1}, {"z_loss": 1e-2}, {"softcap": 3.0},
+           {"label_smoothing": 0.2, "z_loss": 1e-3, "softcap": 5.0, "ignore_index": 0}]
+
+
+def _inputs(batch, hidden_size, n_classes, dtype=torch.float32, bias=True, rg=(False, False, False),
+            noncontig=False, ignore_index=-100, target_dtype=torch.int64):
+    """(hidden, weight, target, bias); about a quarter of the targets are ignore_index."""
+    if noncontig:  # hidden as a strided view over a wider buffer
+        h = torch.randn(*batch, hidden_size * 2).to(dtype)[..., ::2]
+    else:
+        h = torch.randn(*batch, hidden_size).to(dtype)
+    w = (torch.randn(n_classes, hidden_size) / hidden_size**0.5 * 3).to(dtype)
+    b = torch.randn(n_classes).to(dtype) if bias else None
+    t = torch.randint(0, n_classes, batch, dtype=target_dtype)
+    ignored = torch.rand(batch) < 0.25
+    ignored.view(-1)[:1] = False
+    t = t.masked_fill(ignored, ignore_index)
+    for tensor, flag in zip((h, w, b), rg):
+        if tensor is not None:
+            tensor.requires_grad_(flag)
+    return h, w, t, b
+
+
+def _samples_fwd():
+    cases = [((6,), 8, 13), ((2, 3), 16, 7), ((2, 2, 3), 4, 33), ((5,), 12, 64)] * 2
+    rgs = [(True, True, True), (False, False, False), (True, False, False), (False, True, True)]
+    for i, (batch, hidden_size, n_classes) in enumerate(cases):
+        opts = OPTIONS[i % len(OPTIONS)]
+        h, w, t, b = _inputs(batch, hidden_size, n_classes, DTYPES[i % 3], bias=i % 2 == 0, rg=rgs[i % 4],
+                             noncontig=i % 3 == 0, ignore_index=opts.get("ignore_index", -100),
+                             target_dtype=torch.int32 if i % 5 == 1 else torch.int64)
+        yield (h, w, t, b), {**opts, "reduction": REDUCTIONS[i // 3], "chunk_size": (0, 2, 5, 1)[i % 4]}
+
+
+def _samples_bwd():
+    for i, (reduction, dtype, opts) in enumerate(zip(REDUCTIONS * 2, DTYPES * 2, OPTIONS)):
+        batch = (2, 3) if i % 2 else (5,)
+        h, w, t, b = _inputs(batch, 8, 11, dtype, bias=i % 2 == 0, noncontig=i == 1,
+                             ignore_index=opts.get("ignore_index", -100))
+        grad = torch.randn(batch if reduction == "none" else ())
+        yield (grad, h, w, t, b), {**opts, "reduction": reduction, "chunk_size": i % 3}
+
+
+OPCHECK_SAMPLES = {
+    "linear_cross_entropy": _samples_fwd,
+    "linear_cross_entropy_backward": _samples_bwd,
+}
+
+
+@pytest.mark.parametrize("op", list(OPCHECK_SAMPLES))
+def test_opcheck(op):
+    for args, kwargs in OPCHECK_SAMPLES[op]():
+        run_opcheck(getattr(torch.ops.flash, op).default, args, kwargs)
+
+
+@pytest.mark.parametrize("opts", OPTIONS, ids=str)
+def test_gradcheck(opts):
+    h, w, t, b = _inputs((2, 3), 4, 7, torch.float64, rg=(True, True, True),
+                         ignore_index=opts.get("ignore_index", -100))
+    for reduction, chunk_size in zip(REDUCTIONS, (0, 2, 4)):
+        assert torch.autograd.gradcheck(
+            lambda *a: linear_cross_entropy(*a[:2], t, a[2], reduction=reduction, chunk_size=chunk_size,
+                                            **opts), (h, w, b))
+    assert torch.autograd.gradcheck(lambda *a: linear_cross_entropy(*a, t, **opts), (h, w))
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64])
+@pytest.mark.parametrize("opts", OPTIONS, ids=str)
+def test_equals_cross_entropy_of_logits(dtype, opts):
+    """Same loss and gradients as the unfused flash.cross_entropy(hidden @ W.T + b)."""
+    h, w, t, b = _inputs((3, 5), 32, 19, dtype, ignore_index=opts.get("ignore_index", -100))
+    fused = [x.clone().requires_grad_() for x in (h, w, b)]
+    plain = [x.clone().requires_grad_() for x in (h, w, b)]
+    out = linear_cross_entropy(fused[0], fused[1], t, fused[2], reduction="none", chunk_size=4, **opts)
+    expect = cross_entropy(F.linear(*plain), t, reduction="none", **opts)
+    assert out.dtype == expect.dtype
+    torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
+    grad = torch.rand_like(out)
+    out.backward(grad)
+    expect.backward(grad)
+    for a, e, name in zip(fused, plain, ("dhidden", "dweight", "dbias")):
+        assert a.grad.dtype == dtype
+        assert_rel_close(a.grad, e.grad, TOL[dtype], what=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_no_worse_than_torch(dtype):
+    h, w, t, b = _inputs((64,), 64, 500, dtype)
+    exact_in = [x.double().requires_grad_() for x in (h, w, b)]
+    exact = F.cross_entropy(F.linear(*exact_in), t, reduction="none")
+    exact.sum().backward()
+    errs = {}
+    for name, fn in (("flash", lambda *a: linear_cross_entropy(*a[:2], t, a[2], reduction="none")),
+                     ("torch", lambda *a: F.cross_entropy(F.linear(*a), t, reduction="none"))):
+        leaves = [x.clone().requires_grad_() for x in (h, w, b)]
+        out = fn(*leaves)
+        out.sum().backward()
+        errs[name] = [rel_err(out, exact)] + [rel_err(x.grad, e.grad) for x, e in zip(leaves, exact_in)]
+    assert all(f <= 1.05 * p for f, p in zip(errs["flash"], errs["torch"])), errs
+    assert max(errs["flash"]) <= TOL[dtype], errs
+
+
+def test_full_logits_never_exist(monkeypatch):
+    """Full fp32 logits would take 16 MB; with a 1 MB budget every chunk's logits fit in it."""
+    n_rows, n_classes = 256, 16384
+    budget = 2**20
+    monkeypatch.setattr(ce_ref, "CHUNK_BYTES", budget)
+    seen = []
+
+    def recording(*args, fn=ref.chunk_logits):
+        logits = fn(*args)
+        seen.append(tuple(logits.shape))
+        return logits
+
+    monkeypatch.setattr(ref, "chunk_logits", recording)
+    h, w, t, b = _inputs((n_rows,), 8, n_classes, rg=(True, True, True))
+    out = linear_cross_entropy(h, w, t, b)
+    out.backward()
+    rows = budget // (n_classes * 4)
+    assert len(seen) == 2 * n_rows // rows  # every chunk once forward, once backward
+    assert all(s == (rows, n_classes) for s in seen)
+    monkeypatch.undo()
+    expect_in = [x.detach().clone().requires_grad_() for x in (h, w, b)]
+    expect = cross_entropy(F.linear(*expect_in), t)
+    expect.backward()
+    torch.testing.assert_close(out, expect)
+    for a, e in zip((h, w, b), expect_in):
+        assert_rel_close(a.grad, e.grad)
+
+
+def test_auto_chunk_size():
+    """chunk_size=0 keeps a chunk's fp32 logits within the budget, down to one row."""
+    for n_classes in (50257, 262144, ce_ref.CHUNK_BYTES // 4 + 1):
+        for dtype in DTYPES:
+            rows = ce_ref.rows_per_chunk(n_classes, dtype)
+            assert rows == max(1, ce_ref.CHUNK_BYTES // (n_classes * 4))
+            assert rows == 1 or rows * n_classes * 4 <= ce_ref.CHUNK_BYTES
+
+
+def _bad(h=None, w=None, t=None, b=None, **kw):
+    h = torch.randn(4, 8) if h is None else h
+    w = torch.randn(10, 8) if w is None else w
+    t = torch.randint(0, 10, (4,)) if t is None else t
+    return lambda: linear_cross_entropy(h, w, t, b, **kw)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (_bad(w=torch.randn(10, 7)), "weight has shape \\(10, 7\\)"),
+    (_bad(w=torch.randn(10)), "weight must have 2 dimensions"),
+    (_bad(b=torch.randn(9)), "bias has 9 elements"),
+    (_bad(w=torch.randn(10, 8, dtype=torch.float64)), "dtype mismatch"),
+    (_bad(t=torch.zeros(3, dtype=torch.long)), "target shape"),
+    (_bad(t=torch.zeros(4)), "target has dtype"),
+    (_bad(t=torch.tensor([0, 10, 1, 2])), "target contains 10, outside \\[0, 10\\)"),
+    (_bad(reduction="mean "), "reduction must be one of"),
+    (_bad(chunk_size=-1), "chunk_size must be >= 0"),
+    (_bad(label_smoothing=-0.1), "label_smoothing must be in"),
+])
+def test_bad_inputs(bad, match):
+    with pytest.raises(ValueError, match=f"flash.linear_cross_entropy: .*{match}"):
+        bad()
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_empty_batch(reduction):
+    h, w, t, b = _inputs((0, 3), 8, 10, rg=(True, True, True))
+    out = linear_cross_entropy(h, w, t, b, reduction=reduction)
+    expect = F.cross_entropy(F.linear(h, w, b).reshape(0, 10), t.reshape(0), reduction=reduction)
+    torch.testing.assert_close(out, expect.reshape(out.shape), equal_nan=True)
+    out.sum().backward()
+    assert h.grad.shape == h.shape
+    assert torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(b.grad, torch.zeros_like(b))
+
+
+def test_inputs_untouched():
+    h, w, t, b = _inputs((5, 2), 8, 12, rg=(True, True, True))
+    copies = [x.detach().clone() for x in (h, w, t, b)]
+    linear_cross_entropy(h, w, t, b, softcap=2.0, z_loss=1e-2, label_smoothing=0.1, chunk_size=3).backward()
+    assert all(torch.equal(x.detach(), c) for x, c in zip((h, w, t, b), copies))

@@ -1,0 +1,70 @@
+"""The op registry is complete: every op has its schema, fake, autograd rule, backward op,
+reference and opcheck samples; and every registered `flash` op is in the table."""
+import importlib
+import importlib.util
+import os
+
+import pytest
+import torch
+from torch._library.custom_ops import OPDEFS
+
+import torch_flash
+from torch_flash._registry import OPS, backward_ops
+from torch_flash.ops import _autograd
+
+TESTS_OPS = os.path.join(os.path.dirname(__file__), "ops")
+
+
+def _opdef(name):
+    qual = f"flash::{name}"
+    assert qual in OPDEFS, f"{qual} is not registered"
+    return OPDEFS[qual]
+
+
+def _samples(stem):
+    path = os.path.join(TESTS_OPS, f"test_{stem}.py")
+    assert os.path.isfile(path), f"missing {path}"
+    spec = importlib.util.spec_from_file_location(f"_registry_probe_{stem}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return getattr(mod, "OPCHECK_SAMPLES", {})
+
+
+def _fake_from_meta_kernels(name):
+    fake = _opdef(name)._abstract_fn
+    return fake is not None and fake.__module__.startswith("torch_flash.meta_kernels")
+
+
+@pytest.mark.parametrize("entry", OPS, ids=lambda e: e.name)
+def test_op_is_complete(entry):
+    opdef = _opdef(entry.name)
+    assert hasattr(torch.ops.flash, entry.name)
+    assert _fake_from_meta_kernels(entry.name), f"flash::{entry.name} has no fake in meta_kernels/{entry.stem}.py"
+    if entry.backward is None:
+        assert opdef._backward_fn is None and entry.name not in _autograd.REGISTERED
+    else:
+        assert opdef._backward_fn is not None or entry.name in _autograd.REGISTERED, \
+            f"flash::{entry.name} has no autograd rule"
+        assert _fake_from_meta_kernels(entry.backward), f"flash::{entry.backward} has no fake"
+    ref = importlib.import_module(f"torch_flash.reference.{entry.stem}")
+    assert callable(getattr(ref, entry.name, None)), \
+        f"torch_flash.reference.{entry.stem} has no reference function {entry.name}"
+    mutated = {a.name for a in opdef._opoverload._schema.arguments
+               if a.alias_info is not None and a.alias_info.is_write}
+    assert mutated == set(entry.mutates)
+    samples = _samples(entry.stem)
+    for op in (entry.name, entry.backward):
+        if op is not None:
+            assert op in samples and list(samples[op]()), f"tests/ops/test_{entry.stem}.py has no opcheck samples for {op}"
+
+
+def test_no_unlisted_ops():
+    listed = {e.name for e in OPS} | {name for name, _ in backward_ops()}
+    registered = {q.split("::")[1] for q in OPDEFS if q.startswith("flash::")}
+    assert registered == listed
+
+
+def test_public_functions():
+    for e in OPS:
+        fn = getattr(torch_flash, e.name, None)
+        assert callable(fn) and fn.__doc__, f"torch_flash.{e.name} missing or undocumented"
