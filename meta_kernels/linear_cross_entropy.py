@@ -2,6 +2,7 @@
 import torch
 
 from torch_flash.ops.cross_entropy import LossOptions, check_grad_loss, loss_shape
+from torch_flash.ops._checks import check
 from torch_flash.ops.linear_cross_entropy import check_args
 from torch_flash.reference._common import compute_dtype
 
@@ -24,3 +25,16 @@ def linear_cross_entropy_backward(grad_loss, hidden, weight, target, bias, *, ig
     check_grad_loss(op, grad_loss, target, reduction)
     dbias = weight.new_empty(0) if bias is None else bias.new_empty(bias.shape)
     return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape), dbias
+
+
+@torch.library.register_fake("flash::linear_cross_entropy_with_grads")
+def linear_cross_entropy_with_grads(hidden, weight, target, bias=None, *, ignore_index=-100,
+                                    label_smoothing=0.0, z_loss=0.0, softcap=0.0, reduction="mean",
+                                    chunk_size=0):
+    check(reduction != "none", "linear_cross_entropy_with_grads",
+          "reduction='none' needs the per-row gradient: use the backward op")
+    loss = linear_cross_entropy(hidden, weight, target, bias, ignore_index=ignore_index,
+                                label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+                                reduction=reduction, chunk_size=chunk_size)
+    dbias = weight.new_empty(0) if bias is None else bias.new_empty(bias.shape)
+    return loss, hidden.new_empty(hidden.shape), weight.new_empty(weight.shape), dbias

@@ -65,6 +65,6 @@ def test_no_unlisted_ops():
 
 
 def test_public_functions():
-    for e in OPS:
+    for e in (e for e in OPS if e.public):
         fn = getattr(torch_flash, e.name, None)
         assert callable(fn) and fn.__doc__, f"torch_flash.{e.name} missing or undocumented"

@@ -18,6 +18,7 @@ class OpEntry:
     family: str  # compile-pass family: attention | norm | loss | rotary
     backward: str | None  # backward op, None for inference-only ops
     mutates: tuple[str, ...] = ()  # arguments the op writes in place
+    public: bool = True  # has a torch_flash.<name> function (internal ops serve another op's autograd)
 
 
 OPS: tuple[OpEntry, ...] = (
@@ -31,6 +32,8 @@ OPS: tuple[OpEntry, ...] = (
     OpEntry("add_layer_norm", "layer_norm", "norm", "add_layer_norm_backward"),
     OpEntry("cross_entropy", "cross_entropy", "loss", "cross_entropy_backward"),
     OpEntry("linear_cross_entropy", "linear_cross_entropy", "loss", "linear_cross_entropy_backward"),
+    # the autograd forward of linear_cross_entropy: loss and gradients in one pass
+    OpEntry("linear_cross_entropy_with_grads", "linear_cross_entropy", "loss", None, public=False),
     OpEntry("rotary", "rotary", "rotary", "rotary_backward"),
 )
 

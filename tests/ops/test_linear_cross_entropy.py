@@ -56,10 +56,33 @@ def _samples_bwd():
         yield (grad, h, w, t, b), {**opts, "reduction": reduction, "chunk_size": i % 3}
 
 
+def _samples_with_grads():
+    for i, (dtype, opts) in enumerate(zip(DTYPES * 2, OPTIONS)):
+        h, w, t, b = _inputs((2, 3) if i % 2 else (5,), 8, 11, dtype, bias=i % 2 == 0, noncontig=i == 1,
+                             ignore_index=opts.get("ignore_index", -100))
+        yield (h, w, t, b), {**opts, "reduction": REDUCTIONS[i % 2], "chunk_size": i % 3}
+
+
 OPCHECK_SAMPLES = {
     "linear_cross_entropy": _samples_fwd,
     "linear_cross_entropy_backward": _samples_bwd,
+    "linear_cross_entropy_with_grads": _samples_with_grads,
 }
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_with_grads_matches_backward(reduction):
+    """The fused forward's gradients are the backward op's for an upstream gradient of 1."""
+    h, w, t, b = _inputs((3, 4), 8, 19, torch.float64)
+    loss, dh, dw, db = torch.ops.flash.linear_cross_entropy_with_grads(h, w, t, b, reduction=reduction,
+                                                                        chunk_size=5)
+    ref = torch.ops.flash.linear_cross_entropy_backward(torch.ones(()), h, w, t, b, reduction=reduction,
+                                                        chunk_size=5)
+    torch.testing.assert_close(loss, torch_flash.linear_cross_entropy(h, w, t, b, reduction=reduction))
+    for got, want in zip((dh, dw, db), ref):
+        torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="flash.linear_cross_entropy_with_grads: reduction='none'"):
+        torch.ops.flash.linear_cross_entropy_with_grads(h, w, t, b, reduction="none")
 
 
 @pytest.mark.parametrize("op", list(OPCHECK_SAMPLES))

@@ -4,7 +4,9 @@ Shapes: logits (..., V) float, target (...) int64/int32; the loss is (...) for
 reduction="none", else a scalar, in fp32 for fp16/bf16 logits and in logits' dtype
 otherwise. Formula and chunking: torch_flash/reference/cross_entropy.py. The backward
 recomputes the per-row log-sum-exp from the logits instead of saving it, so the only
-logits-sized tensor it allocates is dlogits.
+logits-sized tensor it allocates is dlogits (on GPU: Triton kernels in
+torch_flash/kernels/triton/cross_entropy.py; forward one read of the logits, backward two
+reads and one write).
 """
 from __future__ import annotations
 
@@ -68,9 +70,12 @@ def loss_shape(target, reduction: str) -> tuple:
     return tuple(target.shape) if reduction == "none" else ()
 
 
-def _backend(op: str, t: Tensor) -> str:
-    # Only the reference path exists so far; select() still rejects a forced backend.
-    return _dispatch.select(op, t.device, triton=False)
+def _backend(op: str, logits: Tensor, target: Tensor) -> str:
+    triton = _dispatch.triton_can_run(logits.device)
+    if triton:
+        from ..kernels.triton.cross_entropy import ce_supports
+        triton = ce_supports(logits, target)
+    return _dispatch.select(op, logits.device, triton=triton)
 
 
 @triton_op("flash::cross_entropy", mutates_args=())
@@ -79,8 +84,12 @@ def _cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
                    reduction: str = "mean") -> Tensor:
     opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap)
     check_args("cross_entropy", logits, target, opts, reduction)
-    _backend("cross_entropy", logits)
     check_target_values("cross_entropy", target, logits.shape[-1], ignore_index)
+    if _backend("cross_entropy", logits, target) == "triton":
+        from ..kernels.triton.cross_entropy import ce_fwd
+        loss = ce_fwd(logits, target, **opts._asdict(), reduction=reduction)[0]
+        # the kernel computes in fp32; the op's contract is logits' dtype above half
+        return loss.to(torch.promote_types(logits.dtype, torch.float32))
     return ref.cross_entropy(logits, target, opts, reduction)
 
 
@@ -92,8 +101,11 @@ def _cross_entropy_backward(grad_loss: Tensor, logits: Tensor, target: Tensor, *
     opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap)
     check_args("cross_entropy_backward", logits, target, opts, reduction)
     check_grad_loss("cross_entropy_backward", grad_loss, target, reduction)
-    _backend("cross_entropy_backward", logits)
     check_target_values("cross_entropy_backward", target, logits.shape[-1], ignore_index)
+    if _backend("cross_entropy_backward", logits, target) == "triton":
+        from ..kernels.triton.cross_entropy import ce_bwd
+        # lse=None: the kernel recomputes it (one more read of the logits than saving it)
+        return ce_bwd(grad_loss, logits, target, None, **opts._asdict(), reduction=reduction)
     return ref.cross_entropy_backward(grad_loss, logits, target, opts, reduction)
 
 

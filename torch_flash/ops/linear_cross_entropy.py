@@ -3,8 +3,10 @@
 Shapes: hidden (..., H), weight (V, H) (nn.Linear layout), bias (V,) or None, target (...);
 loss = cross_entropy(hidden @ weight.T + bias, target, ...) with flash.cross_entropy's
 options, output shape and dtype. Token chunks of `chunk_size` rows (0: as many as keep a
-chunk's fp32 logits within a fixed budget) mean the (N, V) logits never exist; the backward
-recomputes each chunk's logits. See torch_flash/reference/linear_cross_entropy.py.
+chunk's fp32 logits within a fixed budget) mean the (N, V) logits never exist. With gradients
+needed (mean/sum), the forward runs flash.linear_cross_entropy_with_grads, which also
+computes the gradients chunk by chunk, and the backward only scales them; "none" recomputes
+each chunk's logits in the backward. See torch_flash/reference/linear_cross_entropy.py.
 """
 from __future__ import annotations
 
@@ -16,10 +18,11 @@ from torch.library import triton_op
 
 from .. import _dispatch
 from ..reference import linear_cross_entropy as ref
-from ._autograd import grad_or_empty
+from ..reference._common import compute_dtype
+from ._autograd import grad_or_empty, register_autograd_via
 from ._checks import check, check_same_device, check_same_dtype, check_tensor
 from .cross_entropy import (LossOptions, check_grad_loss, check_options, check_target,
-                            check_target_values, loss_setup)
+                            check_target_values)
 
 
 def check_args(op: str, hidden, weight, target, bias, opts: LossOptions, reduction: str,
@@ -40,9 +43,22 @@ def check_args(op: str, hidden, weight, target, bias, opts: LossOptions, reducti
     check_same_device(op, hidden=hidden, weight=weight, target=target, bias=bias)
 
 
-def _backend(op: str, t: Tensor) -> str:
-    # Only the reference path exists so far; select() still rejects a forced backend.
-    return _dispatch.select(op, t.device, triton=False)
+def _backend(op: str, hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor]) -> str:
+    triton = _dispatch.triton_can_run(hidden.device)
+    if triton:
+        from ..kernels.triton.cross_entropy import lce_supports
+        triton = lce_supports(hidden, weight, target, bias)
+    return _dispatch.select(op, hidden.device, triton=triton)
+
+
+def _triton_lce(hidden, weight, target, bias, opts: LossOptions, reduction: str, chunk_size: int,
+                compute_grad: bool):
+    """lce_fwd with the op's output dtypes: (loss, dhidden, dweight, dbias or empty)."""
+    from ..kernels.triton.cross_entropy import lce_fwd
+    loss, dh, dw, db = lce_fwd(hidden, weight, target, bias, **opts._asdict(), reduction=reduction,
+                               chunk_size=chunk_size, compute_grad=compute_grad)
+    loss = loss.to(compute_dtype(hidden.dtype))
+    return loss, dh, dw, grad_or_empty(None if db is None else db.to(bias.dtype), weight)
 
 
 @triton_op("flash::linear_cross_entropy", mutates_args=())
@@ -51,9 +67,31 @@ def _linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: 
                           softcap: float = 0.0, reduction: str = "mean", chunk_size: int = 0) -> Tensor:
     opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap)
     check_args("linear_cross_entropy", hidden, weight, target, bias, opts, reduction, chunk_size)
-    _backend("linear_cross_entropy", hidden)
     check_target_values("linear_cross_entropy", target, weight.shape[0], ignore_index)
+    if _backend("linear_cross_entropy", hidden, weight, target, bias) == "triton":
+        return _triton_lce(hidden, weight, target, bias, opts, reduction, chunk_size, False)[0]
     return ref.linear_cross_entropy(hidden, weight, target, bias, opts, reduction, chunk_size)
+
+
+@triton_op("flash::linear_cross_entropy_with_grads", mutates_args=())
+def _linear_cross_entropy_with_grads(hidden: Tensor, weight: Tensor, target: Tensor,
+                                     bias: Optional[Tensor] = None, *, ignore_index: int = -100,
+                                     label_smoothing: float = 0.0, z_loss: float = 0.0,
+                                     softcap: float = 0.0, reduction: str = "mean",
+                                     chunk_size: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(loss, dhidden, dweight, dbias) for an upstream gradient of 1, in one pass over the
+    chunks: the autograd forward of flash.linear_cross_entropy for "mean"/"sum", so that its
+    backward only scales (three matmuls in all, like the unfused model, not four)."""
+    op = "linear_cross_entropy_with_grads"
+    opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap)
+    check_args(op, hidden, weight, target, bias, opts, reduction, chunk_size)
+    check(reduction != "none", op, "reduction='none' needs the per-row gradient: use the backward op")
+    check_target_values(op, target, weight.shape[0], ignore_index)
+    if _backend(op, hidden, weight, target, bias) == "triton":
+        return _triton_lce(hidden, weight, target, bias, opts, reduction, chunk_size, True)
+    loss, dh, dw, db = ref.linear_cross_entropy_with_grads(hidden, weight, target, bias, opts,
+                                                          reduction, chunk_size)
+    return loss, dh, dw, grad_or_empty(db, weight)
 
 
 @triton_op("flash::linear_cross_entropy_backward", mutates_args=())
@@ -67,28 +105,49 @@ def _linear_cross_entropy_backward(grad_loss: Tensor, hidden: Tensor, weight: Te
     opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap)
     check_args(op, hidden, weight, target, bias, opts, reduction, chunk_size)
     check_grad_loss(op, grad_loss, target, reduction)
-    _backend(op, hidden)
     check_target_values(op, target, weight.shape[0], ignore_index)
+    if reduction != "none" and _backend(op, hidden, weight, target, bias) == "triton":
+        _, dh, dw, db = _triton_lce(hidden, weight, target, bias, opts, reduction, chunk_size, True)
+        return dh * grad_loss.to(dh.dtype), dw * grad_loss.to(dw.dtype), db * grad_loss.to(db.dtype)
     dh, dw, db = ref.linear_cross_entropy_backward(grad_loss, hidden, weight, target, bias, opts,
                                                    reduction, chunk_size)
     return dh, dw, grad_or_empty(db, weight)
 
 
-def _setup(ctx, inputs, keyword_only_inputs, output):
-    hidden, weight, target, bias = inputs
-    ctx.save_for_backward(hidden, weight, target, bias)
-    loss_setup(ctx, keyword_only_inputs)
-    ctx.chunk_size = keyword_only_inputs["chunk_size"]
+_OPTIONS = (*LossOptions._fields, "reduction", "chunk_size")
+
+
+def _forward(**inputs):
+    """Autograd forward: loss and gradients together, except for reduction="none" whose
+    per-row upstream gradient only the backward knows (it recomputes the logits)."""
+    if inputs["reduction"] == "none":
+        return torch.ops.flash.linear_cross_entropy(**inputs), None
+    loss, dh, dw, db = torch.ops.flash.linear_cross_entropy_with_grads(**inputs)
+    return loss, (dh, dw, db)
+
+
+def _setup(ctx, inputs, loss, grads):
+    ctx.options = {k: inputs[k] for k in _OPTIONS}
+    ctx.has_bias = inputs["bias"] is not None
+    ctx.fused = grads is not None
+    ctx.save_for_backward(*(grads if ctx.fused else
+                            (inputs["hidden"], inputs["weight"], inputs["target"], inputs["bias"])))
 
 
 def _backward(ctx, grad_loss):
-    hidden, weight, target, bias = ctx.saved_tensors
-    dh, dw, db = torch.ops.flash.linear_cross_entropy_backward(
-        grad_loss, hidden, weight, target, bias, **ctx.options, chunk_size=ctx.chunk_size)
-    return dh, dw, None, (db if bias is not None else None)
+    if ctx.fused:
+        dh, dw, db = ctx.saved_tensors
+        # out of place: a retained graph may run this backward again
+        dh, dw, db = (t * grad_loss.to(t.dtype) for t in (dh, dw, db))
+    else:
+        hidden, weight, target, bias = ctx.saved_tensors
+        dh, dw, db = torch.ops.flash.linear_cross_entropy_backward(
+            grad_loss, hidden, weight, target, bias, **ctx.options)
+    return {"hidden": dh, "weight": dw, "bias": db if ctx.has_bias else None}
 
 
-_linear_cross_entropy.register_autograd(_backward, setup_context=_setup)
+register_autograd_via(_linear_cross_entropy, forward=_forward, setup_context=_setup,
+                      backward=_backward)
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None, *,

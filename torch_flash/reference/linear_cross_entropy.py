@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -66,3 +67,12 @@ def linear_cross_entropy_backward(grad_loss: Tensor, hidden: Tensor, weight: Ten
             dbias += dz.sum(0)
         dh[rows] = dz.to(hidden.dtype) @ weight
     return dhidden, dweight.to(weight.dtype), None if dbias is None else dbias.to(bias.dtype)
+
+
+def linear_cross_entropy_with_grads(hidden: Tensor, weight: Tensor, target: Tensor,
+                                    bias: Optional[Tensor] = None, opts: LossOptions = LossOptions(),
+                                    reduction: str = "mean", chunk_size: int = 0):
+    """(loss, dhidden, dweight, dbias) for an upstream gradient of 1 ("mean" or "sum")."""
+    loss = linear_cross_entropy(hidden, weight, target, bias, opts, reduction, chunk_size)
+    return (loss, *linear_cross_entropy_backward(torch.ones_like(loss), hidden, weight, target, bias,
+                                                 opts, reduction, chunk_size))

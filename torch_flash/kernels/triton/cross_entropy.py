@@ -1,0 +1,334 @@
+"""Triton cross-entropy over any vocabulary size, and the lm-head + cross-entropy built on it.
+
+Formula (torch_flash/reference/cross_entropy.py), per row x (V,) with target t, eps =
+label_smoothing, z = softcap * tanh(x / softcap) (z = x without softcap), lse = logsumexp(z):
+    loss   = (1 - eps) (lse - z[t]) + eps (lse - mean z) + z_loss lse^2     (0 on ignored rows)
+    dloss/dx_j = [p_j (1 + 2 z_loss lse) - eps / V - (1 - eps) [j == t]] (1 - tanh^2),  p = exp(z - lse)
+Math in fp32 whatever the logits' dtype; loss and lse are fp32.
+
+One program per row, looping over vocabulary blocks, so V has no limit (256k and more) and the
+row offset is 64-bit (8192 x 256k logits exceed 2^31 elements). A forward sweep keeps an online
+log-sum-exp (block max, rescaled running sum; exp2 in log2 units). Where the gradient is wanted
+with the loss (Liger-style, for an upstream gradient of 1 with mean's 1 / n_valid folded in), a
+second sweep writes it, possibly over the logits themselves; ce_bwd instead rebuilds it from the
+saved lse in one read and one write. Ignored rows read nothing and get a zero gradient.
+
+Block size and warps follow a fixed rule (_launch_config) rather than autotuning: tuning reruns
+the kernel, and the in-place variants would need a logits-sized restore copy for that.
+
+linear_cross_entropy: token chunks; per chunk the logits come from cuBLAS (hidden @ weight.T +
+bias, in the input dtype), the kernel turns them into their gradient in place, and two more
+matmuls give dhidden's rows and add into dweight. The (N, V) logits never exist.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ... import _dispatch
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+# Widest vocabulary block and elements per thread per block: 8192 columns on 16 warps keep two
+# 16-byte loads per thread in flight for bf16 and leave room for several programs per SM.
+MAX_BLOCK = 8192
+ELEMENTS_PER_THREAD = 16
+# Budget for one chunk's logits in linear_cross_entropy (chunk_size=0): 256 MiB is 1024 rows of
+# a 128k bf16 vocabulary, 1/8 of an 8192-token batch; bigger chunks add memory, smaller ones add
+# GEMM launches and dweight roundings (see lce_fwd).
+LCE_CHUNK_BYTES = 256 * 2**20
+# Chunk rows are rounded to a multiple of this (GEMM tile) where the chunk is that large.
+LCE_ROW_ALIGN = 128
+
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _capped(x, softcap, inv_softcap, SOFTCAP: tl.constexpr):
+    """(z, tanh(x / softcap)): the softcapped logits and the tanh their gradient needs."""
+    if SOFTCAP:
+        # tanh from exp2 of -2|y|, which never overflows (libdevice is not in the interpreter)
+        y = x * inv_softcap
+        e = tl.exp2(tl.abs(y) * (-2.0 * _LOG2E))
+        th = (1.0 - e) / (1.0 + e)
+        th = tl.where(y < 0, -th, th)
+        return softcap * th, th
+    else:
+        return x, x
+
+
+@triton.jit
+def _ce_kernel(X, T, Loss, Lse, G, Out, NValid, n_cols, stride_x, stride_out, stride_g,
+               ignore_index, label_smoothing, z_loss, softcap, inv_softcap,
+               FORWARD: tl.constexpr, WRITE_GRAD: tl.constexpr, HAS_GRAD_LOSS: tl.constexpr,
+               MEAN: tl.constexpr, SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
+    """Row program_id(0) of X (rows, n_cols). FORWARD: write Loss[row] and Lse[row] (both fp32;
+    0 on ignored rows), else read Lse[row]. WRITE_GRAD: write the row's gradient to Out, scaled
+    by G[row * stride_g] (HAS_GRAD_LOSS, else 1) and by 1 / NValid[0] (MEAN). Out may be X."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = X + row * stride_x
+    t = tl.load(T + row)
+    valid = t != ignore_index
+    in_range = (t >= 0) & (t < n_cols)
+    t_col = tl.where(in_range, t, -1).to(tl.int32)
+    if FORWARD:
+        lse2 = tl.zeros([], dtype=tl.float32)  # log2 units
+        loss = tl.zeros([], dtype=tl.float32)
+        if valid:
+            m2 = tl.full([], float("-inf"), tl.float32)
+            d = tl.zeros([], dtype=tl.float32)
+            z_sum = tl.zeros([], dtype=tl.float32)
+            for off in range(0, n_cols, BLOCK):
+                cols = off + tl.arange(0, BLOCK)
+                mask = cols < n_cols
+                z, _ = _capped(tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32),
+                               softcap, inv_softcap, SOFTCAP)
+                z2 = tl.where(mask, z * _LOG2E, float("-inf"))
+                m_new = tl.maximum(m2, tl.max(z2, 0))
+                d = d * tl.exp2(m2 - m_new) + tl.sum(tl.exp2(z2 - m_new), 0)
+                m2 = m_new
+                if SMOOTH:
+                    z_sum += tl.sum(tl.where(mask, z, 0.0), 0)
+            lse2 = m2 + tl.log2(d)
+            lse = lse2 * _LN2
+            z_t, _ = _capped(tl.load(x_row + t_col, mask=in_range, other=0.0).to(tl.float32),
+                             softcap, inv_softcap, SOFTCAP)
+            loss = lse - z_t + z_loss * lse * lse
+            if SMOOTH:
+                loss += label_smoothing * (z_t - z_sum / n_cols)
+        tl.store(Loss + row, loss)
+        tl.store(Lse + row, lse2 * _LN2)
+    else:
+        lse2 = tl.load(Lse + row).to(tl.float32) * _LOG2E
+    if WRITE_GRAD:
+        if HAS_GRAD_LOSS:
+            w = tl.load(G + row * stride_g).to(tl.float32)
+        else:
+            w = tl.full([], 1.0, tl.float32)
+        if MEAN:
+            w = w / tl.load(NValid).to(tl.float32)
+        w = tl.where(valid, w, 0.0)  # also drops mean's inf when no row is valid
+        coef = w * (1.0 + 2.0 * z_loss * (lse2 * _LN2))
+        smooth = w * label_smoothing / n_cols
+        hit = w * (1.0 - label_smoothing)
+        out_row = Out + row * stride_out
+        n_read = tl.where(valid, n_cols, 0)  # ignored rows read nothing: with w = 0 they get 0
+        for off in range(0, n_cols, BLOCK):
+            cols = off + tl.arange(0, BLOCK)
+            mask = cols < n_cols
+            z, th = _capped(tl.load(x_row + cols, mask=cols < n_read, other=0.0).to(tl.float32),
+                            softcap, inv_softcap, SOFTCAP)
+            dz = tl.exp2(z * _LOG2E - lse2) * coef - smooth
+            dz = tl.where(cols == t_col, dz - hit, dz)
+            if SOFTCAP:
+                dz *= 1.0 - th * th
+            tl.store(out_row + cols, dz.to(Out.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------
+def _launch_config(n_cols: int, block: int | None) -> tuple[int, int]:
+    """(BLOCK, num_warps) for rows of n_cols; block forces the block (tests loop over small ones)."""
+    block = block or min(MAX_BLOCK, triton.next_power_of_2(n_cols))
+    return block, max(1, min(32, block // (32 * ELEMENTS_PER_THREAD)))
+
+
+def _row_view(t: torch.Tensor, n_cols: int) -> torch.Tensor | None:
+    """t (..., n_cols) as an (N, n_cols) view sharing its memory when its rows are contiguous and
+    evenly spaced (any slicing of the last dim, a transposed batch of one...), else None."""
+    if n_cols > 1 and t.stride(-1) != 1:
+        return None
+    lead = [(n, s) for n, s in zip(t.shape[:-1], t.stride()[:-1]) if n != 1]
+    if any(outer != inner * n for (_, outer), (n, inner) in zip(lead, lead[1:])):
+        return None
+    return t.as_strided((t.numel() // n_cols, n_cols), (lead[-1][1] if lead else n_cols, 1))
+
+
+def _as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """t (..., n_cols) as (N, n_cols) rows the kernel can read: a view, else a contiguous copy."""
+    rows = _row_view(t, n_cols)
+    return rows if rows is not None else t.contiguous().view(-1, n_cols)
+
+
+def _writable_rows(out: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, bool]:
+    """(rows the kernel writes for out, whether they are a buffer to copy into out afterwards)."""
+    rows = _row_view(out, shape[1])
+    if rows is not None and (shape[0] <= 1 or rows.stride(0) >= shape[1]):  # rows must not overlap
+        return rows, False
+    return torch.empty(shape, dtype=out.dtype, device=out.device), True
+
+
+def _n_valid(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """Non-ignored rows as a device scalar: the kernels read it, so the host never syncs."""
+    return (target != ignore_index).sum()
+
+
+def _launch(x, t, *, loss, lse, grad_loss, out, n_valid, ignore_index, label_smoothing, z_loss,
+            softcap, reduction, block=None):
+    """One _ce_kernel launch over the rows of x (N, V). loss None: read lse instead of writing it;
+    out None: no gradient; grad_loss None: an upstream gradient of 1."""
+    n_rows, n_cols = x.shape
+    if n_rows == 0:
+        return
+    block, num_warps = _launch_config(n_cols, block)
+    g = grad_loss.reshape(-1) if grad_loss is not None else None
+    torch.library.wrap_triton(_ce_kernel)[(n_rows,)](
+        x, t, loss, lse, g, out, n_valid, n_cols, x.stride(0), 0 if out is None else out.stride(0),
+        0 if g is None or g.numel() == 1 else g.stride(0),
+        ignore_index, label_smoothing, z_loss, softcap, 1.0 / softcap if softcap > 0 else 0.0,
+        FORWARD=loss is not None, WRITE_GRAD=out is not None, HAS_GRAD_LOSS=g is not None,
+        MEAN=reduction == "mean", SMOOTH=label_smoothing > 0, SOFTCAP=softcap > 0, BLOCK=block,
+        num_warps=num_warps)
+
+
+def _reduce(losses: torch.Tensor, target: torch.Tensor, n_valid: torch.Tensor, reduction: str) -> torch.Tensor:
+    """Per-row fp32 losses (N,) -> the op's output; mean over non-ignored rows (nan if none)."""
+    if reduction == "none":
+        return losses.view(target.shape)
+    total = losses.sum()
+    return total / n_valid if reduction == "mean" else total
+
+
+def ce_supports(logits: torch.Tensor, target: torch.Tensor) -> bool:
+    """Whether these kernels serve logits (..., V) with class indices target (...) on this device."""
+    return (_dispatch.triton_can_run(logits.device) and logits.dtype in DTYPES and logits.dim() >= 1
+            and logits.shape[-1] > 0 and target.dtype in INDEX_DTYPES
+            and tuple(target.shape) == tuple(logits.shape[:-1]) and target.device == logits.device)
+
+
+def ce_fwd(logits, target, *, ignore_index, label_smoothing, z_loss, softcap, reduction,
+           grad_logits_out=None, block=None):
+    """Cross-entropy of logits (..., V) against target (...): (loss, lse, grad or None).
+
+    loss: fp32, target's shape for reduction="none", else a scalar. lse: fp32 (...), the
+    log-sum-exp of each row's (capped) logits, 0 on ignored rows. grad_logits_out (shaped like
+    logits, any dtype of DTYPES; may be logits itself) receives d(loss)/d(logits) for an upstream
+    gradient of 1 (per row for "none"), in a second sweep over each row; the backward then only
+    scales it by grad_loss. block forces the vocabulary block (a power of 2).
+    """
+    n_cols = logits.shape[-1]
+    x, t = _as_rows(logits, n_cols), target.reshape(-1)
+    losses = torch.empty(t.shape[0], dtype=torch.float32, device=logits.device)
+    lse = torch.empty_like(losses)
+    n_valid = _n_valid(t, ignore_index)
+    dst, copy_back = (None, False) if grad_logits_out is None else _writable_rows(grad_logits_out, x.shape)
+    _launch(x, t, loss=losses, lse=lse, grad_loss=None, out=dst, n_valid=n_valid,
+            ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+            reduction=reduction, block=block)
+    if copy_back:
+        grad_logits_out.copy_(dst.view(grad_logits_out.shape))
+    return _reduce(losses, target, n_valid, reduction), lse.view(target.shape), grad_logits_out
+
+
+def ce_bwd(grad_loss, logits, target, lse, *, ignore_index, label_smoothing, z_loss, softcap, reduction,
+           out=None, block=None):
+    """dlogits (..., V) from ce_fwd's lse: one read of logits, one write of out (default: a new
+    contiguous tensor like logits; may be logits itself). grad_loss: target's shape for
+    reduction="none", else a scalar. lse None: the same kernel recomputes it first (a backward
+    that needs nothing saved but the inputs, for one more read of the logits)."""
+    n_cols = logits.shape[-1]
+    x, t = _as_rows(logits, n_cols), target.reshape(-1)
+    if out is None:
+        out = logits.new_empty(logits.shape)
+    dst, copy_back = _writable_rows(out, x.shape)
+    scratch = torch.empty(t.shape[0], dtype=torch.float32, device=x.device) if lse is None else None
+    _launch(x, t, loss=scratch, lse=torch.empty_like(scratch) if lse is None else lse.reshape(-1),
+            grad_loss=grad_loss, out=dst,
+            n_valid=_n_valid(t, ignore_index) if reduction == "mean" else None,
+            ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+            reduction=reduction, block=block)
+    if copy_back:
+        out.copy_(dst.view(out.shape))
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Linear + cross-entropy
+# --------------------------------------------------------------------------------------
+def lce_supports(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                 bias: torch.Tensor | None) -> bool:
+    """Whether lce_fwd serves hidden (..., H), weight (V, H), target (...), bias (V,) or None."""
+    return (_dispatch.triton_can_run(hidden.device) and hidden.dtype in DTYPES and hidden.dim() >= 1
+            and weight.dim() == 2 and weight.dtype == hidden.dtype and weight.shape[0] > 0
+            and weight.shape[1] == hidden.shape[-1] and weight.device == hidden.device
+            and (bias is None or (bias.dtype == hidden.dtype and tuple(bias.shape) == (weight.shape[0],)
+                                  and bias.device == hidden.device))
+            and target.dtype in INDEX_DTYPES and tuple(target.shape) == tuple(hidden.shape[:-1])
+            and target.device == hidden.device)
+
+
+def lce_chunk_rows(n_rows: int, n_cols: int, dtype: torch.dtype, chunk_size: int = 0) -> int:
+    """Rows per token chunk: chunk_size if given, else as many as keep the chunk's logits within
+    LCE_CHUNK_BYTES, spread evenly over the chunks that needs (rounded up to LCE_ROW_ALIGN)."""
+    if chunk_size > 0:
+        return chunk_size
+    cap = max(1, LCE_CHUNK_BYTES // (n_cols * dtype.itemsize))
+    if cap >= LCE_ROW_ALIGN:
+        cap -= cap % LCE_ROW_ALIGN
+    even = triton.cdiv(n_rows, max(1, triton.cdiv(n_rows, cap)))
+    aligned = triton.cdiv(even, LCE_ROW_ALIGN) * LCE_ROW_ALIGN
+    return max(1, min(cap, aligned if cap >= LCE_ROW_ALIGN else even))
+
+
+def lce_fwd(hidden, weight, target, bias, *, ignore_index, label_smoothing, z_loss, softcap, reduction,
+            chunk_size=0, compute_grad=True, block=None):
+    """cross_entropy(hidden @ weight.T + bias, target): (loss, dhidden, dweight, dbias).
+
+    hidden (..., H), weight (V, H), target (...), bias (V,) or None, one dtype of DTYPES. The
+    gradients are for an upstream gradient of 1 (the backward scales them by grad_loss), in the
+    inputs' dtypes and shapes (dhidden, dweight contiguous); all None unless compute_grad and
+    reduction is "mean" or "sum" ("none" needs the per-row grad_loss: recompute in the backward).
+    dbias is None without a bias.
+
+    Memory beyond the inputs: one chunk of logits (lce_chunk_rows), the outputs, and an fp32
+    dbias; at 8192 tokens x 4096 x 128256 bf16: 263 MB + 67 MB + 1.05 GB = 1.38 GB. dweight
+    accumulates in weight's dtype through cuBLAS (fp32 inside each chunk's GEMM, rounded once
+    per chunk): an fp32 accumulator would triple dweight's memory for bf16 weights. Measured
+    (CPU, 2048 x 256 x 4000, against float64): 8 chunks put dweight at 1.27x the error of
+    PyTorch's unfused bf16 path (4 chunks 1.13x), the bf16 logits' own rounding dominating.
+    """
+    n_cols, hid = weight.shape
+    h, t = hidden.reshape(-1, hid), target.reshape(-1)
+    n_rows = h.shape[0]
+    losses = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
+    lse = torch.empty_like(losses)
+    n_valid = _n_valid(t, ignore_index)
+    grads = compute_grad and reduction != "none"
+    dh = dw = db = None
+    if grads:
+        dh = hidden.new_empty(hidden.shape)
+        dw = weight.new_empty(weight.shape)
+        db = None if bias is None else torch.zeros(n_cols, dtype=torch.float32, device=bias.device)
+        if n_rows == 0:
+            dw.zero_()
+    rows = lce_chunk_rows(n_rows, n_cols, hidden.dtype, chunk_size)
+    buf = h.new_empty(min(rows, n_rows), n_cols)
+    dh_rows = None if dh is None else dh.view(-1, hid)
+    for start in range(0, n_rows, rows):
+        sl = slice(start, start + rows)
+        h_c = h[sl]
+        logits = buf[:h_c.shape[0]]
+        if bias is None:
+            torch.mm(h_c, weight.t(), out=logits)
+        else:
+            torch.addmm(bias, h_c, weight.t(), out=logits)
+        # the kernel turns the chunk's logits into their gradient, in place
+        _launch(logits, t[sl], loss=losses[sl], lse=lse[sl], grad_loss=None, out=logits if grads else None,
+                n_valid=n_valid, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
+                softcap=softcap, reduction=reduction, block=block)
+        if not grads:
+            continue
+        torch.mm(logits, weight, out=dh_rows[sl])
+        if start == 0:
+            torch.mm(logits.t(), h_c, out=dw)
+        else:
+            dw.addmm_(logits.t(), h_c)
+        if db is not None:
+            db += logits.sum(0, dtype=torch.float32)
+    if db is not None:
+        db = db.to(bias.dtype)
+    return _reduce(losses, target, n_valid, reduction), dh, dw, db
