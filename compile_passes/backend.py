@@ -32,7 +32,12 @@ def _predispatch(gm: fx.GraphModule) -> fx.GraphModule:
     # running through an Interpreter under preserve_node_meta carries each node's stack
     # trace onto the ATen nodes it becomes (explain() reports source lines from it)
     with mode, torch.fx.traceback.preserve_node_meta():
-        return make_fx(lambda *args: fx.Interpreter(gm).run(*args), pre_dispatch=True)(*fake_args)
+        pgm = make_fx(lambda *args: fx.Interpreter(gm).run(*args), pre_dispatch=True)(*fake_args)
+    # the patterns read requires_grad off Dynamo's values (make_fx's own drop it): a table
+    # that needs a gradient must not be folded into an op that gives it none
+    for old, new in zip(gm.graph.find_nodes(op="placeholder"), pgm.graph.find_nodes(op="placeholder")):
+        new.meta.setdefault("example_value", old.meta["example_value"])
+    return pgm
 
 
 def _rewrite_dynamo_graph(gm: fx.GraphModule, families) -> tuple[fx.GraphModule, Report]:
@@ -58,6 +63,8 @@ def backend(ops: Iterable[str] | None = None, inner: Callable | None = None) -> 
         try:
             pgm, _ = _rewrite_dynamo_graph(gm, families)
             return compiler(pgm, example_inputs)
+        except torch._dynamo.exc.RestartAnalysis:
+            raise  # Dynamo retraces (e.g. with float inputs specialised): not a failure
         except Exception as e:  # never fail a user's compile because of the rewrite
             warnings.warn(f"torch_flash: the rewritten graph failed to compile ({type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else ''}); using the unmodified graph")

@@ -5,6 +5,11 @@ import torch
 
 # The ops choose their path per call; tests that pin one set TORCH_FLASH_BACKEND themselves.
 os.environ.pop("TORCH_FLASH_BACKEND", None)
+# Without a GPU, Triton kernels run under the interpreter (TRITON_INTERPRET is read when a
+# kernel is decorated, i.e. at import). CPU calls still take the reference path unless a
+# test forces TORCH_FLASH_BACKEND=triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ..graph import (A, cast_dtype, dtype_of, getitem, insert_call, is_op, last_dim, location,
+from ..graph import (A, cast_dtype, dtype_of, insert_call, is_op, last_dim, location,
                      number, only_user, other_operand, same_meta, split_const, strip_casts, val)
 from ..report import Report, Site
+from ._shared import fuse_residual
 
 FLASH = torch.ops.flash
 HALF = (torch.float16, torch.bfloat16)
@@ -122,28 +123,6 @@ def _match_aten(n: fx.Node) -> Match | str:
     return Match(x, weight, float(eps), 0.0, False, n)
 
 
-def _fuse_residual(gm: fx.GraphModule, n: fx.Node) -> bool:
-    """flash.rms_norm(a + b) -> flash.add_rms_norm(a, b); the sum's users read its residual output."""
-    s = n.args[0]
-    if not is_op(s, A.add.Tensor) or len(s.args) != 2 or s.kwargs.get("alpha", 1) != 1:
-        return False
-    a, b = s.args
-    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node) and same_meta(val(a), val(b))):
-        return False
-    fused = insert_call(gm.graph, n, FLASH.add_rms_norm.default, (a, b, n.args[1], n.args[2]),
-                        {k: n.kwargs[k] for k in ("weight_offset", "cast_before_weight")})
-    y, res = getitem(gm.graph, fused, 0), getitem(gm.graph, fused, 1)
-    n.replace_all_uses_with(y)
-    s.replace_all_uses_with(res)
-    gm.graph.erase_node(n)
-    # users of the sum may sit between it and the norm: the fused op goes right after the sum
-    anchor = s
-    for node in (fused, y, res):
-        anchor.append(node)
-        anchor = node
-    return True
-
-
 def rewrite(gm: fx.GraphModule, report: Report) -> None:
     anchors = [(n, "rsqrt", _match) for n in gm.graph.find_nodes(op="call_function", target=A.rsqrt.default)]
     anchors += [(n, "F.rms_norm", _match_aten)
@@ -164,5 +143,5 @@ def rewrite(gm: fx.GraphModule, report: Report) -> None:
         rewritten[node] = site
     gm.graph.eliminate_dead_code()
     for node, site in rewritten.items():
-        if _fuse_residual(gm, node):
+        if fuse_residual(gm, node, FLASH.add_rms_norm.default):
             site.op = "add_rms_norm"

@@ -112,8 +112,8 @@ class HandLayerNorm(nn.Module):
 
     def forward(self, x):
         if self.style == "var":
-            u = x.mean(-1, keepdim=True)
-            return (x - u) / torch.sqrt(x.var(-1, keepdim=True, unbiased=False) + self.eps) * self.weight + self.bias
+            u, var = x.mean(-1, keepdim=True), x.var(-1, keepdim=True, unbiased=False)
+            return (x - u) / torch.sqrt(var + self.eps) * self.weight + self.bias
         if self.style == "mean":
             u = x.mean(-1, keepdim=True)
             s = ((x - u) ** 2).mean(-1, keepdim=True)

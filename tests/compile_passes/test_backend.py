@@ -84,6 +84,7 @@ def test_inference_mode_and_bf16():
     torch.testing.assert_close(out, ref, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.filterwarnings("error:torch_flash")  # a fallback to the unmodified graph fails
 def test_dynamic_shapes():
     torch.manual_seed(0)
     model = LlamaBlock().eval()

@@ -15,7 +15,7 @@ from torch.library import triton_op
 from ..reference import layer_norm as ref
 from ._autograd import grad_or_empty
 from ._checks import check, check_same_device, check_tensor
-from .rms_norm import _backend
+from .rms_norm import triton_backward, triton_forward
 from .rms_norm import check_args as _check_x_weight_residual
 
 
@@ -32,7 +32,10 @@ def check_args(op: str, x, weight, bias, eps, residual=None) -> None:
 def _layer_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None,
                 eps: float = 1e-5, *, weight_offset: float = 0.0) -> Tensor:
     check_args("layer_norm", x, weight, bias, eps)
-    _backend("layer_norm", x)
+    fused = triton_forward("layer_norm", x, weight, bias, None, eps=eps, is_rms=False,
+                           weight_offset=weight_offset, cast_before_weight=False, residual_in_fp32=False)
+    if fused is not None:
+        return fused[0]
     return ref.layer_norm(x, weight, bias, eps, weight_offset)
 
 
@@ -40,8 +43,10 @@ def _layer_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tenso
 def _layer_norm_backward(grad_y: Tensor, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
                          eps: float, weight_offset: float) -> tuple[Tensor, Tensor, Tensor]:
     """Returns (dx, dweight, dbias); dweight/dbias are empty where weight/bias is None."""
-    _backend("layer_norm_backward", x)
-    dx, dw, db = ref.layer_norm_backward(grad_y, x, weight, bias, eps, weight_offset)
+    grads = triton_backward("layer_norm_backward", grad_y, None, x, weight, bias, eps=eps, is_rms=False,
+                            weight_offset=weight_offset, cast_before_weight=False, out_dtype=x.dtype)
+    dx, dw, db = grads if grads is not None else ref.layer_norm_backward(grad_y, x, weight, bias, eps,
+                                                                         weight_offset)
     return dx.to(x.dtype), grad_or_empty(dw, x), grad_or_empty(db, x)
 
 
@@ -50,7 +55,11 @@ def _add_layer_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor] = None
                     bias: Optional[Tensor] = None, eps: float = 1e-5, *, weight_offset: float = 0.0,
                     residual_in_fp32: bool = False) -> tuple[Tensor, Tensor]:
     check_args("add_layer_norm", x, weight, bias, eps, residual)
-    _backend("add_layer_norm", x)
+    fused = triton_forward("add_layer_norm", x, weight, bias, residual, eps=eps, is_rms=False,
+                           weight_offset=weight_offset, cast_before_weight=False,
+                           residual_in_fp32=residual_in_fp32)
+    if fused is not None:
+        return fused
     return ref.add_layer_norm(x, residual, weight, bias, eps, weight_offset, residual_in_fp32)
 
 
@@ -60,10 +69,15 @@ def _add_layer_norm_backward(grad_y: Tensor, grad_residual_out: Optional[Tensor]
                              weight_offset: float) -> tuple[Tensor, Tensor, Tensor]:
     """Returns (d(x + residual), dweight, dbias); the caller casts the first to x's and
     residual's dtypes."""
-    _backend("add_layer_norm_backward", residual_out)
-    dsum, dw, db = ref.layer_norm_backward(grad_y, residual_out, weight, bias, eps, weight_offset)
-    if grad_residual_out is not None:
-        dsum = dsum + grad_residual_out
+    grads = triton_backward("add_layer_norm_backward", grad_y, grad_residual_out, residual_out, weight,
+                            bias, eps=eps, is_rms=False, weight_offset=weight_offset,
+                            cast_before_weight=False, out_dtype=grad_y.dtype)
+    if grads is not None:
+        dsum, dw, db = grads
+    else:
+        dsum, dw, db = ref.layer_norm_backward(grad_y, residual_out, weight, bias, eps, weight_offset)
+        if grad_residual_out is not None:
+            dsum = dsum + grad_residual_out
     return dsum.to(residual_out.dtype), grad_or_empty(dw, residual_out), grad_or_empty(db, residual_out)
 
 

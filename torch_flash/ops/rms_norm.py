@@ -41,25 +41,53 @@ def out_dtype(x_dtype: torch.dtype, weight, cast_before_weight: bool) -> torch.d
     return x_dtype
 
 
-def _backend(op: str, x: Tensor) -> str:
-    # Only the reference path exists so far; select() still rejects a forced backend
-    # (TORCH_FLASH_BACKEND) that cannot serve the call instead of ignoring it.
-    return _dispatch.select(op, x.device, triton=False)
+def _use_triton(op: str, x: Tensor, weight) -> bool:
+    triton = _dispatch.triton_can_run(x.device)
+    if triton:
+        from ..kernels.triton.norm import norm_supports
+        triton = norm_supports(x, weight)
+    return _dispatch.select(op, x.device, triton=triton) == "triton"
+
+
+def triton_forward(op: str, x, weight, bias, residual, **flags):
+    """(y, residual_out or None) from torch_flash/kernels/triton/norm.py when it serves this
+    call, else None. flags: eps, is_rms, weight_offset, cast_before_weight, residual_in_fp32.
+    Serves the RMSNorm and LayerNorm ops alike."""
+    if not _use_triton(op, x, weight):
+        return None
+    from ..kernels.triton.norm import norm_fwd
+    return norm_fwd(x, weight, bias, residual, **flags)
+
+
+def triton_backward(op: str, grad_y, grad_residual_out, x, weight, bias, **flags):
+    """(dx, dweight or None, dbias or None) from the Triton kernel, or None when it does not
+    serve this call. flags: eps, is_rms, weight_offset, cast_before_weight, out_dtype."""
+    if not _use_triton(op, x, weight):
+        return None
+    from ..kernels.triton.norm import norm_bwd
+    return norm_bwd(grad_y, grad_residual_out, x, weight, bias, **flags)
 
 
 @triton_op("flash::rms_norm", mutates_args=())
 def _rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, *,
               weight_offset: float = 0.0, cast_before_weight: bool = True) -> Tensor:
     check_args("rms_norm", x, weight, eps)
-    _backend("rms_norm", x)
+    fused = triton_forward("rms_norm", x, weight, None, None, eps=eps, is_rms=True,
+                           weight_offset=weight_offset, cast_before_weight=cast_before_weight,
+                           residual_in_fp32=False)
+    if fused is not None:
+        return fused[0]
     return ref.rms_norm(x, weight, eps, weight_offset, cast_before_weight)
 
 
 @triton_op("flash::rms_norm_backward", mutates_args=())
 def _rms_norm_backward(grad_y: Tensor, x: Tensor, weight: Optional[Tensor], eps: float,
                        weight_offset: float, cast_before_weight: bool) -> tuple[Tensor, Tensor]:
-    _backend("rms_norm_backward", x)
-    dx, dw = ref.rms_norm_backward(grad_y, x, weight, eps, weight_offset, cast_before_weight)
+    grads = triton_backward("rms_norm_backward", grad_y, None, x, weight, None, eps=eps, is_rms=True,
+                            weight_offset=weight_offset, cast_before_weight=cast_before_weight,
+                            out_dtype=x.dtype)
+    dx, dw = grads[:2] if grads is not None else ref.rms_norm_backward(
+        grad_y, x, weight, eps, weight_offset, cast_before_weight)
     return dx.to(x.dtype), grad_or_empty(dw, x)
 
 
@@ -68,7 +96,11 @@ def _add_rms_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor] = None, 
                   weight_offset: float = 0.0, cast_before_weight: bool = True,
                   residual_in_fp32: bool = False) -> tuple[Tensor, Tensor]:
     check_args("add_rms_norm", x, weight, eps, residual)
-    _backend("add_rms_norm", x)
+    fused = triton_forward("add_rms_norm", x, weight, None, residual, eps=eps, is_rms=True,
+                           weight_offset=weight_offset, cast_before_weight=cast_before_weight,
+                           residual_in_fp32=residual_in_fp32)
+    if fused is not None:
+        return fused
     return ref.add_rms_norm(x, residual, weight, eps, weight_offset, cast_before_weight, residual_in_fp32)
 
 
@@ -77,11 +109,16 @@ def _add_rms_norm_backward(grad_y: Tensor, grad_residual_out: Optional[Tensor], 
                            weight: Optional[Tensor], eps: float, weight_offset: float,
                            cast_before_weight: bool, x_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Returns (d(x + residual), dweight); the caller casts the first to x's and residual's dtypes."""
-    _backend("add_rms_norm_backward", residual_out)
-    dsum, dw = ref.rms_norm_backward(grad_y, residual_out, weight, eps, weight_offset,
-                                     cast_before_weight, out_dtype=x_dtype)
-    if grad_residual_out is not None:
-        dsum = dsum + grad_residual_out
+    grads = triton_backward("add_rms_norm_backward", grad_y, grad_residual_out, residual_out, weight,
+                            None, eps=eps, is_rms=True, weight_offset=weight_offset,
+                            cast_before_weight=cast_before_weight, out_dtype=x_dtype)
+    if grads is not None:
+        dsum, dw = grads[:2]
+    else:
+        dsum, dw = ref.rms_norm_backward(grad_y, residual_out, weight, eps, weight_offset,
+                                         cast_before_weight, out_dtype=x_dtype)
+        if grad_residual_out is not None:
+            dsum = dsum + grad_residual_out
     return dsum.to(residual_out.dtype), grad_or_empty(dw, residual_out)
 
 

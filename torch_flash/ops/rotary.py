@@ -94,8 +94,16 @@ def check_data(op: str, x, cos, seqlen_offset, seqlen_offsets, cu_seqlens) -> No
 def _rotary_impl(op: str, x, cos, sin, interleaved, seqlen_offset, seqlen_offsets, cu_seqlens,
                  conjugate) -> Tensor:
     check_args(op, x, cos, sin, seqlen_offset, seqlen_offsets, cu_seqlens)
-    _dispatch.select(op, x.device, triton=False)
     check_data(op, x, cos, seqlen_offset, seqlen_offsets, cu_seqlens)
+    triton = _dispatch.triton_can_run(x.device)
+    if triton:
+        from ..kernels.triton.rotary import rotary_supports
+        triton = rotary_supports(x, cos, sin)
+    if _dispatch.select(op, x.device, triton=triton) == "triton":
+        from ..kernels.triton.rotary import rotary_apply
+        return rotary_apply(x, cos, sin, interleaved=interleaved, seqlen_offset=seqlen_offset,
+                            seqlen_offsets=seqlen_offsets, cu_seqlens=cu_seqlens, conjugate=conjugate,
+                            out=torch.empty_like(x))
     out = ref.rotary(x, cos, sin, interleaved, seqlen_offset, seqlen_offsets, cu_seqlens, conjugate)
     # x's own layout (a kernel writes into empty_like(x)), so the fake can promise it
     return torch.empty_like(x).copy_(out)

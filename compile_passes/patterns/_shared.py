@@ -1,0 +1,120 @@
+"""Helpers shared by several pattern families: arguments by schema name, structural equality
+of two graph values, static equality of (symbolic) sizes, shape ops that keep rows whole,
+inserting a flash op only where its own checks accept the values and it computes what it
+replaces, and the residual-add fusion of the norm families."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from ..graph import A, dtype_of, fake_call, getitem, insert_call, is_op, last_dim, same_meta, val
+
+
+def arg(node: fx.Node, name: str, default: Any = None) -> Any:
+    """The argument `name` of an ATen call, positional or keyword, or default when absent."""
+    names = [a.name for a in node.target._schema.arguments]
+    i = names.index(name)
+    if i < len(node.args):
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+def known_equal(a: Any, b: Any) -> bool:
+    """a == b for sizes that may be symbolic, without adding a guard: True only when proven."""
+    return statically_known_true(a == b)
+
+
+def same_value(a: Any, b: Any, depth: int = 4) -> bool:
+    """a and b compute the same value: the same node, or the same deterministic op on the same
+    arguments (models often write `x.float()` or `x - mean` twice, which traces to two nodes)."""
+    if a is b:
+        return True
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_value(x, y, depth) for x, y in zip(a, b))
+    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+        return not isinstance(a, fx.Node) and not isinstance(b, fx.Node) and type(a) is type(b) and a == b
+    if (depth == 0 or a.op != "call_function" or a.target != b.target
+            or torch.Tag.nondeterministic_seeded in getattr(a.target, "tags", ())):
+        return False
+    return (same_value(a.args, b.args, depth - 1) and a.kwargs.keys() == b.kwargs.keys()
+            and all(same_value(a.kwargs[k], b.kwargs[k], depth - 1) for k in a.kwargs))
+
+
+ROW_RESHAPES = (A.view.default, A.reshape.default, A._unsafe_view.default, A.expand.default)
+
+
+def keeps_rows(n: Any) -> bool:
+    """n is a shape op (or copy) that moves whole rows of its input's last dim, unchanged, to
+    rows of its output: the same op then serves a tensor whose last dim differs."""
+    if not (isinstance(n, fx.Node) and n.op == "call_function" and n.args
+            and isinstance(val(n.args[0]), torch.Tensor) and isinstance(val(n), torch.Tensor)):
+        return False
+    if is_op(n, A.clone.default, A.contiguous.default):
+        return True
+    v, s = val(n), val(n.args[0])
+    if v.dim() == 0 or s.dim() == 0 or not known_equal(v.shape[-1], s.shape[-1]):
+        return False
+    if is_op(n, *ROW_RESHAPES):
+        return True  # row-major: with the last size unchanged, rows stay rows
+    if is_op(n, A.flatten.using_ints):
+        return not last_dim(arg(n, "end_dim", -1), s.dim())
+    if is_op(n, A.unsqueeze.default):
+        return not last_dim(n.args[1], v.dim())
+    if is_op(n, A.slice.Tensor, A.select.int, A.squeeze.dim):
+        return not last_dim(n.args[1], s.dim())
+    if is_op(n, A.transpose.int):
+        return not any(last_dim(d, s.dim()) for d in n.args[1:3])
+    if is_op(n, A.permute.default):
+        return last_dim(n.args[1][-1], s.dim())
+    if is_op(n, A.index.Tensor):
+        return len(n.args[1]) < s.dim() or n.args[1][-1] is None
+    return False
+
+
+def call_checked(graph: fx.Graph, before: fx.Node, op, args: tuple, kwargs: dict | None = None) -> fx.Node | str:
+    """insert_call, or the op's own message when its argument checks reject these values."""
+    try:
+        fake_call(op, *args, **(kwargs or {}))
+    except ValueError as e:
+        return str(e)
+    return insert_call(graph, before, op, args, kwargs)
+
+
+def replace(graph: fx.Graph, old: fx.Node, new: fx.Node, op_name: str) -> str:
+    """Let new (the result of flash.<op_name>) take old's place: "" when done, else why not."""
+    if same_meta(val(new), val(old)):
+        old.replace_all_uses_with(new)
+        return ""
+    reason = (f"flash.{op_name} would give {dtype_of(new)} {tuple(val(new).shape)} where the model "
+              f"computes {dtype_of(old)} {tuple(val(old).shape)}")
+    graph.erase_node(new)
+    return reason
+
+
+def fuse_residual(gm: fx.GraphModule, norm: fx.Node, fused_op) -> bool:
+    """norm = op(a + b, *rest, **kw) -> fused_op(a, b, *rest, **kw) returning (y, a + b): y
+    replaces norm and the second output replaces the sum for its other users."""
+    s = norm.args[0]
+    if not is_op(s, A.add.Tensor) or len(s.args) != 2 or s.kwargs.get("alpha", 1) != 1:
+        return False
+    a, b = s.args
+    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node) and same_meta(val(a), val(b))):
+        return False
+    # users of the sum may sit between it and the norm, so the fused op goes right after the
+    # sum: the norm's other arguments (weight, bias) must already exist there
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    if any(order[r] > order[s] for r in norm.all_input_nodes):
+        return False
+    fused = insert_call(gm.graph, norm, fused_op, (a, b, *norm.args[1:]), dict(norm.kwargs))
+    y, res = getitem(gm.graph, fused, 0), getitem(gm.graph, fused, 1)
+    norm.replace_all_uses_with(y)
+    s.replace_all_uses_with(res)
+    gm.graph.erase_node(norm)
+    anchor = s
+    for node in (fused, y, res):
+        anchor.append(node)
+        anchor = node
+    return True

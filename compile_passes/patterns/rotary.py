@@ -1,0 +1,239 @@
+"""Rotary embedding spellings -> flash.rotary.
+
+Anchors: the rotation of the pairs, HF's rotate_half `cat((-x[..., d/2:], x[..., :d/2]), -1)`
+(slices or chunk) and GPT-J's rotate_every_two `stack((-x[..., 1::2], x[..., ::2]),
+-1).flatten(-2)`. From it the walk goes down to `x * cos + rotate(x) * sin` (operands in
+either order) and, for partial rotary (GPT-NeoX, Phi), to `cat((that, x_full[..., rd:]), -1)`
+where x = x_full[..., :rd]. cos and sin must be proven to repeat their halves: each is
+walked up through casts, cos/sin, constant scales and ops that keep rows whole
+(unsqueeze, indexing or slicing leading dims, reshapes that keep the last dim) to
+`cat((f, f), -1)` of one tensor (`repeat_interleave(f, 2, -1)` for GPT-J). The op then
+reads each table's first half, `cos[..., :rd/2]` (every other column for GPT-J), as a
+per-token (B or 1, S, rd/2) or (S, rd/2) table. x is (B, H, S, D) with tables broadcast
+over the heads, or (B, S, H, D) (GPT-J), which the op reads through a transposed view.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from ..graph import (A, cast_dtype, getitem, insert_call, is_op, last_dim, location, only_user, other_operand,
+                     split_const, val)
+from ..report import Report, Site
+from ._shared import arg, call_checked, keeps_rows, known_equal, replace, same_value
+
+FLASH = torch.ops.flash
+END = 2**63 - 1  # what x[..., a:] traces to as a slice end
+UNARY = (A.cos.default, A.sin.default)
+ROTATIONS = {A.cat.default: "rotate_half", A.flatten.using_ints: "rotate_every_two"}  # anchor -> name
+
+
+@dataclass
+class Match:
+    x: fx.Node  # (B, H, S, D) or (B, S, H, D)
+    cos: fx.Node  # as the model broadcasts them against the rotated dims
+    sin: fx.Node
+    interleaved: bool
+    out: fx.Node  # the node whose value the fused op replaces
+
+
+def _last_slice(n) -> tuple[fx.Node, object, object, object] | None:
+    """(x, start, end, step) for x[..., start:end:step], sizes possibly symbolic, an open or
+    overlong end given as the last dim's size."""
+    if not is_op(n, A.slice.Tensor) or not last_dim(n.args[1], val(n.args[0]).dim()):
+        return None
+    x, full = n.args[0], val(n.args[0]).shape[-1]
+    start, end, step = (val(a) if isinstance(a, fx.Node) else a
+                        for a in (arg(n, "start"), arg(n, "end"), arg(n, "step", 1)))
+    if end is None or isinstance(end, int) and (end == END or isinstance(full, int) and end > full):
+        end = full
+    return x, 0 if start is None else start, end, step
+
+
+def _half(n, which: int) -> fx.Node | None:
+    """x when n is x's first (which=0) or second half along the last dim (slices or chunk)."""
+    if is_op(n, operator.getitem) and n.args[1] == which and is_op(n.args[0], A.chunk.default, A.split.Tensor):
+        parts, x = n.args[0], n.args[0].args[0]
+        if parts.target == A.chunk.default:
+            two = arg(parts, "chunks") == 2
+        else:
+            size = arg(parts, "split_size")
+            two = known_equal(2 * (val(size) if isinstance(size, fx.Node) else size), val(x).shape[-1])
+        return x if two and last_dim(arg(parts, "dim", 0), val(x).dim()) else None
+    s = _last_slice(n)
+    if s is None or not known_equal(s[3], 1):
+        return None
+    x, start, end, _ = s
+    full = val(x).shape[-1]
+    if which == 0:
+        ok = known_equal(start, 0) and known_equal(2 * end, full)
+    else:
+        ok = known_equal(2 * start, full) and known_equal(end, full)
+    return x if ok else None
+
+
+def _every_other(n, which: int) -> fx.Node | None:
+    """x when n is x[..., which::2]."""
+    s = _last_slice(n)
+    if s is None:
+        return None
+    x, start, end, step = s
+    ok = known_equal(start, which) and known_equal(step, 2) and known_equal(end, val(x).shape[-1])
+    return x if ok else None
+
+
+def _rotated(rot: fx.Node) -> tuple[fx.Node, bool] | None:
+    """(x, interleaved) when rot is rotate_half(x) or rotate_every_two(x)."""
+    if is_op(rot, A.cat.default) and last_dim(arg(rot, "dim", 0), val(rot).dim()) and len(rot.args[0]) == 2:
+        neg, first = rot.args[0]
+        if is_op(neg, A.neg.default):
+            x = _half(first, 0)
+            if x is not None and same_value(_half(neg.args[0], 1), x):
+                return x, False
+        return None
+    if is_op(rot, A.flatten.using_ints) and last_dim(arg(rot, "end_dim", -1), val(rot.args[0]).dim()):
+        st = rot.args[0]
+        if (is_op(st, A.stack.default) and last_dim(arg(st, "dim", 0), val(st).dim()) and len(st.args[0]) == 2
+                and arg(rot, "start_dim", 0) % val(st).dim() == val(st).dim() - 2):
+            neg, even = st.args[0]
+            if is_op(neg, A.neg.default):
+                x = _every_other(even, 0)
+                if x is not None and same_value(_every_other(neg.args[0], 1), x):
+                    return x, True
+    return None
+
+
+def _table_source(n: fx.Node) -> fx.Node | None:
+    """The input of an op that maps each row of it to a row of its output, the same function
+    applied to every element (casts, cos/sin, scaling by a constant) or moving rows whole."""
+    if keeps_rows(n) or cast_dtype(n) is not None or is_op(n, *UNARY):
+        return n.args[0]
+    if is_op(n, A.mul.Tensor, A.div.Tensor):
+        return split_const(n)[0]
+    return None
+
+
+def _repeats_halves(t: fx.Node, interleaved: bool) -> bool:
+    """t is cat((f, f), -1) of one f (repeat_interleave(f, 2, -1) when interleaved) after
+    row-wise ops only, so its two halves (its even and odd columns) are equal."""
+    cur = t
+    while cur is not None:
+        if interleaved and is_op(cur, A.repeat_interleave.self_int):
+            dim = arg(cur, "dim")
+            return cur.args[1] == 2 and dim is not None and last_dim(dim, val(cur).dim())
+        if not interleaved and is_op(cur, A.cat.default) and last_dim(arg(cur, "dim", 0), val(cur).dim()):
+            parts = cur.args[0]
+            return len(parts) == 2 and same_value(parts[0], parts[1])
+        cur = _table_source(cur)
+    return False
+
+
+def _match(rot: fx.Node) -> Match | str | None:
+    """From the rotation down to x * cos + rotate(x) * sin; None when rot rotates nothing."""
+    found = _rotated(rot)
+    if found is None:
+        return None
+    x, interleaved = found
+    term = only_user(rot)
+    if not is_op(term, A.mul.Tensor):
+        return "rotate(x) is not multiplied by a sin table (or is used elsewhere)"
+    sin, add = other_operand(term, rot), only_user(term)
+    plain = other_operand(add, term) if is_op(add, A.add.Tensor) and add.kwargs.get("alpha", 1) == 1 else None
+    if not is_op(plain, A.mul.Tensor) or not any(same_value(a, x) for a in plain.args[:2]):
+        return "rotate(x) * sin is not added to x * cos"
+    cos = plain.args[1] if same_value(plain.args[0], x) else plain.args[0]
+    rotary_dim, out = val(x).shape[-1], add
+    # partial rotary: cat((rotary of x_full[..., :rd], x_full[..., rd:]), -1)
+    part, nxt = _last_slice(x), only_user(add)
+    if (part is not None and known_equal(part[1], 0) and known_equal(part[3], 1) and is_op(nxt, A.cat.default)
+            and last_dim(arg(nxt, "dim", 0), val(nxt).dim()) and len(nxt.args[0]) == 2 and nxt.args[0][0] is add):
+        rest = _last_slice(nxt.args[0][1])
+        if (rest is not None and same_value(rest[0], part[0]) and known_equal(rest[1], rotary_dim)
+                and known_equal(rest[2], val(part[0]).shape[-1]) and known_equal(rest[3], 1)):
+            x, out = part[0], nxt
+    for name, table in (("cos", cos), ("sin", sin)):
+        if not _repeats_halves(table, interleaved):
+            how = "repeat_interleave(freqs, 2, -1)" if interleaved else "torch.cat((freqs, freqs), -1)"
+            return (f"{name} is not proven to repeat its halves ({how} computed in the graph); a table "
+                    f"whose halves differ is not a rotation of pairs")
+    return Match(x, cos, sin, interleaved, out)
+
+
+def _learned(gm: fx.GraphModule, t: fx.Node) -> bool:
+    """t depends on an input or attribute that requires grad (the op gives tables no gradient).
+    Inputs are read from their fake values, or Dynamo's example values where a retrace kept them."""
+    seen, stack = set(), [t]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder" and any(getattr(n.meta.get(k), "requires_grad", False)
+                                         for k in ("val", "example_value")):
+            return True
+        if n.op == "get_attr" and getattr(operator.attrgetter(n.target)(gm), "requires_grad", False):
+            return True
+        stack.extend(n.all_input_nodes)
+    return False
+
+
+def _layout(gm: fx.GraphModule, m: Match) -> int | str:
+    """The dim of x holding the heads (1: (B, H, S, D), 2: (B, S, H, D)), which the tables
+    broadcast over while giving every position its own row; or why they do not fit."""
+    xv, cv, sv = val(m.x), val(m.cos), val(m.sin)
+    if xv.dim() != 4:
+        return f"x has shape {tuple(xv.shape)}, not (B, H, S, D) or (B, S, H, D)"
+    if tuple(cv.shape) != tuple(sv.shape) or cv.dim() > 4:
+        return f"cos {tuple(cv.shape)} and sin {tuple(sv.shape)} are not tables of one shape"
+    if _learned(gm, m.cos) or _learned(gm, m.sin):
+        return "cos/sin require grad, and flash.rotary gives no gradient for the tables"
+    shape = (1,) * (4 - cv.dim()) + tuple(cv.shape)
+    for heads, seq in ((1, 2), (2, 1)):
+        if known_equal(shape[heads], 1) and known_equal(shape[seq], xv.shape[seq]) and cv.dim() >= 4 - seq:
+            return heads
+    return f"cos/sin of shape {tuple(cv.shape)} do not give each position its own angles, shared by all heads"
+
+
+def _half_table(graph: fx.Graph, before: fx.Node, t: fx.Node, m: Match, heads: int) -> fx.Node:
+    """t's first half (even columns when interleaved) without the heads dim: (B or 1, S, rd/2) or (S, rd/2)."""
+    if m.interleaved:
+        h = insert_call(graph, before, A.slice.Tensor, (t, -1, 0, END, 2))
+    else:
+        h = getitem(graph, insert_call(graph, before, A.chunk.default, (t, 2, -1)), 0)
+    dim = heads - (4 - val(t).dim())
+    return insert_call(graph, before, A.squeeze.dim, (h, dim)) if dim >= 0 else h
+
+
+def _replace(gm: fx.GraphModule, m: Match) -> str:
+    """Put flash.rotary in the place of m.out; "" when done, else why not."""
+    heads = _layout(gm, m)
+    if isinstance(heads, str):
+        return heads
+    graph = gm.graph
+    cos, sin = (_half_table(graph, m.out, t, m, heads) for t in (m.cos, m.sin))
+    x = m.x if heads == 1 else insert_call(graph, m.out, A.transpose.int, (m.x, 1, 2))
+    node = call_checked(graph, m.out, FLASH.rotary.default, (x, cos, sin), {"interleaved": m.interleaved})
+    if isinstance(node, str):
+        return node
+    if heads == 2:
+        node = insert_call(graph, m.out, A.transpose.int, (node, 1, 2))
+    return replace(graph, m.out, node, "rotary")
+
+
+def rewrite(gm: fx.GraphModule, report: Report) -> None:
+    anchors = [(n, name) for target, name in ROTATIONS.items()
+               for n in gm.graph.find_nodes(op="call_function", target=target)]
+    for n, anchor in anchors:
+        m = _match(n)
+        if m is None:
+            continue
+        # where x * cos + rotate(x) * sin is written, which tells q from k
+        site = Site("rotary", location(m.out if isinstance(m, Match) else n), anchor)
+        report.add(site)
+        site.reason = m if isinstance(m, str) else _replace(gm, m)
+        if not site.reason:
+            site.op = "rotary"
+    gm.graph.eliminate_dead_code()

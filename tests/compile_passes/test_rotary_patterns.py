@@ -1,0 +1,85 @@
+"""Rotary embedding spellings -> flash.rotary through the flash backend, torch.export +
+rewrite, and explain()."""
+import pytest
+import torch
+
+import torch_flash
+from models import RotaryQK, check_training, rotate_half
+
+# the backend falls back to the unrewritten graph with a warning: here that is a failure
+pytestmark = pytest.mark.filterwarnings("error:torch_flash")
+
+
+def _inputs(b=2, s=5, dtype=torch.float32):
+    return torch.randn(b, s, 32, dtype=dtype), torch.arange(s)[None].expand(b, s)
+
+
+@pytest.mark.parametrize("style", ["llama", "neox", "gptj"])
+def test_train(style):
+    torch.manual_seed(0)
+    check_training(RotaryQK(style=style), *_inputs())
+    assert torch_flash.counters == {"flash.rotary": 2}  # q and k
+
+
+def test_bf16_inference():
+    torch.manual_seed(0)
+    model = RotaryQK().to(torch.bfloat16).eval()
+    x, pos = _inputs(dtype=torch.bfloat16)
+    with torch.inference_mode():
+        out = torch.compile(model, backend="flash")(x, pos)
+        ref = model(x, pos)
+        exact = model.double()(x.double(), pos)
+    assert torch_flash.counters == {"flash.rotary": 2}
+    for o, r, e in zip(out, ref, exact):
+        assert o.dtype == torch.bfloat16
+        err = lambda y: ((y.double() - e).norm() / e.norm()).item()  # noqa: E731
+        assert err(o) <= max(err(r), 1e-2)
+
+
+def test_dynamic_shapes():
+    torch.manual_seed(0)
+    model = RotaryQK(style="neox").eval()
+    compiled = torch.compile(model, backend="flash", dynamic=True)
+    with torch.no_grad():
+        for b, s in ((2, 5), (3, 9)):
+            args = _inputs(b, s)
+            torch.testing.assert_close(compiled(*args), model(*args), atol=1e-5, rtol=1e-5)
+    assert torch_flash.counters["flash.rotary"] >= 2
+
+
+class TableVariants(torch.nn.Module):
+    """RoPE with tables the pattern must not trust: given as inputs (halves unknown),
+    halves that differ, and learned frequencies (the op gives tables no gradient)."""
+
+    def __init__(self):
+        super().__init__()
+        self.freqs = torch.nn.Parameter(torch.randn(5, 4))
+
+    def forward(self, q, cos, sin):
+        given = q * cos + rotate_half(q) * sin
+        f = torch.outer(torch.arange(5.0), torch.ones(4))
+        emb = torch.cat((f, 2 * f), -1)
+        different = q * emb.cos() + rotate_half(q) * emb.sin()
+        learned = torch.cat((self.freqs, self.freqs), -1)
+        return given, different, q * learned.cos() + rotate_half(q) * learned.sin()
+
+
+def test_explain_reasons():
+    args = torch.randn(2, 3, 5, 8), torch.randn(5, 8), torch.randn(5, 8)
+    report = torch_flash.explain(TableVariants(), *args)
+    assert [s.family for s in report.sites] == ["rotary"] * 3
+    proof = [s for s in report.sites if "not proven to repeat its halves" in s.reason]
+    assert len(proof) == 2
+    # learned tables: visible from the exported program's parameter placeholders
+    ep = torch_flash.rewrite(torch.export.export(TableVariants(), args))
+    assert not any(str(n.target).startswith("flash.") for n in ep.graph.nodes)
+
+
+def test_export_rewrite(tmp_path):
+    torch.manual_seed(0)
+    model = RotaryQK(style="gptj").eval()
+    args = _inputs()
+    ep = torch_flash.rewrite(torch.export.export(model, args))
+    assert sum(str(n.target) == "flash.rotary.default" for n in ep.graph.nodes) == 2
+    torch.export.save(ep, tmp_path / "rope.pt2")
+    torch.testing.assert_close(torch.export.load(tmp_path / "rope.pt2").module()(*args), model(*args))

@@ -1,0 +1,146 @@
+"""RMSNorm and LayerNorm, forward and backward, bf16: `python -m torch_flash.bench norm`.
+
+Implementations: ours (the Triton launchers of torch_flash/kernels/triton/norm.py), eager
+(F.rms_norm / F.layer_norm), torch.compile of the naive model code, and Liger-Kernel where it
+is installed. Bytes moved = each input read once + each output written once; GB/s is set
+against a device copy of the same byte count timed in the same run (the ceiling).
+Rows: {op, shape, pass, impl, ms, gbps, frac_of_copy}.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ._common import copy_bandwidth, try_time
+
+SHAPES = [(32768, 4096), (65536, 1024), (4096, 8192)]
+QUICK = [(4096, 1024)]
+CPU_SHAPES = [(8, 256)]  # smoke run under TRITON_INTERPRET=1
+EPS = 1e-6
+
+
+def time_impls(rows: list[dict], impls: dict[str, Callable[[], object] | None], nbytes: int, device: str,
+               **labels) -> None:
+    """Time each impl (None: not available), append one row per impl plus the copy ceiling."""
+    ceiling = copy_bandwidth(nbytes, device)
+    where = " ".join(str(v) for v in labels.values())
+    print(f"{where}: copy {ceiling / 1e9:.0f} GB/s for {nbytes / 1e6:.1f} MB")
+    for impl, fn in impls.items():
+        ms = None if fn is None else try_time(impl, fn)
+        gbps = None if ms is None else nbytes / (ms * 1e-3) / 1e9
+        rows.append({**labels, "impl": impl, "ms": ms, "gbps": gbps,
+                     "frac_of_copy": None if gbps is None else gbps * 1e9 / ceiling})
+        if ms is not None:
+            print(f"  {impl:>12}: {ms:8.4f} ms {gbps:7.0f} GB/s  {gbps * 1e9 / ceiling:5.2f} of copy")
+    rows.append({**labels, "impl": "copy", "ms": nbytes / ceiling * 1e3, "gbps": ceiling / 1e9,
+                 "frac_of_copy": 1.0})
+
+
+def plot_bars(data: dict, path: str, panel_keys: tuple[str, ...]) -> None:
+    """Grouped bars of frac_of_copy: one panel per value of panel_keys, shapes on the x axis."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in data["rows"] if r["impl"] != "copy"]
+    panels = sorted({tuple(r[k] for k in panel_keys) for r in rows})
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        sub = [r for r in rows if tuple(r[k] for k in panel_keys) == panel]
+        shapes = list(dict.fromkeys(str(tuple(r["shape"])) for r in sub))
+        width = 0.8 / len(impls)
+        for i, impl in enumerate(impls):
+            vals = {str(tuple(r["shape"])): r["frac_of_copy"] or 0.0 for r in sub if r["impl"] == impl}
+            ax.bar([j + i * width for j in range(len(shapes))], [vals.get(s, 0.0) for s in shapes], width,
+                   label=impl)
+        ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], shapes, fontsize=8)
+        ax.set_title(" ".join(map(str, panel)))
+        ax.set_ylabel("fraction of copy bandwidth")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"{data['suite']} on {data['env']['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def _naive_rms(x, w, eps: float = EPS):  # HF LlamaRMSNorm
+    h = x.float()
+    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _naive_ln(x, w, b, eps: float = EPS):
+    h = x.float()
+    hc = h - h.mean(-1, keepdim=True)
+    return (hc * torch.rsqrt(hc.pow(2).mean(-1, keepdim=True) + eps) * w.float() + b.float()).to(x.dtype)
+
+
+def _liger(is_rms: bool):
+    try:
+        if is_rms:
+            from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+            return lambda x, w, b: LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", False)
+        from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+        return lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, EPS)
+    except ImportError:
+        return None
+
+
+def autograd_pair(f, inputs: list, grads):
+    """(forward without a graph, backward through one recorded forward) of a differentiable f
+    of `inputs` (None entries pass through); grads matches f's output(s)."""
+    leaves = [None if t is None else t.detach().requires_grad_() for t in inputs]
+    recorded = []
+
+    def fwd():
+        with torch.no_grad():
+            return f(*inputs)
+
+    def bwd():
+        if not recorded:
+            recorded.append(f(*leaves))
+        wrt = [t for t in leaves if t is not None]
+        return torch.autograd.grad(recorded[0], wrt, grads, retain_graph=True)
+
+    return fwd, bwd
+
+
+def run(args) -> list[dict]:
+    from ..kernels.triton.norm import norm_bwd, norm_fwd
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shapes = CPU_SHAPES if device == "cpu" else (QUICK if args.quick else SHAPES)
+    rows: list[dict] = []
+    for op, is_rms in (("rms_norm", True), ("layer_norm", False)):
+        naive = (lambda x, w, b: _naive_rms(x, w)) if is_rms else _naive_ln
+        eager = ((lambda x, w, b: F.rms_norm(x, x.shape[-1:], w, EPS)) if is_rms
+                 else (lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b, EPS)))
+        compiled = torch.compile(naive)
+        liger = _liger(is_rms)
+        for shape in shapes:
+            m, n = shape
+            x = torch.randn(shape, device=device, dtype=torch.bfloat16)
+            w = torch.randn(n, device=device, dtype=torch.bfloat16)
+            b = None if is_rms else torch.randn(n, device=device, dtype=torch.bfloat16)
+            g = torch.randn_like(x)
+            kw = dict(eps=EPS, is_rms=is_rms, weight_offset=0.0, cast_before_weight=is_rms)
+            pairs = {"eager": autograd_pair(eager, [x, w, b], g),
+                     "compile": autograd_pair(compiled, [x, w, b], g),
+                     "liger": None if liger is None else autograd_pair(liger, [x, w, b], g)}
+            ours = (lambda: norm_fwd(x, w, b, None, residual_in_fp32=False, **kw),
+                    lambda: norm_bwd(g, None, x, w, b, out_dtype=x.dtype, **kw))
+            params = 1 if is_rms else 2  # weight (and bias) vectors
+            e = x.element_size()
+            fwd_bytes = 2 * m * n * e + params * n * e  # x, params in; y out
+            bwd_bytes = 3 * m * n * e + (1 + params) * n * e  # g, x, w in; dx, dw (, db) out
+            for pass_, i, nbytes in (("forward", 0, fwd_bytes), ("backward", 1, bwd_bytes)):
+                impls = {"ours": ours[i], **{k: None if p is None else p[i] for k, p in pairs.items()}}
+                time_impls(rows, impls, nbytes, device, op=op, shape=list(shape), **{"pass": pass_})
+    return rows
+
+
+def plot(data: dict, path: str) -> None:
+    plot_bars(data, path, ("op", "pass"))

@@ -1,0 +1,82 @@
+"""Rotary embedding of q and k, forward and backward, bf16: `python -m torch_flash.bench rotary`.
+
+LLaMA-7B-like heads (32 q and 32 k heads of 128), q and k as the (B, H, S, D) views of
+(B, S, H, D) projections that HF models make. Implementations: ours (the Triton launcher of
+torch_flash/kernels/triton/rotary.py, once per tensor, out of place and in place), eager
+HF `q * cos + rotate_half(q) * sin`, torch.compile of it, Liger-Kernel's rope where installed.
+Bytes moved = q and k read and written once, plus the (S, rd/2) fp32 cos/sin tables.
+"""
+from __future__ import annotations
+
+import torch
+
+from .norm import autograd_pair, plot_bars, time_impls
+
+HEADS, HEAD_DIM = 32, 128
+SHAPES = [(1, 4096), (4, 4096), (1, 16384)]  # (batch, seqlen)
+QUICK = [(1, 1024)]
+CPU_SHAPES = [(1, 16)]  # smoke run under TRITON_INTERPRET=1
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _hf_rope(q, k, cos, sin):  # cos/sin (S, D), halves duplicated, in q's dtype
+    cos, sin = cos[None, None], sin[None, None]
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _liger():
+    try:
+        from liger_kernel.ops.rope import LigerRopeFunction
+    except ImportError:
+        return None
+    return lambda q, k, cos, sin: LigerRopeFunction.apply(q, k, cos[None], sin[None])
+
+
+def run(args) -> list[dict]:
+    from ..kernels.triton.rotary import rotary_apply
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shapes = CPU_SHAPES if device == "cpu" else (QUICK if args.quick else SHAPES)
+    heads = 2 if device == "cpu" else HEADS
+    compiled = torch.compile(_hf_rope)
+    liger = _liger()
+    rows: list[dict] = []
+    for batch, seqlen in shapes:
+        q, k, gq, gk = (torch.randn(batch, seqlen, heads, HEAD_DIM, device=device, dtype=torch.bfloat16)
+                        .transpose(1, 2) for _ in range(4))
+        inv_freq = 1.0 / 10000 ** (torch.arange(0, HEAD_DIM, 2, device=device) / HEAD_DIM)
+        angles = torch.arange(seqlen, device=device)[:, None] * inv_freq
+        cos, sin = angles.cos(), angles.sin()  # (S, D/2): our tables
+        cos_full, sin_full = (torch.cat((t, t), -1).to(q.dtype) for t in (cos, sin))  # HF's
+
+        def ours(a, b, conjugate=False, in_place=False):
+            kw = dict(interleaved=False, seqlen_offset=0, seqlen_offsets=None, cu_seqlens=None,
+                      conjugate=conjugate)
+            return (rotary_apply(a, cos, sin, out=a if in_place else None, **kw),
+                    rotary_apply(b, cos, sin, out=b if in_place else None, **kw))
+
+        inputs = [q, k, cos_full, sin_full]
+        pairs = {"eager": autograd_pair(_hf_rope, inputs, (gq, gk)),
+                 "compile": autograd_pair(compiled, inputs, (gq, gk)),
+                 "liger": None if liger is None else autograd_pair(liger, inputs, (gq, gk))}
+        # in place rotates the same buffers again on every call: fine for timing
+        qi, ki, gqi, gki = (t.clone() for t in (q, k, gq, gk))
+        impls = {
+            "forward": {"ours": lambda: ours(q, k), "ours_inplace": lambda: ours(qi, ki, in_place=True)},
+            "backward": {"ours": lambda: ours(gq, gk, conjugate=True),
+                         "ours_inplace": lambda: ours(gqi, gki, conjugate=True, in_place=True)},
+        }
+        nbytes = 4 * q.numel() * q.element_size() + 2 * cos.numel() * cos.element_size()
+        for pass_, i in (("forward", 0), ("backward", 1)):
+            timed = {**impls[pass_], **{name: None if p is None else p[i] for name, p in pairs.items()}}
+            time_impls(rows, timed, nbytes, device, op="rotary", shape=[batch, heads, seqlen, HEAD_DIM],
+                       **{"pass": pass_})
+    return rows
+
+
+def plot(data: dict, path: str) -> None:
+    plot_bars(data, path, ("op", "pass"))

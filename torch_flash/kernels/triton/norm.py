@@ -1,0 +1,429 @@
+"""Triton RMSNorm / LayerNorm kernels, optionally fused with a residual add: forward and backward.
+
+One kernel family serves both norms (IS_RMS constexpr). x is (..., N), processed as M rows of N.
+Statistics are fp32. Dtype rules follow torch_flash/reference/rms_norm.py and layer_norm.py:
+
+* y = xhat * (w + weight_offset) + b, xhat = (x - mean) * rstd (RMSNorm: mean = 0, rstd from
+  mean(x^2)). cast_before_weight=True (HF LLaMA): xhat is rounded to x's dtype and multiplied
+  by (w + weight_offset) rounded to w's dtype, y in promote(x, w). False (Gemma, LayerNorm): the
+  affine is fp32 and y is x's dtype. LayerNorm callers pass cast_before_weight=False.
+* With a residual: residual_out = x + residual, stored in fp32 or x's dtype, and y is computed
+  from residual_out as stored (y still in the dtype above, xhat still rounded to x's dtype).
+* The backward recomputes mean/rstd from x (or residual_out). dW/dB: each program sums
+  g * xhat over its own range of rows into one row of an fp32 (programs, N) buffer, then
+  torch.sum over the programs: no atomics, bitwise reproducible.
+
+A row that fits one block (N <= BLOCK_N) is read once and kept in registers. Longer rows loop
+over column blocks: statistics first (Chan's merge of per-block mean and M2, so no cancellation
+from sum(x^2) - N mean^2), then a second pass normalises (the backward has a third pass for the
+two row sums it needs). There is no limit on N.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ... import _dispatch
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Widest column block held in registers per row; longer rows loop over blocks of this size.
+FWD_MAX_BLOCK = 16384
+BWD_MAX_BLOCK = 8192
+# Target elements per program tile: short rows are processed several at a time.
+TILE = 4096
+# Backward programs per SM, at most; fewer for wide rows (dW partials are programs x N fp32).
+BWD_PROGRAMS_PER_SM = 8
+
+_ROUND_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def _configs(warps: tuple[int, ...]) -> list[triton.Config]:
+    # The interpreter cannot time configs; one is enough for correctness there.
+    if _dispatch.triton_interpret():
+        return [triton.Config({}, num_warps=4)]
+    return [triton.Config({}, num_warps=w) for w in warps]
+
+
+@triton.jit
+def _round(x, CODE: tl.constexpr):
+    """x (fp32) rounded to fp32 / fp16 / bf16 (CODE 0 / 1 / 2), returned as fp32."""
+    if CODE == 1:
+        x = x.to(tl.float16).to(tl.float32)
+    elif CODE == 2:
+        x = x.to(tl.bfloat16).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _stats_update(x, mask, off, N, mean, m2, IS_RMS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Merge one column block (columns off.. of each row; masked entries are 0) into the
+    running (mean, M2) of each row. RMSNorm keeps mean = 0 and M2 = sum(x^2)."""
+    if IS_RMS:
+        m2 += tl.sum(x * x, axis=1)
+    else:
+        nb = tl.minimum(N - off, BLOCK_N).to(tl.float32)
+        seen = off * 1.0
+        mean_b = tl.sum(x, axis=1) / nb
+        d = tl.where(mask, x - mean_b[:, None], 0.0)
+        delta = mean_b - mean
+        mean += delta * (nb / (seen + nb))
+        m2 += tl.sum(d * d, axis=1) + delta * delta * (seen * nb / (seen + nb))
+    return mean, m2
+
+
+@triton.jit
+def _ptrs(P, rows, cols, stride):
+    """Pointers to the (rows, cols) tile of the matrix at P with row stride `stride` (64-bit)."""
+    return P + rows.to(tl.int64)[:, None] * stride + cols[None, :]
+
+
+@triton.jit
+def _tile(P, rows, cols, mask, stride):
+    """A (rows, cols) tile of the matrix at P, in fp32, 0 outside the mask."""
+    return tl.load(_ptrs(P, rows, cols, stride), mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_sum(X, R, RO, rows, cols, mask, stride_x, stride_r, stride_ro, HAS_RES: tl.constexpr):
+    """x (or x + residual, stored to RO and returned as stored) of one tile, in fp32."""
+    x = _tile(X, rows, cols, mask, stride_x)
+    if HAS_RES:
+        s = (x + _tile(R, rows, cols, mask, stride_r)).to(RO.dtype.element_ty)
+        tl.store(_ptrs(RO, rows, cols, stride_ro), s, mask=mask)
+        x = s.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _normalize_store(x, mean, rstd, W, B, Y, rows, cols, mask, col_mask, stride_y, weight_offset,
+                     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                     CAST_BEFORE_W: tl.constexpr, ROUND: tl.constexpr):
+    """y of one tile from its x (fp32) and the row statistics, stored in Y's dtype."""
+    if IS_RMS:
+        y = x * rstd[:, None]
+    else:
+        y = (x - mean[:, None]) * rstd[:, None]
+    if HAS_W:
+        w = tl.load(W + cols, mask=col_mask, other=0.0)
+        if CAST_BEFORE_W:
+            wo = (w.to(tl.float32) + weight_offset).to(W.dtype.element_ty).to(tl.float32)
+            y = _round(y, ROUND) * wo[None, :]
+        else:
+            y = y * (w.to(tl.float32) + weight_offset)[None, :]
+    if HAS_B:
+        y += tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(_ptrs(Y, rows, cols, stride_y), y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.autotune(configs=_configs((4, 8, 16)), key=["N", "BLOCK_N", "ROWS"])
+@triton.jit
+def _norm_fwd_kernel(X, R, W, B, Y, RO, M, N, stride_x, stride_r, stride_y, stride_ro,
+                     eps, weight_offset,
+                     IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr,
+                     HAS_B: tl.constexpr, CAST_BEFORE_W: tl.constexpr, ROUND: tl.constexpr,
+                     ONE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_mask = rows < M
+    zero = tl.zeros([ROWS], dtype=tl.float32)
+    if ONE_BLOCK:  # whole row in registers: one read
+        cols = tl.arange(0, BLOCK_N)
+        col_mask = cols < N
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = _load_sum(X, R, RO, rows, cols, mask, stride_x, stride_r, stride_ro, HAS_RES)
+        mean, m2 = _stats_update(x, mask, 0, N, zero, zero, IS_RMS, BLOCK_N)
+        rstd = tl.rsqrt(m2 / N + eps)
+        _normalize_store(x, mean, rstd, W, B, Y, rows, cols, mask, col_mask, stride_y, weight_offset,
+                         IS_RMS, HAS_W, HAS_B, CAST_BEFORE_W, ROUND)
+    else:
+        mean, m2 = zero, zero
+        for off in range(0, N, BLOCK_N):
+            cols = off + tl.arange(0, BLOCK_N)
+            mask = row_mask[:, None] & (cols < N)[None, :]
+            x = _load_sum(X, R, RO, rows, cols, mask, stride_x, stride_r, stride_ro, HAS_RES)
+            mean, m2 = _stats_update(x, mask, off, N, mean, m2, IS_RMS, BLOCK_N)
+        rstd = tl.rsqrt(m2 / N + eps)
+        if HAS_RES:  # the second pass reads residual_out back: make every thread's stores visible
+            tl.debug_barrier()
+        for off in range(0, N, BLOCK_N):
+            cols = off + tl.arange(0, BLOCK_N)
+            col_mask = cols < N
+            mask = row_mask[:, None] & col_mask[None, :]
+            if HAS_RES:
+                x = _tile(RO, rows, cols, mask, stride_ro)
+            else:
+                x = _tile(X, rows, cols, mask, stride_x)
+            _normalize_store(x, mean, rstd, W, B, Y, rows, cols, mask, col_mask, stride_y, weight_offset,
+                             IS_RMS, HAS_W, HAS_B, CAST_BEFORE_W, ROUND)
+
+
+@triton.jit
+def _weight(W, cols, col_mask, weight_offset, HAS_W: tl.constexpr):
+    """(w + weight_offset) in fp32 as a row to broadcast, or 1.0 without a weight."""
+    wo = 1.0
+    if HAS_W:
+        wo = (tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + weight_offset)[None, :]
+    return wo
+
+
+@triton.jit
+def _grad_tile(x, g, wo, mean, rstd, mask, IS_RMS: tl.constexpr):
+    """(xhat, dxhat = g * (w + offset)) of one tile in fp32; xhat is 0 outside the mask."""
+    if not IS_RMS:
+        x = x - mean[:, None]
+    return tl.where(mask, x * rstd[:, None], 0.0), g * wo
+
+
+@triton.jit
+def _residual_grad(GR, rows, cols, mask, stride, HAS_GRES: tl.constexpr):
+    """The tile of the gradient of residual_out, or 0.0 without one (loaded early by the callers,
+    so that its latency hides behind the math)."""
+    gr = 0.0
+    if HAS_GRES:
+        gr = _tile(GR, rows, cols, mask, stride)
+    return gr
+
+
+@triton.jit
+def _dx_store(xhat, dxhat, c1, c2, rstd, gr, DX, rows, cols, mask, stride_dx,
+              IS_RMS: tl.constexpr, HAS_GRES: tl.constexpr):
+    """dx = rstd * (dxhat - xhat * c1 - c2) (+ gr, the gradient of residual_out), with
+    c1 = mean(dxhat * xhat) and c2 = mean(dxhat) (unused by RMSNorm)."""
+    dx = dxhat - xhat * c1[:, None]
+    if not IS_RMS:
+        dx -= c2[:, None]
+    dx *= rstd[:, None]
+    if HAS_GRES:
+        dx += gr
+    tl.store(_ptrs(DX, rows, cols, stride_dx), dx.to(DX.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _param_grads(g, xhat, mask, CAST_BEFORE_W: tl.constexpr, ROUND: tl.constexpr):
+    """This tile's contributions to dW and dB, summed over its rows."""
+    h = xhat
+    if CAST_BEFORE_W:
+        h = _round(xhat, ROUND)
+    # rows past the end have g = 0 but may have NaN xhat (rstd of a zero row with eps = 0)
+    return tl.sum(tl.where(mask, g * h, 0.0), axis=0), tl.sum(g, axis=0)
+
+
+@triton.autotune(configs=_configs((4, 8, 16, 32)), key=["N", "BLOCK_N", "ROWS"])
+@triton.jit
+def _norm_bwd_kernel(G, GR, X, W, DX, DWP, DBP, M, N, stride_g, stride_gr, stride_x, stride_dx,
+                     eps, weight_offset,
+                     IS_RMS: tl.constexpr, HAS_GRES: tl.constexpr, HAS_W: tl.constexpr,
+                     HAS_DW: tl.constexpr, HAS_DB: tl.constexpr, CAST_BEFORE_W: tl.constexpr,
+                     ROUND: tl.constexpr, ONE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+                     ROWS: tl.constexpr):
+    # Program p owns rows [p*M//P, (p+1)*M//P) (at least one, as P <= M) and row p of the partials.
+    pid = tl.program_id(0).to(tl.int64)
+    row_start = (pid * M) // tl.num_programs(0)
+    row_end = ((pid + 1) * M) // tl.num_programs(0)
+    zero = tl.zeros([ROWS], dtype=tl.float32)
+    if ONE_BLOCK:  # whole row in registers; dW/dB partials accumulate in registers
+        cols = tl.arange(0, BLOCK_N)
+        col_mask = cols < N
+        wo = _weight(W, cols, col_mask, weight_offset, HAS_W)
+        dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+        db = tl.zeros([BLOCK_N], dtype=tl.float32)
+        rows = row_start + tl.arange(0, ROWS)
+        mask = (rows < row_end)[:, None] & col_mask[None, :]
+        x_next = tl.load(_ptrs(X, rows, cols, stride_x), mask=mask, other=0.0)
+        g_next = tl.load(_ptrs(G, rows, cols, stride_g), mask=mask, other=0.0)
+        for r0 in range(row_start, row_end, ROWS):
+            rows = r0 + tl.arange(0, ROWS)
+            mask = (rows < row_end)[:, None] & col_mask[None, :]
+            x = x_next.to(tl.float32)
+            g = g_next.to(tl.float32)
+            gr = _residual_grad(GR, rows, cols, mask, stride_gr, HAS_GRES)
+            # Prefetch the next tile (Triton does not pipeline these loads itself): one program
+            # per SM is all the registers allow, so its loads must overlap its own math.
+            next_mask = (rows + ROWS < row_end)[:, None] & col_mask[None, :]
+            x_next = tl.load(_ptrs(X, rows + ROWS, cols, stride_x), mask=next_mask, other=0.0)
+            g_next = tl.load(_ptrs(G, rows + ROWS, cols, stride_g), mask=next_mask, other=0.0)
+            mean, m2 = _stats_update(x, mask, 0, N, zero, zero, IS_RMS, BLOCK_N)
+            rstd = tl.rsqrt(m2 / N + eps)
+            xhat, dxhat = _grad_tile(x, g, wo, mean, rstd, mask, IS_RMS)
+            c1 = tl.sum(dxhat * xhat, axis=1) / N
+            c2 = tl.sum(dxhat, axis=1) / N
+            _dx_store(xhat, dxhat, c1, c2, rstd, gr, DX, rows, cols, mask, stride_dx, IS_RMS, HAS_GRES)
+            dw_t, db_t = _param_grads(g, xhat, mask, CAST_BEFORE_W, ROUND)
+            dw += dw_t
+            db += db_t
+        if HAS_DW:
+            tl.store(DWP + pid * N + cols, dw, mask=col_mask)
+        if HAS_DB:
+            tl.store(DBP + pid * N + cols, db, mask=col_mask)
+    else:  # three passes per row tile: statistics, the two row sums, then dx and the partials
+        for r0 in range(row_start, row_end, ROWS):
+            rows = r0 + tl.arange(0, ROWS)
+            row_mask = rows < row_end
+            mean, m2 = zero, zero
+            for off in range(0, N, BLOCK_N):
+                cols = off + tl.arange(0, BLOCK_N)
+                mask = row_mask[:, None] & (cols < N)[None, :]
+                x = _tile(X, rows, cols, mask, stride_x)
+                mean, m2 = _stats_update(x, mask, off, N, mean, m2, IS_RMS, BLOCK_N)
+            rstd = tl.rsqrt(m2 / N + eps)
+            c1, c2 = zero, zero
+            for off in range(0, N, BLOCK_N):
+                cols = off + tl.arange(0, BLOCK_N)
+                col_mask = cols < N
+                mask = row_mask[:, None] & col_mask[None, :]
+                x = _tile(X, rows, cols, mask, stride_x)
+                g = _tile(G, rows, cols, mask, stride_g)
+                wo = _weight(W, cols, col_mask, weight_offset, HAS_W)
+                xhat, dxhat = _grad_tile(x, g, wo, mean, rstd, mask, IS_RMS)
+                c1 += tl.sum(dxhat * xhat, axis=1)
+                c2 += tl.sum(dxhat, axis=1)
+            c1 /= N
+            c2 /= N
+            for off in range(0, N, BLOCK_N):
+                cols = off + tl.arange(0, BLOCK_N)
+                col_mask = cols < N
+                mask = row_mask[:, None] & col_mask[None, :]
+                x = _tile(X, rows, cols, mask, stride_x)
+                g = _tile(G, rows, cols, mask, stride_g)
+                gr = _residual_grad(GR, rows, cols, mask, stride_gr, HAS_GRES)
+                wo = _weight(W, cols, col_mask, weight_offset, HAS_W)
+                xhat, dxhat = _grad_tile(x, g, wo, mean, rstd, mask, IS_RMS)
+                _dx_store(xhat, dxhat, c1, c2, rstd, gr, DX, rows, cols, mask, stride_dx, IS_RMS, HAS_GRES)
+                dw_t, db_t = _param_grads(g, xhat, mask, CAST_BEFORE_W, ROUND)
+                # The partial row is this program's own: read-add-write, and the program's first
+                # row tile overwrites it. The barrier keeps a thread from reading an element that
+                # another thread holding a replica of it has already updated in this step.
+                part = pid * N + cols
+                acc_mask = cols < tl.where(r0 > row_start, N, 0)
+                if HAS_DW:
+                    dw_t += tl.load(DWP + part, mask=acc_mask, other=0.0)
+                if HAS_DB:
+                    db_t += tl.load(DBP + part, mask=acc_mask, other=0.0)
+                tl.debug_barrier()
+                if HAS_DW:
+                    tl.store(DWP + part, dw_t, mask=col_mask)
+                if HAS_DB:
+                    tl.store(DBP + part, db_t, mask=col_mask)
+
+
+def _rows(t: torch.Tensor, n: int) -> torch.Tensor | None:
+    """(rows, n) view of t (..., n) when its rows share one stride and the last dim is
+    contiguous, else None."""
+    if n > 1 and t.stride(-1) != 1:
+        return None
+    lead = [(s, st) for s, st in zip(t.shape[:-1], t.stride()[:-1]) if s != 1]
+    if any(st0 != st1 * s1 for (_, st0), (s1, st1) in zip(lead, lead[1:])):
+        return None
+    return t.as_strided((t.numel() // n, n), (lead[-1][1] if lead else n, 1))
+
+
+def _in_rows(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    if t is None:
+        return None
+    rows = _rows(t, n)
+    return rows if rows is not None else t.contiguous().view(-1, n)
+
+
+def _out(like: torch.Tensor, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, rows): out shaped like `like` with empty_like's strides (what the fakes promise),
+    rows the (M, n) view the kernel writes. When a permutation of the leading dims leaves out
+    without one row stride, rows is a contiguous buffer; _finish copies it into out."""
+    out = torch.empty_like(like, dtype=dtype)
+    rows = _rows(out, n)
+    return out, (rows if rows is not None else torch.empty(out.numel() // n, n, dtype=dtype,
+                                                          device=out.device))
+
+
+def _finish(out: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    if _rows(out, out.shape[-1]) is None:
+        out.copy_(rows.view(out.shape))
+    return out
+
+
+def _vector(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.contiguous()  # the kernels index weight and bias densely
+
+
+def _blocks(n: int, cap: int, block_n: int | None) -> tuple[int, int]:
+    """(BLOCK_N, ROWS): the column block and the rows per program tile."""
+    block = block_n or min(triton.next_power_of_2(n), cap)
+    return block, max(1, min(64, TILE // block))
+
+
+def _bwd_programs(m: int, block: int, device: torch.device) -> int:
+    """Backward programs: a few per SM (fewer for wide rows), each owning a range of rows."""
+    if device.type != "cuda":
+        return min(m, 2)  # interpreter: two programs still exercise the partial-sum reduction
+    per_sm = max(1, min(BWD_PROGRAMS_PER_SM, 16384 // block))
+    return min(m, torch.cuda.get_device_properties(device).multi_processor_count * per_sm)
+
+
+def norm_supports(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
+    """Whether these kernels serve x (..., N) with this weight on x's device."""
+    return (_dispatch.triton_can_run(x.device) and x.dtype in DTYPES and x.dim() >= 1
+            and x.shape[-1] > 0 and (weight is None or weight.dtype in DTYPES))
+
+
+def norm_fwd(x, weight, bias, residual, *, eps, is_rms, weight_offset, cast_before_weight,
+             residual_in_fp32, block_n=None):
+    """y = norm(x [+ residual]) over the last dim of x (..., N); returns (y, residual_out or None).
+
+    weight, bias: (N,) or None (RMSNorm takes no bias). block_n forces the column block (a
+    power of 2; tests use a small one so that the multi-block loop runs).
+    """
+    n = x.shape[-1]
+    y_dtype = (torch.promote_types(x.dtype, weight.dtype) if weight is not None and cast_before_weight
+               else x.dtype)
+    y, y_rows = _out(x, n, y_dtype)
+    ro = ro_rows = None
+    if residual is not None:
+        ro, ro_rows = _out(x, n, torch.float32 if residual_in_fp32 else x.dtype)
+    m = x.numel() // n
+    if m == 0:
+        return y, ro
+    x_rows, r_rows = _in_rows(x, n), _in_rows(residual, n)
+    block, rows_per_tile = _blocks(n, FWD_MAX_BLOCK, block_n)
+    torch.library.wrap_triton(_norm_fwd_kernel)[(triton.cdiv(m, rows_per_tile),)](
+        x_rows, r_rows, _vector(weight), _vector(bias), y_rows, ro_rows, m, n,
+        x_rows.stride(0), 0 if r_rows is None else r_rows.stride(0), y_rows.stride(0),
+        0 if ro_rows is None else ro_rows.stride(0), eps, weight_offset,
+        IS_RMS=is_rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
+        CAST_BEFORE_W=cast_before_weight, ROUND=_ROUND_CODE[x.dtype], ONE_BLOCK=block >= n,
+        BLOCK_N=block, ROWS=rows_per_tile)
+    _finish(y, y_rows)
+    if ro is not None:
+        _finish(ro, ro_rows)
+    return y, ro
+
+
+def norm_bwd(grad_y, grad_residual_out, x_or_residual_out, weight, bias, *, eps, is_rms, weight_offset,
+             cast_before_weight, out_dtype, block_n=None):
+    """Gradients of norm_fwd: (dx, dweight or None, dbias or None).
+
+    x_or_residual_out is the tensor that was normalised (x, or residual_out of the add variant);
+    dx is its gradient in its dtype, plus grad_residual_out when given (the add variant's
+    d(x + residual)). out_dtype is the dtype xhat was rounded to before the weight product
+    (x's dtype; with cast_before_weight it enters dweight). dweight/dbias in their parameter's dtype.
+    """
+    x = x_or_residual_out
+    n = x.shape[-1]
+    dx, dx_rows = _out(x, n, x.dtype)
+    m = x.numel() // n
+    if m == 0:
+        return (dx, None if weight is None else torch.zeros_like(weight),
+                None if bias is None else torch.zeros_like(bias))
+    g_rows, gr_rows, x_rows = _in_rows(grad_y, n), _in_rows(grad_residual_out, n), _in_rows(x, n)
+    block, rows_per_tile = _blocks(n, BWD_MAX_BLOCK, block_n)
+    programs = _bwd_programs(m, block, x.device)
+    dwp = torch.empty(programs, n, dtype=torch.float32, device=x.device) if weight is not None else None
+    dbp = torch.empty(programs, n, dtype=torch.float32, device=x.device) if bias is not None else None
+    torch.library.wrap_triton(_norm_bwd_kernel)[(programs,)](
+        g_rows, gr_rows, x_rows, _vector(weight), dx_rows, dwp, dbp, m, n,
+        g_rows.stride(0), 0 if gr_rows is None else gr_rows.stride(0), x_rows.stride(0), dx_rows.stride(0),
+        eps, weight_offset,
+        IS_RMS=is_rms, HAS_GRES=grad_residual_out is not None, HAS_W=weight is not None,
+        HAS_DW=dwp is not None, HAS_DB=dbp is not None, CAST_BEFORE_W=cast_before_weight,
+        ROUND=_ROUND_CODE.get(out_dtype, 0), ONE_BLOCK=block >= n, BLOCK_N=block, ROWS=rows_per_tile)
+    dw = None if dwp is None else dwp.sum(0).to(weight.dtype)
+    db = None if dbp is None else dbp.sum(0).to(bias.dtype)
+    return _finish(dx, dx_rows), dw, db
