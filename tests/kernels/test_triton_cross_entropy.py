@@ -81,7 +81,10 @@ def _check_ce(x, t, opts, reduction, block=BLOCK):
     dx = K.ce_bwd(g, x, t, lse, block=block, **kw)
     assert dx.dtype == x.dtype and dx.is_contiguous()
     assert_rel_close(dx, ce_ref.cross_entropy_backward(g.double(), x64, t, opts, reduction), tol, what="dlogits")
-    assert torch.allclose(K.ce_bwd(g, x, t, None, block=block, **kw).float(), dx.float(), rtol=1e-5, atol=1e-7)
+    # lse recomputed in the kernel: equal in fp32 up to summation order, which can flip the
+    # rounding of a few bf16 gradients by one unit (seen on the H100 at V = 256000)
+    assert_rel_close(K.ce_bwd(g, x, t, None, block=block, **kw), dx, TOL[FP32] if x.dtype == FP32 else 1e-3,
+                     what="dlogits, lse recomputed")
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)

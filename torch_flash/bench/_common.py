@@ -9,6 +9,11 @@ from typing import Callable
 
 import torch
 
+# The benchmarks time backward passes repeatedly over one retained graph; compiled
+# baselines donate their saved buffers by default, which forbids that (it saves memory,
+# not time).
+torch._functorch.config.donated_buffer = False
+
 
 def env_info() -> dict:
     info = {
