@@ -31,6 +31,8 @@ OPS: tuple[OpEntry, ...] = (
     OpEntry("layer_norm", "layer_norm", "norm", "layer_norm_backward"),
     OpEntry("add_layer_norm", "layer_norm", "norm", "add_layer_norm_backward"),
     OpEntry("cross_entropy", "cross_entropy", "loss", "cross_entropy_backward"),
+    # the autograd forward of cross_entropy: the loss and the row log-sum-exps its backward reuses
+    OpEntry("cross_entropy_with_lse", "cross_entropy", "loss", None, public=False),
     OpEntry("linear_cross_entropy", "linear_cross_entropy", "loss", "linear_cross_entropy_backward"),
     # the autograd forward of linear_cross_entropy: loss and gradients in one pass
     OpEntry("linear_cross_entropy_with_grads", "linear_cross_entropy", "loss", None, public=False),

@@ -230,7 +230,7 @@ def _torch_unfused(h, w, t, b, opts, reduction):
     (loss, dh, dw, db) for an upstream gradient of 1, db None without a bias."""
     leaves = [None if p is None else p.detach().clone().requires_grad_() for p in (h, w, b)]
     logits = F.linear(*leaves)
-    loss = ce_ref.reduce(ce_ref.row_losses(logits, t, opts), t, opts.ignore_index, reduction)
+    loss = ce_ref.reduce(ce_ref.row_losses(logits, t, opts)[0], t, opts.ignore_index, reduction)
     loss.sum().backward()
     return (loss.detach(), *(None if p is None else p.grad for p in leaves))
 

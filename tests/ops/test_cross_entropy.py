@@ -64,11 +64,19 @@ def _samples_bwd():
         batch = (2, 3) if i % 2 else (5,)
         x = _logits((*batch, 13), dtype, noncontig=i == 1)
         grad = torch.randn(batch if reduction == "none" else ())
-        yield (grad, x, _target(batch, 13, opts.get("ignore_index", -100))), {**opts, "reduction": reduction}
+        t = _target(batch, 13, opts.get("ignore_index", -100))
+        lse = torch.ops.flash.cross_entropy_with_lse(x, t, **opts)[1] if i % 2 else None
+        yield (grad, x, t, lse), {**opts, "reduction": reduction}
+
+
+def _samples_with_lse():
+    for (x, t), kw in list(_samples_fwd())[::2]:
+        yield (x.detach(), t), kw
 
 
 OPCHECK_SAMPLES = {
     "cross_entropy": _samples_fwd,
+    "cross_entropy_with_lse": _samples_with_lse,
     "cross_entropy_backward": _samples_bwd,
 }
 
@@ -241,3 +249,18 @@ def test_inputs_untouched(softcap):
     copies = x.detach().clone(), t.clone()
     cross_entropy(x, t, softcap=softcap, z_loss=1e-2, label_smoothing=0.1).backward()
     assert torch.equal(x.detach(), copies[0]) and torch.equal(t, copies[1])
+
+
+def test_with_lse_and_saved_lse_backward():
+    """cross_entropy_with_lse's lse is each row's logsumexp (0 on ignored rows); the backward
+    gives the same gradient from it as when it recomputes it."""
+    x, t = _logits((4, 3, 29), torch.float64), _target((4, 3), 29, -100)
+    loss, lse = torch.ops.flash.cross_entropy_with_lse(x, t, softcap=4.0, z_loss=1e-2)
+    valid = t != -100
+    want = (4.0 * torch.tanh(x / 4.0)).logsumexp(-1)
+    torch.testing.assert_close(lse, torch.where(valid, want, 0.0))
+    torch.testing.assert_close(loss, torch_flash.cross_entropy(x, t, softcap=4.0, z_loss=1e-2))
+    g = torch.randn(())
+    saved = torch.ops.flash.cross_entropy_backward(g, x, t, lse, softcap=4.0, z_loss=1e-2)
+    recomputed = torch.ops.flash.cross_entropy_backward(g, x, t, softcap=4.0, z_loss=1e-2)
+    torch.testing.assert_close(saved, recomputed)

@@ -2,13 +2,15 @@
 
 Shapes: logits (..., V) float, target (...) int64/int32; the loss is (...) for
 reduction="none", else a scalar, in fp32 for fp16/bf16 logits and in logits' dtype
-otherwise. Formula and chunking: torch_flash/reference/cross_entropy.py. The backward
-recomputes the per-row log-sum-exp from the logits instead of saving it, so the only
-logits-sized tensor it allocates is dlogits (on GPU: Triton kernels in
-torch_flash/kernels/triton/cross_entropy.py; forward one read of the logits, backward two
-reads and one write).
+otherwise. Formula and chunking: torch_flash/reference/cross_entropy.py. With a gradient
+needed, the forward runs flash.cross_entropy_with_lse and the backward reuses each row's
+log-sum-exp, so the only logits-sized tensor it allocates is dlogits (on GPU, Triton kernels
+in torch_flash/kernels/triton/cross_entropy.py: the forward reads the logits once, the
+backward reads them once and writes dlogits once).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -17,6 +19,8 @@ from torch.library import triton_op
 
 from .. import _dispatch
 from ..reference import cross_entropy as ref
+from ..reference._common import compute_dtype
+from ._autograd import register_autograd_via
 from ._checks import INDEX_DTYPES, check, check_same_device, check_tensor, fail
 
 LossOptions = ref.LossOptions
@@ -78,23 +82,40 @@ def _backend(op: str, logits: Tensor, target: Tensor) -> str:
     return _dispatch.select(op, logits.device, triton=triton)
 
 
+def _forward(op: str, logits: Tensor, target: Tensor, opts: LossOptions, reduction: str):
+    """(loss, lse) on the path select() picks."""
+    check_args(op, logits, target, opts, reduction)
+    check_target_values(op, target, logits.shape[-1], opts.ignore_index)
+    if _backend(op, logits, target) == "triton":
+        from ..kernels.triton.cross_entropy import ce_fwd
+        loss, lse, _ = ce_fwd(logits, target, **opts._asdict(), reduction=reduction)
+        # the kernel computes in fp32; the op's contract is logits' dtype above half
+        return loss.to(compute_dtype(logits.dtype)), lse
+    return ref.cross_entropy_with_lse(logits, target, opts, reduction)
+
+
 @triton_op("flash::cross_entropy", mutates_args=())
 def _cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
                    label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float = 0.0,
                    reduction: str = "mean") -> Tensor:
     opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap)
-    check_args("cross_entropy", logits, target, opts, reduction)
-    check_target_values("cross_entropy", target, logits.shape[-1], ignore_index)
-    if _backend("cross_entropy", logits, target) == "triton":
-        from ..kernels.triton.cross_entropy import ce_fwd
-        loss = ce_fwd(logits, target, **opts._asdict(), reduction=reduction)[0]
-        # the kernel computes in fp32; the op's contract is logits' dtype above half
-        return loss.to(torch.promote_types(logits.dtype, torch.float32))
-    return ref.cross_entropy(logits, target, opts, reduction)
+    return _forward("cross_entropy", logits, target, opts, reduction)[0]
+
+
+@triton_op("flash::cross_entropy_with_lse", mutates_args=())
+def _cross_entropy_with_lse(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
+                            label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float = 0.0,
+                            reduction: str = "mean") -> tuple[Tensor, Tensor]:
+    """(loss, lse): flash.cross_entropy and each row's log-sum-exp of the (capped) logits
+    (target's shape, fp32 for half logits, 0 on ignored rows), which its backward reuses so
+    that it reads the logits once instead of twice."""
+    opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap)
+    return _forward("cross_entropy_with_lse", logits, target, opts, reduction)
 
 
 @triton_op("flash::cross_entropy_backward", mutates_args=())
-def _cross_entropy_backward(grad_loss: Tensor, logits: Tensor, target: Tensor, *,
+def _cross_entropy_backward(grad_loss: Tensor, logits: Tensor, target: Tensor,
+                            lse: Optional[Tensor] = None, *,
                             ignore_index: int = -100, label_smoothing: float = 0.0,
                             z_loss: float = 0.0, softcap: float = 0.0,
                             reduction: str = "mean") -> Tensor:
@@ -104,28 +125,27 @@ def _cross_entropy_backward(grad_loss: Tensor, logits: Tensor, target: Tensor, *
     check_target_values("cross_entropy_backward", target, logits.shape[-1], ignore_index)
     if _backend("cross_entropy_backward", logits, target) == "triton":
         from ..kernels.triton.cross_entropy import ce_bwd
-        # lse=None: the kernel recomputes it (one more read of the logits than saving it)
-        return ce_bwd(grad_loss, logits, target, None, **opts._asdict(), reduction=reduction)
+        # lse None: the kernel recomputes it (one more read of the logits)
+        return ce_bwd(grad_loss, logits, target, lse, **opts._asdict(), reduction=reduction)
     return ref.cross_entropy_backward(grad_loss, logits, target, opts, reduction)
 
 
-def loss_setup(ctx, keyword_only_inputs) -> None:
-    """Keeps the loss options on ctx (shared with linear_cross_entropy's autograd)."""
-    ctx.options = {k: keyword_only_inputs[k] for k in (*LossOptions._fields, "reduction")}
+_OPTIONS = (*LossOptions._fields, "reduction")
 
 
-def _setup(ctx, inputs, keyword_only_inputs, output):
-    logits, target = inputs
-    ctx.save_for_backward(logits, target)
-    loss_setup(ctx, keyword_only_inputs)
+def _setup(ctx, inputs, loss, lse):
+    ctx.save_for_backward(inputs["logits"], inputs["target"], lse)
+    ctx.options = {k: inputs[k] for k in _OPTIONS}
 
 
 def _backward(ctx, grad_loss):
-    logits, target = ctx.saved_tensors
-    return torch.ops.flash.cross_entropy_backward(grad_loss, logits, target, **ctx.options), None
+    logits, target, lse = ctx.saved_tensors
+    return {"logits": torch.ops.flash.cross_entropy_backward(grad_loss, logits, target, lse,
+                                                             **ctx.options)}
 
 
-_cross_entropy.register_autograd(_backward, setup_context=_setup)
+register_autograd_via(_cross_entropy, forward=lambda **inputs: torch.ops.flash.cross_entropy_with_lse(**inputs),
+                      setup_context=_setup, backward=_backward)
 
 
 def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,

@@ -51,8 +51,9 @@ def _safe_index(target: Tensor, ignore_index: int) -> Tensor:
     return torch.where(target != ignore_index, target, 0).long().unsqueeze(-1)
 
 
-def row_losses(logits: Tensor, target: Tensor, opts: LossOptions) -> Tensor:
-    """Loss of each row of a (rows, V) chunk, 0 on ignored rows; (rows,) in the compute dtype."""
+def row_losses(logits: Tensor, target: Tensor, opts: LossOptions) -> tuple[Tensor, Tensor]:
+    """(loss, lse) of each row of a (rows, V) chunk, both 0 on ignored rows; (rows,) in the
+    compute dtype."""
     z = _capped(logits.to(compute_dtype(logits.dtype)), opts.softcap)
     lse = torch.logsumexp(z, -1)
     z_t = z.gather(-1, _safe_index(target, opts.ignore_index)).squeeze(-1)
@@ -62,7 +63,8 @@ def row_losses(logits: Tensor, target: Tensor, opts: LossOptions) -> Tensor:
         loss = loss + opts.label_smoothing * (z_t - z.mean(-1))
     if opts.z_loss > 0:
         loss = loss + opts.z_loss * lse.square()
-    return torch.where(target != opts.ignore_index, loss, 0.0)
+    valid = target != opts.ignore_index
+    return torch.where(valid, loss, 0.0), torch.where(valid, lse, 0.0)
 
 
 def row_grads(logits: Tensor, target: Tensor, grad_rows: Tensor, opts: LossOptions) -> Tensor:
@@ -110,15 +112,23 @@ def grad_rows(grad_loss: Tensor, target: Tensor, ignore_index: int, reduction: s
     return torch.where(valid, g, 0.0)
 
 
-def cross_entropy(logits: Tensor, target: Tensor, opts: LossOptions = LossOptions(),
-                  reduction: str = "mean") -> Tensor:
-    """logits (..., V), target (...) -> loss (...) for "none", else a scalar; compute dtype."""
+def cross_entropy_with_lse(logits: Tensor, target: Tensor, opts: LossOptions = LossOptions(),
+                           reduction: str = "mean") -> tuple[Tensor, Tensor]:
+    """logits (..., V), target (...) -> (loss, lse): loss (...) for "none", else a scalar;
+    lse (...) each row's log-sum-exp (0 on ignored rows); both in the compute dtype."""
     n_classes = logits.shape[-1]
     x, t = logits.reshape(-1, n_classes), target.reshape(-1)
     losses = x.new_empty(x.shape[0], dtype=compute_dtype(logits.dtype))
+    lse = torch.empty_like(losses)
     for rows in row_slices(x.shape[0], rows_per_chunk(n_classes, logits.dtype)):
-        losses[rows] = row_losses(x[rows], t[rows], opts)
-    return reduce(losses, target, opts.ignore_index, reduction)
+        losses[rows], lse[rows] = row_losses(x[rows], t[rows], opts)
+    return reduce(losses, target, opts.ignore_index, reduction), lse.reshape(target.shape)
+
+
+def cross_entropy(logits: Tensor, target: Tensor, opts: LossOptions = LossOptions(),
+                  reduction: str = "mean") -> Tensor:
+    """logits (..., V), target (...) -> loss (...) for "none", else a scalar; compute dtype."""
+    return cross_entropy_with_lse(logits, target, opts, reduction)[0]
 
 
 def cross_entropy_backward(grad_loss: Tensor, logits: Tensor, target: Tensor,

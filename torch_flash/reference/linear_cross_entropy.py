@@ -39,7 +39,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
     t = target.reshape(-1)
     losses = h.new_empty(h.shape[0], dtype=compute_dtype(hidden.dtype))
     for rows in chunks:
-        losses[rows] = ce.row_losses(chunk_logits(h[rows], weight, bias), t[rows], opts)
+        losses[rows] = ce.row_losses(chunk_logits(h[rows], weight, bias), t[rows], opts)[0]
     return ce.reduce(losses, target, opts.ignore_index, reduction)
 
 
