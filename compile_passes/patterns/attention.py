@@ -18,8 +18,9 @@ import torch
 import torch.fx as fx
 
 from ..graph import (A, cast_dtype, dtype_of, insert_call, is_op, last_dim, location, number,
-                     only_user, same_meta, split_const, val)
+                     only_user, split_const, val)
 from ..report import Report, Site
+from ._shared import call_checked, known_equal, replace
 
 FLASH = torch.ops.flash
 SOFTMAX = (A.softmax.int, A._softmax.default)
@@ -158,18 +159,14 @@ def _match(softmax: fx.Node) -> Match | str:
     return m
 
 
-def _replace(gm: fx.GraphModule, m: Match) -> fx.Node | str:
+def _replace(gm: fx.GraphModule, m: Match) -> str:
+    """flash.attention in m.out's place: "" when done, else why not."""
     bias = m.attn_bias
     if bias is not None and m.negate_mask:
         bias = insert_call(gm.graph, m.out, A.logical_not.default, (bias,))
-    node = insert_call(gm.graph, m.out, FLASH.attention.default, (m.q, m.k, m.v, bias),
-                       {"scale": m.scale, "causal": m.causal, "softcap": m.softcap, "dropout_p": m.dropout_p})
-    if not same_meta(val(node), val(m.out)):
-        gm.graph.erase_node(node)
-        return (f"flash.attention would give {val(node).dtype} {tuple(val(node).shape)} where the model "
-                f"computes {dtype_of(m.out)} {tuple(val(m.out).shape)}")
-    m.out.replace_all_uses_with(node)
-    return node
+    node = call_checked(gm.graph, m.out, FLASH.attention.default, (m.q, m.k, m.v, bias),
+                        {"scale": m.scale, "causal": m.causal, "softcap": m.softcap, "dropout_p": m.dropout_p})
+    return node if isinstance(node, str) else replace(gm.graph, m.out, node, "attention")
 
 
 def _match_sdpa(n: fx.Node) -> Match | str:
@@ -186,36 +183,24 @@ def _match_sdpa(n: fx.Node) -> Match | str:
     if number(dropout_p) is None:
         return "dropout_p is not a constant"
     causal = bool(args.get("is_causal", False))
-    sq, sk = val(q).shape[-2], val(k).shape[-2]
-    if causal and sq != sk:
+    if causal and not known_equal(val(q).shape[-2], val(k).shape[-2]):
         return "is_causal with Sq != Sk (SDPA aligns top-left, flash.attention bottom-right)"
     return Match(q, k, v, n, number(scale) if scale is not None else val(q).shape[-1] ** -0.5,
                  attn_bias=args.get("attn_mask"), dropout_p=float(dropout_p), causal=causal)
 
 
 def rewrite(gm: fx.GraphModule, report: Report) -> None:
-    for n in list(gm.graph.find_nodes(op="call_function", target=A.scaled_dot_product_attention.default)):
-        site = Site("attention", location(n), "F.scaled_dot_product_attention")
+    anchors = [(n, "F.scaled_dot_product_attention", _match_sdpa)
+               for n in gm.graph.find_nodes(op="call_function", target=A.scaled_dot_product_attention.default)]
+    anchors += [(n, "softmax", _match) for target in SOFTMAX
+                for n in gm.graph.find_nodes(op="call_function", target=target)]
+    for n, anchor, match in anchors:
+        site = Site("attention", location(n), anchor)
         report.add(site)
-        m = _match_sdpa(n)
+        m = match(n)
         if isinstance(m, str):
-            site.reason = m
+            site.reason = m if anchor != "softmax" else f"softmax not rewritten to attention: {m}"
             continue
-        node = _replace(gm, m)
-        if isinstance(node, str):
-            site.reason = node
-        else:
+        site.reason = _replace(gm, m)
+        if not site.reason:
             site.op = "attention"
-    for target in SOFTMAX:
-        for n in list(gm.graph.find_nodes(op="call_function", target=target)):
-            site = Site("attention", location(n), "softmax")
-            report.add(site)
-            m = _match(n)
-            if isinstance(m, str):
-                site.reason = f"softmax not rewritten to attention: {m}"
-                continue
-            node = _replace(gm, m)
-            if isinstance(node, str):
-                site.reason = node
-            else:
-                site.op = "attention"

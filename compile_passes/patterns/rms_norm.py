@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ..graph import (A, cast_dtype, dtype_of, insert_call, is_op, last_dim, location,
-                     number, only_user, other_operand, same_meta, split_const, strip_casts, val)
+from ..graph import (A, cast_dtype, dtype_of, is_op, last_dim, location, number, only_user,
+                     other_operand, split_const, strip_casts, val)
 from ..report import Report, Site
-from ._shared import fuse_residual
+from ._shared import call_checked, fuse_residual, replace
 
 FLASH = torch.ops.flash
 HALF = (torch.float16, torch.bfloat16)
@@ -96,18 +96,6 @@ def _match(rsqrt: fx.Node) -> Match | str:
     return Match(x, weight, eps, offset, cast_before, out)
 
 
-def _replace(gm: fx.GraphModule, m: Match) -> fx.Node | str:
-    """The flash.rms_norm node now computing m.out, or why the rewrite was refused."""
-    node = insert_call(gm.graph, m.out, FLASH.rms_norm.default, (m.x, m.weight, m.eps),
-                       {"weight_offset": m.weight_offset, "cast_before_weight": m.cast_before_weight})
-    if not same_meta(val(node), val(m.out)):
-        gm.graph.erase_node(node)
-        return (f"flash.rms_norm would give {val(node).dtype} {tuple(val(node).shape)} where the model "
-                f"computes {dtype_of(m.out)} {tuple(val(m.out).shape)}")
-    m.out.replace_all_uses_with(node)
-    return node
-
-
 def _match_aten(n: fx.Node) -> Match | str:
     x, shape = n.args[0], n.args[1]
     weight = n.args[2] if len(n.args) > 2 else n.kwargs.get("weight")
@@ -135,9 +123,10 @@ def rewrite(gm: fx.GraphModule, report: Report) -> None:
         if isinstance(m, str):
             site.reason = m if anchor == "F.rms_norm" else f"looks like RMSNorm but {m}"
             continue
-        node = _replace(gm, m)
-        if isinstance(node, str):
-            site.reason = node
+        node = call_checked(gm.graph, m.out, FLASH.rms_norm.default, (m.x, m.weight, m.eps),
+                            {"weight_offset": m.weight_offset, "cast_before_weight": m.cast_before_weight})
+        site.reason = node if isinstance(node, str) else replace(gm.graph, m.out, node, "rms_norm")
+        if site.reason:
             continue
         site.op = "rms_norm"
         rewritten[node] = site
