@@ -10,6 +10,8 @@ os.environ.pop("TORCH_FLASH_BACKEND", None)
 # test forces TORCH_FLASH_BACKEND=triton.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# one autotune config per kernel: tests check results, the benchmarks tune
+os.environ.setdefault("TORCH_FLASH_AUTOTUNE", "0")
 
 
 def pytest_collection_modifyitems(config, items):

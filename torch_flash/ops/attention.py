@@ -82,17 +82,30 @@ def spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p,
                     softcap, dropout_p, dropout_seed if dropout_p > 0 else None)
 
 
-def _backend(op: str, q: Tensor) -> str:
-    # The Triton kernels are wired in later; select() still rejects a forced backend
-    # (TORCH_FLASH_BACKEND) that cannot serve the call instead of ignoring it.
-    return _dispatch.select(op, q.device, triton=False)
+def use_triton(op: str, q: Tensor, k: Tensor, v: Tensor, attn_bias, dropout_p: float) -> bool:
+    """Whether this call runs the Triton kernels (torch_flash/kernels/triton/attention.py):
+    select() decides, told whether they support these inputs."""
+    triton = _dispatch.triton_can_run(q.device)
+    if triton:
+        from ..kernels.triton.attention import supports
+        triton = supports(q, k, v, attn_bias, dropout_p)
+    return _dispatch.select(op, q.device, triton=triton) == "triton"
+
+
+def kernel_flags(spec: ref.Spec) -> dict:
+    """The Triton launchers' keyword arguments for one call."""
+    return dict(scale=spec.scale, causal=spec.causal, window_left=spec.window_left,
+                window_right=spec.window_right, softcap=spec.softcap, dropout_p=spec.dropout_p,
+                dropout_seed=spec.seed)
 
 
 def _forward(op: str, q, k, v, attn_bias, scale, causal, window_left, window_right, softcap,
              dropout_p, dropout_seed) -> tuple[Tensor, Tensor]:
     check_args(op, q, k, v, attn_bias, softcap, dropout_p, dropout_seed, window_left, window_right)
-    _backend(op, q)
     spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
+    if use_triton(op, q, k, v, attn_bias, dropout_p):
+        from ..kernels.triton.attention import attention_fwd
+        return attention_fwd(q, k, v, attn_bias, **kernel_flags(spec))
     return ref.forward(q, k, v, attn_bias, spec)
 
 
@@ -120,11 +133,18 @@ def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
                         scale: float, causal: bool, window_left: int, window_right: int,
                         softcap: float, dropout_p: float, dropout_seed: Optional[Tensor],
                         bias_requires_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dbias); dbias has attn_bias's shape, or is empty unless bias_requires_grad."""
-    _backend("attention_backward", q)
+    """(dq, dk, dv, dbias); dbias has attn_bias's shape, or is empty unless bias_requires_grad.
+    Deterministic (no atomics) under torch.use_deterministic_algorithms(True)."""
     spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
-    dq, dk, dv, dbias = ref.backward(grad_out, grad_lse, q, k, v, attn_bias, out, lse, spec,
-                                     bias_requires_grad)
+    if use_triton("attention_backward", q, k, v, attn_bias, dropout_p):
+        from ..kernels.triton.attention import attention_bwd
+        dq, dk, dv, dbias = attention_bwd(
+            grad_out, grad_lse, q, k, v, attn_bias, out, lse, **kernel_flags(spec),
+            bias_requires_grad=bias_requires_grad,
+            deterministic=torch.are_deterministic_algorithms_enabled())
+    else:
+        dq, dk, dv, dbias = ref.backward(grad_out, grad_lse, q, k, v, attn_bias, out, lse, spec,
+                                         bias_requires_grad)
     return dq, dk, dv, grad_or_empty(dbias, q)
 
 

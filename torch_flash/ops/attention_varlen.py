@@ -15,12 +15,11 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 from torch.library import triton_op
 
-from .. import _dispatch
 from ..reference import attention_varlen as ref
 from ..reference._common import compute_dtype
 from ..reference.attention import resolve_scale
 from ._checks import INDEX_DTYPES, check, check_same_device, check_tensor
-from .attention import check_common, op_kwargs, spec_of
+from .attention import check_common, kernel_flags, op_kwargs, spec_of, use_triton
 
 
 def check_cu_seqlens(op: str, name: str, cu_seqlens) -> None:
@@ -64,12 +63,6 @@ def out_shapes(q, v) -> tuple[tuple, tuple, torch.dtype]:
     return (q.shape[0], q.shape[1], v.shape[-1]), (q.shape[1], q.shape[0]), compute_dtype(q.dtype)
 
 
-def _backend(op: str, q: Tensor) -> str:
-    # The Triton kernels are wired in later; select() still rejects a forced backend
-    # (TORCH_FLASH_BACKEND) that cannot serve the call instead of ignoring it.
-    return _dispatch.select(op, q.device, triton=False)
-
-
 @triton_op("flash::attention_varlen", mutates_args=())
 def _attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                       max_seqlen_q: int, max_seqlen_k: int, dropout_seed: Optional[Tensor] = None,
@@ -79,13 +72,16 @@ def _attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_
     op = "attention_varlen"
     check_args(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softcap,
                dropout_p, dropout_seed, window_left, window_right)
-    _backend(op, q)
     # the offsets' values only where reading them costs nothing: CPU tensors with data
     # (not on GPU: host sync; not the fake tensors of torch.compile tracing this body)
     if cu_seqlens_q.device.type == "cpu" and not is_fake(cu_seqlens_q):
         check_offsets(op, cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
                       max_seqlen_k)
     spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
+    if use_triton(op, q, k, v, None, dropout_p):
+        from ..kernels.triton.attention import attention_varlen_fwd
+        return attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    **kernel_flags(spec))
     return ref.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, spec)
 
 
@@ -97,8 +93,11 @@ def _attention_varlen_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: 
                                softcap: float, dropout_p: float,
                                dropout_seed: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv)."""
-    _backend("attention_varlen_backward", q)
     spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
+    if use_triton("attention_varlen_backward", q, k, v, None, dropout_p):
+        from ..kernels.triton.attention import attention_varlen_bwd
+        return attention_varlen_bwd(grad_out, grad_lse, q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                    max_seqlen_q, max_seqlen_k, out, lse, **kernel_flags(spec))
     return ref.backward(grad_out, grad_lse, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, spec)
 
 

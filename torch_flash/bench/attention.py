@@ -1,0 +1,146 @@
+"""Attention benchmark: our Triton kernels vs SDPA's flash, cuDNN and efficient backends.
+
+Grid (DESIGN.md): bf16, 32k tokens per batch, hidden 2048 (H = 2048 / D), D in {64, 128},
+S in {1k, 4k, 16k} (B = 32k / S), causal and not. Inputs are (B, S, H, D) buffers viewed as
+(B, H, S, D), as a model produces them, and every implementation runs on the same tensors in
+the same process. FLOPs: 4*B*H*S*S*D, halved for causal; backward counts 2.5x the forward.
+The backward is timed alone: ours from the saved out/lse, the autograd ones as
+torch.autograd.grad over a retained graph (no .grad accumulation).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ._common import try_time
+
+TOKENS, HIDDEN = 32 * 1024, 2048
+HEAD_DIMS, SEQLENS = (64, 128), (1024, 4096, 16384)
+BASELINES = ("sdpa-flash", "sdpa-cudnn")
+
+
+def _sdpa(backend_name: str) -> Callable:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backend = getattr(SDPBackend, backend_name)
+
+    def fn(q, k, v, causal):
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return fn
+
+
+def _flash_op(q, k, v, causal):
+    import torch_flash  # noqa: F401  (registers torch.ops.flash)
+    return torch.ops.flash.attention(q, k, v, causal=causal)
+
+
+AUTOGRAD_IMPLS = {
+    "flash-op": _flash_op,
+    "sdpa-flash": _sdpa("FLASH_ATTENTION"),
+    "sdpa-cudnn": _sdpa("CUDNN_ATTENTION"),
+    "sdpa-efficient": _sdpa("EFFICIENT_ATTENTION"),
+}
+
+
+def _flags(causal: bool) -> dict:
+    return dict(scale=None, causal=causal, window_left=-1, window_right=-1, softcap=0.0,
+                dropout_p=0.0, dropout_seed=None)
+
+
+def _tflops(b, h, s, d, causal, pass_, ms):
+    flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0) * (2.5 if pass_ == "bwd" else 1.0)
+    return None if ms is None else flops / (ms * 1e-3) / 1e12
+
+
+def _time_point(d: int, s: int, b: int, causal: bool) -> list[dict]:
+    from torch_flash.kernels.triton import attention as tk
+    h = HIDDEN // d
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+               for _ in range(3))
+    dout = torch.randn_like(q)
+    flags = _flags(causal)
+    timings: dict[tuple[str, str], float | None] = {}
+
+    timings["triton", "fwd"] = try_time("triton fwd", lambda: tk.attention_fwd(q, k, v, None, **flags))
+    out, lse = tk.attention_fwd(q, k, v, None, **flags)
+    for impl, det in (("triton", False), ("triton-det", True)):
+        timings[impl, "bwd"] = try_time(f"{impl} bwd", lambda det=det, out=out, lse=lse: tk.attention_bwd(
+            dout, None, q, k, v, None, out, lse, **flags, bias_requires_grad=False, deterministic=det))
+    out = lse = None  # free before the baselines run
+
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    for impl, fn in AUTOGRAD_IMPLS.items():
+        timings[impl, "fwd"] = try_time(f"{impl} fwd", lambda fn=fn: fn(q, k, v, causal))
+        try:
+            o = fn(*leaves, causal)
+        except Exception:  # try_time above already said why
+            timings[impl, "bwd"] = None
+            continue
+        timings[impl, "bwd"] = try_time(
+            f"{impl} bwd", lambda o=o: torch.autograd.grad(o, leaves, dout, retain_graph=True))
+        del o
+
+    rows = []
+    for (impl, pass_), ms in timings.items():
+        row = {"d": d, "s": s, "b": b, "h": h, "causal": causal, "pass": pass_, "impl": impl,
+               "ms": ms, "tflops": _tflops(b, h, s, d, causal, pass_, ms)}
+        for base in BASELINES:  # speedup of this impl over the baseline (their ms / our ms)
+            base_ms = timings.get((base, pass_))
+            row[f"vs_{base}"] = base_ms / ms if base_ms and ms else None
+        rows.append(row)
+        print(_line(row), flush=True)
+    return rows
+
+
+def _line(row: dict) -> str:
+    def fmt(x, spec):
+        return "-" if x is None else format(x, spec)
+    ratios = "  ".join(f"{k[3:]} x{fmt(row[k], '.2f')}" for k in row if k.startswith("vs_"))
+    return (f"d={row['d']:<4d} s={row['s']:<6d} b={row['b']:<3d} h={row['h']:<3d} "
+            f"{'causal' if row['causal'] else 'full  '} {row['pass']} {row['impl']:<15s} "
+            f"{fmt(row['ms'], '9.3f')} ms {fmt(row['tflops'], '7.1f')} TFLOP/s  {ratios}")
+
+
+def run(args) -> list[dict]:
+    if not torch.cuda.is_available():
+        raise SystemExit("the attention benchmark needs a CUDA GPU")
+    if getattr(args, "quick", False):
+        points = [(64, 1024, 2, True)]
+    else:
+        points = [(d, s, TOKENS // s, causal) for d in HEAD_DIMS for s in SEQLENS
+                  for causal in (False, True)]
+    rows = []
+    for d, s, b, causal in points:
+        rows += _time_point(d, s, b, causal)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def plot(data: dict, png_path: str) -> None:
+    """Grouped bars of TFLOP/s per grid point and implementation; forward and backward panels."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = data["rows"]
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    fig, axes = plt.subplots(2, 1, figsize=(14, 9))
+    for ax, pass_ in zip(axes, ("fwd", "bwd")):
+        sel = [r for r in rows if r["pass"] == pass_]
+        points = list(dict.fromkeys((r["d"], r["s"], r["causal"]) for r in sel))
+        width = 0.8 / max(1, len(impls))
+        for n, impl in enumerate(impls):
+            by_point = {(r["d"], r["s"], r["causal"]): r["tflops"] for r in sel if r["impl"] == impl}
+            ys = [by_point.get(p) or 0.0 for p in points]
+            ax.bar([x + n * width for x in range(len(points))], ys, width, label=impl)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(points))])
+        ax.set_xticklabels([f"d{d} s{s // 1024}k\n{'causal' if c else 'full'}" for d, s, c in points])
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(f"attention {pass_} (bf16, {TOKENS // 1024}k tokens, hidden {HIDDEN}) on "
+                     f"{data.get('env', {}).get('device', '?')}")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(ncol=len(impls), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)

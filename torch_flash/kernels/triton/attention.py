@@ -1,0 +1,802 @@
+"""Triton flash attention (FlashAttention-2 style): forward, backward, dense and varlen.
+
+Layouts: dense q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv), any strides with a
+contiguous last dim; varlen q (total_q, Hq, D), k/v (total_k, Hkv, D|Dv) with int32
+cu_seqlens (batch + 1,). One set of kernels serves both: a program reads its sequence's
+first row and length from cu_seqlens (varlen) or takes row 0 and the dense lengths, and a
+"batch stride" of 0 turns the dense addressing into the packed one.
+
+Visibility of key j from query i (diag = Sk - Sq, bottom-right aligned):
+    i + diag - window_left <= j <= i + diag + window_right,  causal => window_right = 0,
+then the bias / boolean mask. Scores are kept in log2 units (log2(e) folded into the scale)
+so the softmax uses exp2; lse is returned in natural log. Each loop over the other sequence
+is split into block ranges that need the visibility mask (edges of the band, sequence ends)
+and a middle range that does not; blocks outside the band are never visited.
+
+Backward: delta = rowsum(dO * O) - grad_lse; one kernel per key block accumulates dK/dV over
+query blocks (looping over the q heads of a GQA group, so no atomics there); dQ comes either
+from atomics in that kernel (default) or from a separate kernel over key blocks
+(deterministic=True: bitwise reproducible). Dropout regenerates its keep mask from a
+counter-based RNG keyed on (batch * Hq + head, i, j), so no mask is stored.
+
+Every kernel is launched through `torch.library.wrap_triton` so that the `flash` ops (triton_op)
+stay traceable by torch.compile / AOTInductor; autotuning uses configs/key/reset_to_zero only.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
+# A window side of -1 (unbounded) becomes this many positions: far past any sequence, small
+# enough that i + diag +/- window stays inside int32.
+_UNBOUNDED = 1 << 30
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MIN_HEAD_DIM, _MAX_HEAD_DIM = 16, 256  # tl.dot needs K >= 16; 256 bounds the tiles in SRAM
+
+
+# --------------------------------------------------------------------------------------
+# Autotune configs per tile class: half precision by head dim (the padded D and Dv) and fp32,
+# whose exact ("ieee") dots run on CUDA cores and need small tiles. Chosen for H100 from
+# sm_90 builds without spills (BLOCK_M 128 for the forward and dQ; dK/dV keep BLOCK_N key
+# rows resident while BLOCK_M query rows stream) and SRAM within 227 KB. The interpreter gets
+# one tiny config: autotuning it is useless.
+# --------------------------------------------------------------------------------------
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# The interpreter multiplies the raw bits of bfloat16 dot operands (triton-lang/triton#11584):
+# there, and only there, such dots run on fp32 copies (exact products, as on tensor cores).
+_UPCAST_BF16_DOT = tl.constexpr(_INTERPRET)
+
+
+def _configs(*shapes):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) tuples -> triton.Config list."""
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+            for m, n, w, s in shapes]
+
+
+if _INTERPRET:
+    _TINY = _configs((16, 16, 1, 1))
+    _CONFIGS = {cls: (_TINY, _TINY, _TINY) for cls in ("d64", "d128", "d256", "fp32")}
+else:
+    _CONFIGS = {  # class: (forward, dK/dV, dQ)
+        "d64": (_configs((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2),
+                         (64, 64, 4, 3)),
+                _configs((32, 128, 8, 3), (64, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 3)),
+                _configs((128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3))),
+        "d128": (_configs((128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3)),
+                 _configs((32, 128, 8, 3), (32, 64, 8, 3), (64, 64, 8, 3), (16, 128, 8, 3)),
+                 _configs((128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3))),
+        "d256": (_configs((128, 32, 8, 3), (64, 32, 4, 3), (128, 64, 8, 2)),
+                 _configs((32, 32, 8, 2), (16, 64, 8, 2), (32, 32, 4, 2)),
+                 _configs((64, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2))),
+        "fp32": (_configs((32, 16, 4, 2), (32, 32, 4, 2), (32, 32, 8, 2)),
+                 _configs((32, 16, 4, 2), (16, 32, 4, 2), (32, 16, 8, 2), (16, 32, 8, 2)),
+                 _configs((32, 16, 4, 2), (32, 16, 8, 2), (32, 32, 4, 2))),
+    }
+# TORCH_FLASH_AUTOTUNE=0: the first config of each list only (fast compiles, e.g. in tests)
+_AUTOTUNE = os.environ.get("TORCH_FLASH_AUTOTUNE", "1") != "0"
+_DELTA_TILE = 256 if _INTERPRET else 8192  # rows x padded Dv of one delta program
+
+# SEQ_BUCKET (a power of two of the longer sequence) keeps one tuning per size class.
+_KEY = ["SEQ_BUCKET", "HEAD_DIM", "HEAD_DIM_V", "IS_CAUSAL", "BIAS_KIND", "DROPOUT"]
+
+
+# --------------------------------------------------------------------------------------
+# Device helpers
+# --------------------------------------------------------------------------------------
+@triton.jit
+def _seq_bounds(Cu, b, SEQ, IS_VARLEN: tl.constexpr):
+    """(first row as int64, length) of sequence b."""
+    if IS_VARLEN:
+        start = tl.load(Cu + b).to(tl.int64)
+        end = tl.load(Cu + b + 1).to(tl.int64)
+        return start, (end - start).to(tl.int32)
+    else:
+        return tl.full([], 0, tl.int64), SEQ
+
+
+@triton.jit
+def _load_tile(base, rows, stride, n_rows, cols, N_COLS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+               MASK_ROWS: tl.constexpr):
+    """rows x BLOCK_COLS tile of a row-major matrix; rows past n_rows and pad columns read 0.
+    Row offsets are int64: one sequence of one head may span more than 2^31 elements."""
+    ptrs = base + rows.to(tl.int64)[:, None] * stride + cols[None, :]
+    if MASK_ROWS:
+        return tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < N_COLS), other=0.0)
+    elif N_COLS != BLOCK_COLS:
+        return tl.load(ptrs, mask=cols[None, :] < N_COLS, other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def _store_tile(base, rows, stride, n_rows, cols, N_COLS: tl.constexpr, value):
+    ptrs = base + rows.to(tl.int64)[:, None] * stride + cols[None, :]
+    tl.store(ptrs, value, mask=(rows[:, None] < n_rows) & (cols[None, :] < N_COLS))
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_PREC: tl.constexpr):
+    if _UPCAST_BF16_DOT:
+        if a.dtype == tl.bfloat16:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=DOT_PREC)
+
+
+@triton.jit
+def _tanh(x):
+    # exp of -2|x| never overflows; libdevice's tanh is not available under the interpreter
+    e = tl.math.exp2(tl.abs(x) * (-2.0 * _LOG2E))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _scores(qk, i, j, seq_q, seq_k, diag, window_left, window_right, bias_base, stride_bm, stride_bn,
+            qk_scale, softcap, BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
+    """Scores in log2 units for a tile of q.k products; i, j broadcast to the tile (either
+    orientation). Returns (scores, tanh of the capped logits; the softcap gradient needs it).
+    With SOFTCAP, qk_scale = scale / softcap and softcap is pre-multiplied by log2(e)."""
+    if SOFTCAP:
+        t = _tanh(qk * qk_scale)
+        s = t * softcap
+    else:
+        t = qk
+        s = qk * qk_scale
+    if BIAS_KIND != 0:
+        ptrs = bias_base + i.to(tl.int64) * stride_bm + j * stride_bn
+        inside = (i < seq_q) & (j < seq_k)
+        if BIAS_KIND == 1:
+            bias = tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
+            # keep finfo.min masks (HF) finite after the log2(e) scaling, as an fp32 softmax
+            # sees them (a row masked that way averages v); -inf still hides the key
+            bias = tl.where(bias == float("-inf"), bias, tl.maximum(bias, -1e30))
+            s += bias * _LOG2E
+        else:
+            s = tl.where(tl.load(ptrs, mask=inside, other=0) != 0, s, float("-inf"))
+    if MASKED:
+        visible = ((i < seq_q) & (j < seq_k) & (j <= i + diag + window_right)
+                   & (j >= i + diag - window_left))
+        s = tl.where(visible, s, float("-inf"))
+    return s, t
+
+
+@triton.jit
+def _dropout_keep(seed, bh, i, j, dropout_p):
+    """Keep mask of dropout for a tile; philox counters (j, i, batch*Hq + head, 0) make it a
+    pure function of the position, so the backward regenerates it with any block shape."""
+    ci = (i + j * 0).to(tl.uint32)
+    cj = (j + i * 0).to(tl.uint32)
+    zero = ci * 0
+    r, _, _, _ = tl.philox(seed, cj, ci, zero + bh.to(tl.uint32), zero)
+    return tl.uint_to_uniform_float(r) >= dropout_p
+
+
+@triton.jit
+def _block_ranges(lo, hi, full_lo, full_hi, BLOCK: tl.constexpr):
+    """Block starts covering [lo, hi), split as masked [a, b), unmasked [b, c), masked [c, hi):
+    the unmasked blocks lie inside [full_lo, full_hi), where every pair is visible. Returns
+    (a, b, c, hi), all >= 0 and a <= b <= c."""
+    hi = tl.maximum(hi, lo)
+    a = (lo // BLOCK) * BLOCK
+    b = tl.minimum(tl.maximum(a, tl.cdiv(full_lo, BLOCK) * BLOCK), tl.cdiv(hi, BLOCK) * BLOCK)
+    c = tl.maximum(b, (tl.maximum(full_hi, 0) // BLOCK) * BLOCK)
+    return a, b, c, hi
+
+
+@triton.jit
+def _key_ranges(m0, seq_q, seq_k, diag, window_left, window_right, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """Key block ranges for the query rows [m0, m0 + BLOCK_M) (see _block_ranges)."""
+    lo = tl.maximum(m0 + diag - window_left, 0)
+    hi = tl.minimum(m0 + BLOCK_M + diag + window_right, seq_k)
+    full_lo = tl.maximum(m0 + BLOCK_M - 1 + diag - window_left, 0)
+    full_hi = tl.minimum(m0 + diag + window_right + 1, seq_k)
+    return _block_ranges(lo, hi, full_lo, full_hi, BLOCK_N)
+
+
+@triton.jit
+def _query_ranges(n0, seq_q, seq_k, diag, window_left, window_right, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """Query block ranges for the key rows [n0, n0 + BLOCK_N) (see _block_ranges). A key block
+    running past seq_k is masked throughout (its pad columns must not reach dQ)."""
+    lo = tl.maximum(n0 - diag - window_right, 0)
+    hi = tl.minimum(n0 + BLOCK_N - diag + window_left, seq_q)
+    full_lo = tl.maximum(n0 + BLOCK_N - 1 - diag - window_right, 0)
+    full_hi = tl.minimum(n0 - diag + window_left + 1, seq_q)
+    full_hi = tl.where(n0 + BLOCK_N <= seq_k, full_hi, 0)
+    return _block_ranges(lo, hi, full_lo, full_hi, BLOCK_M)
+
+
+@triton.jit
+def _loop_plan(MASKED: tl.constexpr, a, b, c, hi, BLOCK: tl.constexpr):
+    """The blocks of one loop as (first, n_first, second, n_blocks) for _block_start: the
+    masked loop takes both edges [a, b) and [c, hi), the unmasked loop the middle [b, c).
+    One loop per kind (not three) keeps the code, and the registers, of a kernel small."""
+    if MASKED:
+        n_lead = (b - a) // BLOCK
+        return a, n_lead, c, n_lead + tl.cdiv(tl.maximum(hi - c, 0), BLOCK)
+    else:
+        n_mid = (c - b) // BLOCK
+        return b, n_mid, b, n_mid
+
+
+@triton.jit
+def _block_start(r, first, n_first, second, BLOCK: tl.constexpr):
+    """Start of the r-th block of a loop: n_first blocks from `first`, then from `second`."""
+    return tl.where(r < n_first, first + r * BLOCK, second + (r - n_first) * BLOCK)
+
+
+@triton.jit
+def _lse_log2(lse):
+    # a row that sees no key has lse = -inf and only -inf scores: exp2(-inf - 0) = 0, no NaN
+    return tl.where(lse == float("-inf"), 0.0, lse * _LOG2E)
+
+
+# --------------------------------------------------------------------------------------
+# Forward
+# --------------------------------------------------------------------------------------
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bm,
+               stride_bn, seed, bh, offs_m, seq_q, seq_k, diag, window_left, window_right,
+               qk_scale, softcap, dropout_p, first, n_first, second, n_blocks,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_DV: tl.constexpr, BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr,
+               DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr,
+               MASKED: tl.constexpr):
+    """Online softmax over the key blocks of one loop (see _loop_plan)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for r in range(0, n_blocks):
+        offs_n = _block_start(r, first, n_first, second, BLOCK_N) + tl.arange(0, BLOCK_N)
+        k = _load_tile(k_base, offs_n, stride_kn, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        qk = _dot(q, tl.trans(k), None, DOT_PREC)
+        s, _ = _scores(qk, offs_m[:, None], offs_n[None, :], seq_q, seq_k, diag, window_left,
+                       window_right, bias_base, stride_bm, stride_bn, qk_scale, softcap,
+                       BIAS_KIND, SOFTCAP, MASKED)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            p = tl.where(_dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], dropout_p), p, 0.0)
+        v = _load_tile(v_base, offs_n, stride_vn, seq_k, offs_dv, HEAD_DIM_V, BLOCK_DV, MASKED)
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd(Q, K, V, Out, Lse, Bias, Seed, CuQ, CuK,
+              stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+              stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
+              stride_lb, stride_lh, stride_bb, stride_bh, stride_bm, stride_bn,
+              H, GROUP, SEQ_Q, SEQ_K, SEQ_BUCKET, qk_scale, softcap, dropout_p,
+              window_left, window_right,
+              HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+              BLOCK_DV: tl.constexpr, IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr,
+              SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
+              DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program: BLOCK_M query rows of one (batch, q head). Writes out and lse."""
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    q_start, seq_q = _seq_bounds(CuQ, b, SEQ_Q, IS_VARLEN)
+    k_start, seq_k = _seq_bounds(CuK, b, SEQ_K, IS_VARLEN)
+    m0 = tl.program_id(0) * BLOCK_M
+    if m0 >= seq_q:  # varlen: the grid covers the longest sequence
+        return
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    hk64 = (h // GROUP).to(tl.int64)
+    q_base = Q + b64 * stride_qb + h64 * stride_qh + q_start * stride_qm
+    k_base = K + b64 * stride_kb + hk64 * stride_kh + k_start * stride_kn
+    v_base = V + b64 * stride_vb + hk64 * stride_vh + k_start * stride_vn
+    o_base = Out + b64 * stride_ob + h64 * stride_oh + q_start * stride_om
+    lse_base = Lse + b64 * stride_lb + h64 * stride_lh + q_start
+    bias_base = Bias + b64 * stride_bb + h64 * stride_bh
+    seed = tl.load(Seed) if DROPOUT else 0
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    q = _load_tile(q_base, offs_m, stride_qm, seq_q, tl.arange(0, BLOCK_D), HEAD_DIM, BLOCK_D, True)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    diag = seq_k - seq_q
+    a, b_, c, hi = _key_ranges(m0, seq_q, seq_k, diag, window_left, window_right, BLOCK_M, BLOCK_N)
+    for phase in tl.static_range(2):
+        first, n_first, second, n_blocks = _loop_plan(phase == 0, a, b_, c, hi, BLOCK_N)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
+                                   bias_base, stride_bm, stride_bn, seed, bh, offs_m, seq_q, seq_k,
+                                   diag, window_left, window_right, qk_scale, softcap, dropout_p,
+                                   first, n_first, second, n_blocks, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                                   BLOCK_DV, BIAS_KIND, SOFTCAP, DROPOUT, DOT_PREC, BLOCK_N,
+                                   phase == 0)
+    seen = l_i > 0.0
+    acc = acc / tl.where(seen, l_i, 1.0)[:, None]
+    if DROPOUT:
+        acc = acc * (1.0 / (1.0 - dropout_p))
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
+    tl.store(lse_base + offs_m, lse, mask=offs_m < seq_q)
+    _store_tile(o_base, offs_m, stride_om, seq_q, tl.arange(0, BLOCK_DV), HEAD_DIM_V,
+                acc.to(Out.dtype.element_ty))
+
+
+# --------------------------------------------------------------------------------------
+# Backward
+# --------------------------------------------------------------------------------------
+@triton.jit
+def _attn_bwd_delta(Out, DO, GradLse, Delta, CuQ,
+                    stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
+                    stride_lb, stride_lh, H, SEQ_Q,
+                    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_GRAD_LSE: tl.constexpr,
+                    IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr):
+    """delta = rowsum(dO * O) - grad_lse (fp32, laid out like lse)."""
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    q_start, seq_q = _seq_bounds(CuQ, b, SEQ_Q, IS_VARLEN)
+    m0 = tl.program_id(0) * BLOCK_M
+    if m0 >= seq_q:
+        return
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    o = _load_tile(Out + b64 * stride_ob + h64 * stride_oh + q_start * stride_om, offs_m, stride_om,
+                   seq_q, offs_dv, HEAD_DIM_V, BLOCK_DV, True)
+    do = _load_tile(DO + b64 * stride_dob + h64 * stride_doh + q_start * stride_dom, offs_m,
+                    stride_dom, seq_q, offs_dv, HEAD_DIM_V, BLOCK_DV, True)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    row = b64 * stride_lb + h64 * stride_lh + q_start + offs_m
+    if HAS_GRAD_LSE:
+        delta -= tl.load(GradLse + row, mask=offs_m < seq_q, other=0.0)
+    tl.store(Delta + row, delta, mask=offs_m < seq_q)
+
+
+@triton.jit
+def _bwd_kv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, bias_base,
+                  dbias_base, stride_qh, stride_qm, stride_doh, stride_dom, stride_dqh, stride_dqm,
+                  stride_lh, stride_bh, stride_bm, stride_bn, stride_dbh, stride_dbm, stride_dbn,
+                  seed, bh0, group, offs_n, seq_q, seq_k, diag, window_left, window_right,
+                  sm_scale, qk_scale, softcap, dropout_p, first, n_first, second, n_blocks,
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_DV: tl.constexpr, BIAS_KIND: tl.constexpr, BIAS_GRAD: tl.constexpr,
+                  SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                  DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr):
+    """Accumulates dK, dV of one key block over the query blocks of one loop (see _loop_plan)
+    of each of the `group` q heads sharing it (bases point at the group's first head). Heads
+    and blocks run as one flat loop: a nested head loop made the compiler spill registers.
+    Works on transposed tiles (keys x queries) so that no operand of dK/dV needs a transpose."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for it in range(0, group * n_blocks):
+        g = it // n_blocks
+        offs_m = _block_start(it - g * n_blocks, first, n_first, second, BLOCK_M) + tl.arange(0, BLOCK_M)
+        g = g.to(tl.int64)
+        bh = bh0 + g.to(tl.int32)
+        q = _load_tile(q_base + g * stride_qh, offs_m, stride_qm, seq_q, offs_d, HEAD_DIM, BLOCK_D,
+                       MASKED)
+        do = _load_tile(do_base + g * stride_doh, offs_m, stride_dom, seq_q, offs_dv, HEAD_DIM_V,
+                        BLOCK_DV, MASKED)
+        rows = g * stride_lh + offs_m
+        if MASKED:
+            lse = tl.load(lse_base + rows, mask=offs_m < seq_q, other=0.0)
+            delta = tl.load(delta_base + rows, mask=offs_m < seq_q, other=0.0)
+        else:
+            lse = tl.load(lse_base + rows)
+            delta = tl.load(delta_base + rows)
+        qk_t = _dot(k, tl.trans(q), None, DOT_PREC)
+        s_t, t_t = _scores(qk_t, offs_m[None, :], offs_n[:, None], seq_q, seq_k, diag, window_left,
+                           window_right, bias_base + g * stride_bh, stride_bm, stride_bn, qk_scale,
+                           softcap, BIAS_KIND, SOFTCAP, MASKED)
+        p_t = tl.math.exp2(s_t - _lse_log2(lse)[None, :])
+        dp_t = _dot(v, tl.trans(do), None, DOT_PREC)
+        if DROPOUT:
+            keep = _dropout_keep(seed, bh, offs_m[None, :], offs_n[:, None], dropout_p)
+            inv_keep = 1.0 / (1.0 - dropout_p)
+            pd_t = tl.where(keep, p_t * inv_keep, 0.0)
+            dp_t = tl.where(keep, dp_t * inv_keep, 0.0)
+        else:
+            pd_t = p_t
+        dv = _dot(pd_t.to(do.dtype), do, dv, DOT_PREC)
+        ds_t = p_t * (dp_t - delta[None, :])
+        if BIAS_GRAD:
+            ptrs = (dbias_base + g * stride_dbh + offs_m[None, :].to(tl.int64) * stride_dbm
+                    + offs_n[:, None] * stride_dbn)
+            tl.store(ptrs, ds_t, mask=(offs_m[None, :] < seq_q) & (offs_n[:, None] < seq_k))
+        if SOFTCAP:
+            ds_t = ds_t * (1.0 - t_t * t_t)
+        dk = _dot(ds_t.to(q.dtype), q, dk, DOT_PREC)
+        if ATOMIC_DQ:
+            dq = _dot(tl.trans(ds_t.to(k.dtype)), k, None, DOT_PREC) * sm_scale
+            ptrs = dq_base + g * stride_dqh + offs_m.to(tl.int64)[:, None] * stride_dqm + offs_d[None, :]
+            tl.atomic_add(ptrs, dq, mask=(offs_m[:, None] < seq_q) & (offs_d[None, :] < HEAD_DIM),
+                          sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv(Q, K, V, DO, DQ, DK, DV, Lse, Delta, Bias, DBias, Seed, CuQ, CuK,
+                   stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                   stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+                   stride_dqb, stride_dqh, stride_dqm, stride_dkb, stride_dkh, stride_dkn,
+                   stride_dvb, stride_dvh, stride_dvn, stride_lb, stride_lh,
+                   stride_bb, stride_bh, stride_bm, stride_bn,
+                   stride_dbb, stride_dbh, stride_dbm, stride_dbn,
+                   H, GROUP, SEQ_Q, SEQ_K, SEQ_BUCKET, sm_scale, qk_scale, softcap, dropout_p,
+                   window_left, window_right,
+                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_DV: tl.constexpr, IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr,
+                   BIAS_GRAD: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
+                   ATOMIC_DQ: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program: BLOCK_N key rows of one (batch, kv head); loops over the q heads of its
+    group, so dK/dV are written once, without atomics. Also dbias, and dQ with ATOMIC_DQ."""
+    bhk = tl.program_id(1)
+    h_kv = H // GROUP
+    b = bhk // h_kv
+    hk = bhk % h_kv
+    q_start, seq_q = _seq_bounds(CuQ, b, SEQ_Q, IS_VARLEN)
+    k_start, seq_k = _seq_bounds(CuK, b, SEQ_K, IS_VARLEN)
+    n0 = tl.program_id(0) * BLOCK_N
+    if n0 >= seq_k:
+        return
+    b64 = b.to(tl.int64)
+    hk64 = hk.to(tl.int64)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    k = _load_tile(K + b64 * stride_kb + hk64 * stride_kh + k_start * stride_kn, offs_n, stride_kn,
+                   seq_k, offs_d, HEAD_DIM, BLOCK_D, True)
+    v = _load_tile(V + b64 * stride_vb + hk64 * stride_vh + k_start * stride_vn, offs_n, stride_vn,
+                   seq_k, offs_dv, HEAD_DIM_V, BLOCK_DV, True)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    seed = tl.load(Seed) if DROPOUT else 0
+    diag = seq_k - seq_q
+    a, b_, c, hi = _query_ranges(n0, seq_q, seq_k, diag, window_left, window_right, BLOCK_M, BLOCK_N)
+    h64 = hk64 * GROUP  # the group's first q head
+    q_base = Q + b64 * stride_qb + h64 * stride_qh + q_start * stride_qm
+    do_base = DO + b64 * stride_dob + h64 * stride_doh + q_start * stride_dom
+    dq_base = DQ + b64 * stride_dqb + h64 * stride_dqh + q_start * stride_dqm
+    row = b64 * stride_lb + h64 * stride_lh + q_start
+    bias_base = Bias + b64 * stride_bb + h64 * stride_bh
+    dbias_base = DBias + b64 * stride_dbb + h64 * stride_dbh
+    bh0 = (b * H + h64).to(tl.int32)
+    for phase in tl.static_range(2):
+        first, n_first, second, n_blocks = _loop_plan(phase == 0, a, b_, c, hi, BLOCK_M)
+        dk, dv = _bwd_kv_inner(dk, dv, k, v, q_base, do_base, dq_base, Lse + row, Delta + row,
+                               bias_base, dbias_base, stride_qh, stride_qm, stride_doh, stride_dom,
+                               stride_dqh, stride_dqm, stride_lh, stride_bh, stride_bm, stride_bn,
+                               stride_dbh, stride_dbm, stride_dbn, seed, bh0, GROUP, offs_n, seq_q,
+                               seq_k, diag, window_left, window_right, sm_scale, qk_scale, softcap,
+                               dropout_p, first, n_first, second, n_blocks, HEAD_DIM, HEAD_DIM_V,
+                               BLOCK_D, BLOCK_DV, BIAS_KIND, BIAS_GRAD, SOFTCAP, DROPOUT, ATOMIC_DQ,
+                               DOT_PREC, BLOCK_M, phase == 0)
+    _store_tile(DK + b64 * stride_dkb + hk64 * stride_dkh + k_start * stride_dkn, offs_n, stride_dkn,
+                seq_k, offs_d, HEAD_DIM, (dk * sm_scale).to(DK.dtype.element_ty))
+    _store_tile(DV + b64 * stride_dvb + hk64 * stride_dvh + k_start * stride_dvn, offs_n, stride_dvn,
+                seq_k, offs_dv, HEAD_DIM_V, dv.to(DV.dtype.element_ty))
+
+
+@triton.jit
+def _bwd_q_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, bias_base,
+                 stride_bm, stride_bn, seed, bh, offs_m, seq_q, seq_k, diag, window_left,
+                 window_right, qk_scale, softcap, dropout_p, first, n_first, second, n_blocks,
+                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_DV: tl.constexpr, BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr,
+                 DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr,
+                 MASKED: tl.constexpr):
+    """Accumulates dQ (unscaled) of one query block over the key blocks of one loop."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for r in range(0, n_blocks):
+        offs_n = _block_start(r, first, n_first, second, BLOCK_N) + tl.arange(0, BLOCK_N)
+        k = _load_tile(k_base, offs_n, stride_kn, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        v = _load_tile(v_base, offs_n, stride_vn, seq_k, offs_dv, HEAD_DIM_V, BLOCK_DV, MASKED)
+        qk = _dot(q, tl.trans(k), None, DOT_PREC)
+        s, t = _scores(qk, offs_m[:, None], offs_n[None, :], seq_q, seq_k, diag, window_left,
+                       window_right, bias_base, stride_bm, stride_bn, qk_scale, softcap,
+                       BIAS_KIND, SOFTCAP, MASKED)
+        p = tl.math.exp2(s - lse2[:, None])
+        dp = _dot(do, tl.trans(v), None, DOT_PREC)
+        if DROPOUT:
+            keep = _dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], dropout_p)
+            dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+        ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        dq = _dot(ds.to(k.dtype), k, dq, DOT_PREC)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Bias, Seed, CuQ, CuK,
+                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                 stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+                 stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh,
+                 stride_bb, stride_bh, stride_bm, stride_bn,
+                 H, GROUP, SEQ_Q, SEQ_K, SEQ_BUCKET, sm_scale, qk_scale, softcap, dropout_p,
+                 window_left, window_right,
+                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_DV: tl.constexpr, IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr,
+                 SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
+                 DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program: dQ of BLOCK_M query rows of one (batch, q head), no atomics."""
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    q_start, seq_q = _seq_bounds(CuQ, b, SEQ_Q, IS_VARLEN)
+    k_start, seq_k = _seq_bounds(CuK, b, SEQ_K, IS_VARLEN)
+    m0 = tl.program_id(0) * BLOCK_M
+    if m0 >= seq_q:
+        return
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    hk64 = (h // GROUP).to(tl.int64)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = _load_tile(Q + b64 * stride_qb + h64 * stride_qh + q_start * stride_qm, offs_m, stride_qm,
+                   seq_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    do = _load_tile(DO + b64 * stride_dob + h64 * stride_doh + q_start * stride_dom, offs_m,
+                    stride_dom, seq_q, tl.arange(0, BLOCK_DV), HEAD_DIM_V, BLOCK_DV, True)
+    row = b64 * stride_lb + h64 * stride_lh + q_start + offs_m
+    lse2 = _lse_log2(tl.load(Lse + row, mask=offs_m < seq_q, other=0.0))
+    delta = tl.load(Delta + row, mask=offs_m < seq_q, other=0.0)
+    k_base = K + b64 * stride_kb + hk64 * stride_kh + k_start * stride_kn
+    v_base = V + b64 * stride_vb + hk64 * stride_vh + k_start * stride_vn
+    bias_base = Bias + b64 * stride_bb + h64 * stride_bh
+    seed = tl.load(Seed) if DROPOUT else 0
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    diag = seq_k - seq_q
+    a, b_, c, hi = _key_ranges(m0, seq_q, seq_k, diag, window_left, window_right, BLOCK_M, BLOCK_N)
+    for phase in tl.static_range(2):
+        first, n_first, second, n_blocks = _loop_plan(phase == 0, a, b_, c, hi, BLOCK_N)
+        dq = _bwd_q_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, bias_base,
+                          stride_bm, stride_bn, seed, bh, offs_m, seq_q, seq_k, diag, window_left,
+                          window_right, qk_scale, softcap, dropout_p, first, n_first, second,
+                          n_blocks, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BIAS_KIND, SOFTCAP,
+                          DROPOUT, DOT_PREC, BLOCK_N, phase == 0)
+    _store_tile(DQ + b64 * stride_dqb + h64 * stride_dqh + q_start * stride_dqm, offs_m, stride_dqm,
+                seq_q, offs_d, HEAD_DIM, (dq * sm_scale).to(DQ.dtype.element_ty))
+
+
+# --------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------
+def _tuned(fn, configs, **kw):
+    configs = configs if _AUTOTUNE else configs[:1]
+    return torch.library.wrap_triton(triton.autotune(configs=configs, key=_KEY, **kw)(fn))
+
+
+# class -> (forward, dK/dV, dQ) kernels; the autotuner zeroes the atomic dQ accumulator
+# before each timed run of dK/dV
+_KERNELS = {cls: (_tuned(_attn_fwd, fwd), _tuned(_attn_bwd_dkdv, dkdv, reset_to_zero=["DQ"]),
+                  _tuned(_attn_bwd_dq, dq))
+            for cls, (fwd, dkdv, dq) in _CONFIGS.items()}
+_DELTA_KERNEL = torch.library.wrap_triton(_attn_bwd_delta)
+
+
+def supports(q, k, v, attn_bias=None, dropout_p=0.0) -> bool:
+    """Whether the kernels handle these inputs: dense (B, H, S, D) or varlen (T, H, D) tensors
+    of one dtype among fp16/bf16/fp32, contiguous last dims, head dims 16..256 (D and Dv may
+    differ), Hq a multiple of Hkv, a float or bool bias broadcastable to (B, Hq, Sq, Sk)."""
+    ts = (q, k, v)
+    if not all(isinstance(t, torch.Tensor) for t in ts) or q.dim() not in (3, 4):
+        return False
+    if any(t.dim() != q.dim() or t.dtype != q.dtype or t.device != q.device for t in ts):
+        return False
+    if q.dtype not in _DTYPES or any(t.stride(-1) != 1 for t in ts):
+        return False
+    d, dv = q.shape[-1], v.shape[-1]
+    if k.shape[-1] != d or not all(_MIN_HEAD_DIM <= x <= _MAX_HEAD_DIM for x in (d, dv)):
+        return False
+    hq, hkv = q.shape[1], k.shape[1]
+    if hkv == 0 or hq % hkv or v.shape[1] != hkv:
+        return False
+    if attn_bias is not None:
+        if q.dim() != 4 or not (attn_bias.is_floating_point() or attn_bias.dtype == torch.bool):
+            return False
+        if attn_bias.device != q.device:
+            return False
+        target = (q.shape[0], hq, q.shape[2], k.shape[2])
+        try:
+            if torch.broadcast_shapes(attn_bias.shape, target) != target:
+                return False
+        except RuntimeError:
+            return False
+    return 0.0 <= dropout_p < 1.0
+
+
+def _pow2(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def _rows(t):
+    """A view the kernels can address: last dim contiguous (grad_out may come expanded)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _bhm(t, name: str, row: str) -> dict:
+    """(batch, head, row) strides of a dense (B, H, S, D) or packed (T, H, D) tensor, whose
+    batch offset comes from cu_seqlens instead (batch stride 0)."""
+    sb, sh, sm = (t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 4 else (0, t.stride(1), t.stride(0))
+    return {f"stride_{name}b": sb, f"stride_{name}h": sh, f"stride_{name}{row}": sm}
+
+
+def _lse_strides(lse) -> dict:
+    """lse is (B, H, S) dense or (H, T) varlen, rows contiguous."""
+    sb, sh = (lse.stride(0), lse.stride(1)) if lse.dim() == 3 else (0, lse.stride(0))
+    return {"stride_lb": sb, "stride_lh": sh}
+
+
+def _shape_args(q, k, v, cu_q, cu_k, seq_q: int, seq_k: int) -> dict:
+    """Arguments every attention kernel takes: tensors, strides, lengths, head dims."""
+    varlen = cu_q is not None
+    dummy = q.new_empty(0, dtype=torch.int32)
+    return dict(Q=q, K=k, V=v, CuQ=cu_q if varlen else dummy, CuK=cu_k if varlen else dummy,
+                **_bhm(q, "q", "m"), **_bhm(k, "k", "n"), **_bhm(v, "v", "n"),
+                H=q.shape[1], GROUP=q.shape[1] // k.shape[1], SEQ_Q=seq_q, SEQ_K=seq_k,
+                SEQ_BUCKET=_pow2(max(seq_q, seq_k)), HEAD_DIM=q.shape[-1], HEAD_DIM_V=v.shape[-1],
+                BLOCK_D=_pow2(q.shape[-1]), BLOCK_DV=_pow2(v.shape[-1]), IS_VARLEN=varlen,
+                DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32")
+
+
+def _scale(q, scale):
+    return q.shape[-1] ** -0.5 if scale is None else scale
+
+
+def _mask_args(q, *, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed) -> dict:
+    """Scalar arguments of the score / mask / dropout path, in the kernels' units."""
+    scale = _scale(q, scale)
+    dropout = dropout_p > 0.0
+    return dict(qk_scale=scale / softcap if softcap > 0 else scale * _LOG2E.value,
+                softcap=softcap * _LOG2E.value, dropout_p=float(dropout_p),
+                window_left=window_left if window_left >= 0 else _UNBOUNDED,
+                window_right=0 if causal else (window_right if window_right >= 0 else _UNBOUNDED),
+                Seed=(dropout_seed.to(device=q.device, dtype=torch.int64).reshape(1) if dropout
+                      else q.new_empty(0, dtype=torch.int64)),
+                IS_CAUSAL=bool(causal), SOFTCAP=softcap > 0, DROPOUT=dropout)
+
+
+def _bias_args(q, k, attn_bias) -> dict:
+    """attn_bias with broadcast strides over (B, Hq, Sq, Sk) (0 where broadcast)."""
+    if attn_bias is None:
+        return dict(Bias=q.new_empty(0), stride_bb=0, stride_bh=0, stride_bm=0, stride_bn=0, BIAS_KIND=0)
+    full = attn_bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    sb, sh, sm, sn = full.stride()
+    return dict(Bias=attn_bias, stride_bb=sb, stride_bh=sh, stride_bm=sm, stride_bn=sn,
+                BIAS_KIND=2 if attn_bias.dtype == torch.bool else 1)
+
+
+def _grid(rows: int, programs: int, block: str = "BLOCK_M"):
+    return lambda meta: (triton.cdiv(rows, meta[block]), programs)
+
+
+def _kernels(q, args: dict):
+    """(forward, dK/dV, dQ) kernels of the tile class of this call."""
+    if q.dtype == torch.float32:
+        return _KERNELS["fp32"]
+    width = max(args["BLOCK_D"], args["BLOCK_DV"])
+    return _KERNELS["d64" if width <= 64 else "d128" if width <= 128 else "d256"]
+
+
+def _forward(q, k, v, attn_bias, cu_q, cu_k, n_batch, seq_q, seq_k, flags):
+    """Allocates and computes (out, lse): out contiguous, shaped like q with v's head dim (the
+    ops' fakes promise contiguous outputs), lse fp32 (B, H, S) dense or (H, T) varlen."""
+    out = q.new_empty(*q.shape[:-1], v.shape[-1])
+    lse_shape = (q.shape[1], q.shape[0]) if cu_q is not None else q.shape[:-1]
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    args = _shape_args(q, k, v, cu_q, cu_k, seq_q, seq_k)
+    _kernels(q, args)[0][_grid(seq_q, n_batch * q.shape[1])](
+        Out=out, Lse=lse, **_bhm(out, "o", "m"), **_lse_strides(lse), **args,
+        **_mask_args(q, **flags), **_bias_args(q, k, attn_bias))
+    return out, lse
+
+
+def _backward(grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, n_batch, seq_q, seq_k,
+              flags, bias_requires_grad, deterministic):
+    """(dq, dk, dv, dbias or None), dq/dk/dv contiguous like q/k/v."""
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    bias_grad = bool(bias_requires_grad) and attn_bias is not None and attn_bias.is_floating_point()
+    dbias_full = None
+    if bias_grad:  # per (b, h, i, j), summed to attn_bias's shape below
+        dbias_full = torch.zeros(q.shape[0], q.shape[1], q.shape[2], k.shape[2], dtype=torch.float32,
+                                 device=q.device)
+    if q.numel() == 0 or k.numel() == 0:
+        dq.zero_(), dk.zero_(), dv.zero_()
+        return dq, dk, dv, _sum_to_bias(dbias_full, attn_bias)
+    args = _shape_args(q, k, v, cu_q, cu_k, seq_q, seq_k)
+    heads = q.shape[1]
+    grad_out, out = _rows(grad_out), _rows(out)
+    delta = torch.empty_like(lse)
+    lse_strides = _lse_strides(lse)
+    _DELTA_KERNEL[_grid(seq_q, n_batch * heads)](
+        Out=out, DO=grad_out,
+        GradLse=lse if grad_lse is None else grad_lse.to(torch.float32).expand_as(lse).contiguous(),
+        Delta=delta, CuQ=args["CuQ"], **_bhm(out, "o", "m"), **_bhm(grad_out, "do", "m"), **lse_strides,
+        H=heads, SEQ_Q=seq_q, HEAD_DIM_V=args["HEAD_DIM_V"], BLOCK_DV=args["BLOCK_DV"],
+        HAS_GRAD_LSE=grad_lse is not None, IS_VARLEN=args["IS_VARLEN"],
+        BLOCK_M=max(16, _DELTA_TILE // args["BLOCK_DV"]))
+
+    common = dict(DO=grad_out, Lse=lse, Delta=delta, **_bhm(grad_out, "do", "m"), **lse_strides,
+                  sm_scale=_scale(q, flags["scale"]), **args, **_mask_args(q, **flags),
+                  **_bias_args(q, k, attn_bias))
+    # without determinism dQ is accumulated by atomics in fp32, else written by its own kernel
+    dq_buf = dq if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    _, dkdv_kernel, dq_kernel = _kernels(q, args)
+    dkdv_kernel[_grid(seq_k, n_batch * k.shape[1], "BLOCK_N")](
+        DQ=dq_buf, DK=dk, DV=dv, DBias=dbias_full if bias_grad else q.new_empty(0, dtype=torch.float32),
+        **_bhm(dq_buf, "dq", "m"), **_bhm(dk, "dk", "n"), **_bhm(dv, "dv", "n"),
+        **_db_strides(dbias_full), BIAS_GRAD=bias_grad, ATOMIC_DQ=not deterministic, **common)
+    if deterministic:
+        dq_kernel[_grid(seq_q, n_batch * heads)](DQ=dq, **_bhm(dq, "dq", "m"), **common)
+    else:
+        dq.copy_(dq_buf)
+    return dq, dk, dv, _sum_to_bias(dbias_full, attn_bias)
+
+
+def _db_strides(dbias_full) -> dict:
+    s = dbias_full.stride() if dbias_full is not None else (0, 0, 0, 0)
+    return dict(zip(("stride_dbb", "stride_dbh", "stride_dbm", "stride_dbn"), s))
+
+
+def _sum_to_bias(dbias_full, attn_bias):
+    if dbias_full is None:
+        return None
+    return dbias_full.sum_to_size(attn_bias.shape).to(attn_bias.dtype)
+
+
+def _flags(scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed) -> dict:
+    return dict(scale=scale, causal=causal, window_left=window_left, window_right=window_right,
+                softcap=softcap, dropout_p=dropout_p, dropout_seed=dropout_seed)
+
+
+def attention_fwd(q, k, v, attn_bias, *, scale, causal, window_left, window_right, softcap,
+                  dropout_p, dropout_seed):
+    """Dense attention forward: q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv), attn_bias
+    None / float / bool broadcastable to (B, Hq, Sq, Sk). Returns out (B, Hq, Sq, Dv) contiguous
+    in q's dtype and lse (B, Hq, Sq) fp32 (-inf, with out 0, for rows that see no key)."""
+    flags = _flags(scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
+    return _forward(q, k, v, attn_bias, None, None, q.shape[0], q.shape[2], k.shape[2], flags)
+
+
+def attention_bwd(grad_out, grad_lse, q, k, v, attn_bias, out, lse, *, scale, causal, window_left,
+                  window_right, softcap, dropout_p, dropout_seed, bias_requires_grad,
+                  deterministic=False):
+    """Gradients of attention_fwd: (dq, dk, dv, dbias or None); grad_lse may be None; dbias has
+    attn_bias's shape and dtype. deterministic=True computes dQ without atomics (bitwise
+    reproducible, one more pass over K and V)."""
+    flags = _flags(scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
+    return _backward(grad_out, grad_lse, q, k, v, attn_bias, out, lse, None, None, q.shape[0],
+                     q.shape[2], k.shape[2], flags, bias_requires_grad, deterministic)
+
+
+def attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale,
+                         causal, window_left, window_right, softcap, dropout_p, dropout_seed):
+    """Packed sequences: q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv), int32
+    cu_seqlens (batch + 1,). max_seqlen_* only size the grid (an upper bound is fine; no host
+    sync). Returns out (total_q, Hq, Dv) and lse (Hq, total_q) fp32."""
+    flags = _flags(scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
+    return _forward(q, k, v, None, cu_seqlens_q, cu_seqlens_k, cu_seqlens_q.shape[0] - 1,
+                    max_seqlen_q, max_seqlen_k, flags)
+
+
+def attention_varlen_bwd(grad_out, grad_lse, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                         max_seqlen_k, out, lse, *, scale, causal, window_left, window_right, softcap,
+                         dropout_p, dropout_seed, deterministic=False):
+    """Gradients of attention_varlen_fwd: (dq, dk, dv)."""
+    flags = _flags(scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
+    dq, dk, dv, _ = _backward(grad_out, grad_lse, q, k, v, None, out, lse, cu_seqlens_q, cu_seqlens_k,
+                              cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, flags, False,
+                              deterministic)
+    return dq, dk, dv
