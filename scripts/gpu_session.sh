@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session in one call (the H100 has no network and bills by the minute): install the
 # carried wheels and the package, report the environment, run the GPU tests, the demo and the
-# benchmarks, and leave logs and JSON in $OUT. Usage: scripts/gpu_session.sh [bench suites...]
+# benchmarks, and leave logs and JSON in $OUT.
+# Usage: scripts/gpu_session.sh [suite[:seconds] ...]   (seconds: that suite's time limit)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/site
@@ -12,10 +13,11 @@ if ls .wheels/*.whl >/dev/null 2>&1; then
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -m torch_flash info; } 2>&1 | tee "$OUT/info.txt"
-python3 -m torch_flash demo 2>&1 | tee "$OUT/demo.txt"
+TORCH_FLASH_AUTOTUNE=0 python3 -m torch_flash demo 2>&1 | tee "$OUT/demo.txt"
 if [ -n "${GPU_TESTS:-1}" ] && [ "${GPU_TESTS:-1}" != 0 ]; then
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -x -m cuda ${TESTS:-tests} 2>&1 | tail -40 | tee "$OUT/tests.txt"
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q ${PYTEST_ARGS--x} -m cuda ${TESTS:-tests} 2>&1 | tail -40 | tee "$OUT/tests.txt"
 fi
-for suite in "$@"; do
-  timeout "${BENCH_TIMEOUT:-240}" python3 -m torch_flash.bench "$suite" --out "$OUT" 2>&1 | tee "$OUT/bench_$suite.txt"
+for spec in "$@"; do
+  suite=${spec%%:*}; limit=${spec#*:}; [ "$limit" = "$spec" ] && limit=${BENCH_TIMEOUT:-240}
+  timeout "$limit" python3 -m torch_flash.bench "$suite" --out "$OUT" 2>&1 | tee "$OUT/bench_$suite.txt"
 done
