@@ -13,7 +13,7 @@ if ls .wheels/*.whl >/dev/null 2>&1; then
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -m torch_flash info; } 2>&1 | tee "$OUT/info.txt"
-TORCH_FLASH_AUTOTUNE=0 python3 -m torch_flash demo 2>&1 | tee "$OUT/demo.txt"
+[ "${DEMO:-1}" = 0 ] || TORCH_FLASH_AUTOTUNE=0 python3 -m torch_flash demo 2>&1 | tee "$OUT/demo.txt"
 if [ -n "${GPU_TESTS:-1}" ] && [ "${GPU_TESTS:-1}" != 0 ]; then
   timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q ${PYTEST_ARGS--x} -m cuda ${TESTS:-tests} 2>&1 | tail -40 | tee "$OUT/tests.txt"
 fi

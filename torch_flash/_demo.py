@@ -97,7 +97,7 @@ def main(device: str | None = None) -> int:
     print(f"torch-flash {torch_flash.__version__} demo on {dev} ({dt}); reference: float64 on the reference path")
     print(f"{'op':<22}{'path':<11}{'fwd err':>10}{'grad err':>10}{'ms':>9}  ok")
     failures = 0
-    for entry in OPS:
+    for entry in (e for e in OPS if e.public):  # internal ops run inside their public op
         fn, tensors = cases[entry.name]
         grad = entry.backward is not None
         _dispatch.LAST.clear()

@@ -97,7 +97,8 @@ def _attention_varlen_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: 
     if use_triton("attention_varlen_backward", q, k, v, None, dropout_p):
         from ..kernels.triton.attention import attention_varlen_bwd
         return attention_varlen_bwd(grad_out, grad_lse, q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                    max_seqlen_q, max_seqlen_k, out, lse, **kernel_flags(spec))
+                                    max_seqlen_q, max_seqlen_k, out, lse, **kernel_flags(spec),
+                                    deterministic=True)
     return ref.backward(grad_out, grad_lse, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, spec)
 
 
