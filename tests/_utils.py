@@ -1,6 +1,9 @@
 """Shared test helpers: relative error against a float64 reference, opcheck samples."""
 from __future__ import annotations
 
+import importlib.util
+import os
+import types
 from typing import Callable, Iterable
 
 import torch
@@ -35,5 +38,17 @@ def to64(*ts):
     return tuple(None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in ts)
 
 
-def run_opcheck(op, args, kwargs=None) -> None:
-    torch.library.opcheck(op, args, kwargs or {})
+OPS_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ops")
+
+
+def stem_tests(stem: str) -> types.ModuleType:
+    """tests/ops/test_<stem>.py as a module: its OPCHECK_SAMPLES and, optionally,
+    FULL_OPCHECKS (how many samples per op get every opcheck test; the rest get the cheap
+    ones, since each full check compiles the op)."""
+    path = os.path.join(OPS_TESTS, f"test_{stem}.py")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"missing {path}")
+    spec = importlib.util.spec_from_file_location(f"_samples_of_{stem}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -1,8 +1,6 @@
 """The op registry is complete: every op has its schema, fake, autograd rule, backward op,
 reference and opcheck samples; and every registered `flash` op is in the table."""
 import importlib
-import importlib.util
-import os
 
 import pytest
 import torch
@@ -11,23 +9,12 @@ from torch._library.custom_ops import OPDEFS
 import torch_flash
 from torch_flash._registry import OPS, backward_ops
 from torch_flash.ops import _autograd
-
-TESTS_OPS = os.path.join(os.path.dirname(__file__), "ops")
-
+from _utils import stem_tests
 
 def _opdef(name):
     qual = f"flash::{name}"
     assert qual in OPDEFS, f"{qual} is not registered"
     return OPDEFS[qual]
-
-
-def _samples(stem):
-    path = os.path.join(TESTS_OPS, f"test_{stem}.py")
-    assert os.path.isfile(path), f"missing {path}"
-    spec = importlib.util.spec_from_file_location(f"_registry_probe_{stem}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return getattr(mod, "OPCHECK_SAMPLES", {})
 
 
 def _fake_from_meta_kernels(name):
@@ -52,7 +39,7 @@ def test_op_is_complete(entry):
     mutated = {a.name for a in opdef._opoverload._schema.arguments
                if a.alias_info is not None and a.alias_info.is_write}
     assert mutated == set(entry.mutates)
-    samples = _samples(entry.stem)
+    samples = getattr(stem_tests(entry.stem), "OPCHECK_SAMPLES", {})
     for op in (entry.name, entry.backward):
         if op is not None:
             assert op in samples and list(samples[op]()), f"tests/ops/test_{entry.stem}.py has no opcheck samples for {op}"
