@@ -34,6 +34,15 @@ def assert_rel_close(out: torch.Tensor, ref: torch.Tensor, tol: float | None = N
     return err
 
 
+def randn_rows(shape, dtype, rg=False, noncontig=False) -> torch.Tensor:
+    """Fresh random (..., N) input; noncontig: a strided view over a wider buffer."""
+    if noncontig:
+        x = torch.randn(*shape[:-1], shape[-1] * 2, dtype=dtype)[..., ::2]
+    else:
+        x = torch.randn(shape, dtype=dtype)
+    return x.requires_grad_(rg)
+
+
 def to64(*ts):
     return tuple(None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in ts)
 

@@ -5,19 +5,10 @@ import torch.nn.functional as F
 
 import torch_flash  # noqa: F401  (registers the ops)
 from torch_flash.ops.layer_norm import add_layer_norm, layer_norm
-from _utils import TOL, assert_rel_close, rel_err, to64
+from _utils import TOL, assert_rel_close, randn_rows, rel_err, to64
 
 SHAPES = [(2, 8, 64), (1, 3, 16), (5, 32), (7, 1, 96)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def _x(shape, dtype, rg=False, noncontig=False):
-    if noncontig:  # a strided view over a wider buffer
-        base = torch.randn(*shape[:-1], shape[-1] * 2, dtype=dtype)
-        x = base[..., ::2]
-    else:
-        x = torch.randn(shape, dtype=dtype)
-    return x.requires_grad_(rg)
 
 
 def _p(n, dtype, rg=False):
@@ -30,19 +21,19 @@ def _samples_ln():
             for rg in (False, True):
                 for nc in (False, True):
                     n = shape[-1]
-                    yield (_x(shape, dtype, rg, nc), _p(n, dtype, rg), _p(n, dtype, rg), 1e-5), {}
-    yield (_x((3, 16), torch.float32, True), None, None, 1e-6), {}
-    yield (_x((3, 16), torch.float32, True), _p(16, torch.float32, True), None, 1e-6), {"weight_offset": 1.0}
-    yield (_x((3, 16), torch.bfloat16, True), None, _p(16, torch.float32, True), 1e-6), {}
-    yield (_x((3, 16), torch.float32, True).t(), _p(3, torch.float32, True), _p(3, torch.float32), 1e-5), {}
+                    yield (randn_rows(shape, dtype, rg, nc), _p(n, dtype, rg), _p(n, dtype, rg), 1e-5), {}
+    yield (randn_rows((3, 16), torch.float32, True), None, None, 1e-6), {}
+    yield (randn_rows((3, 16), torch.float32, True), _p(16, torch.float32, True), None, 1e-6), {"weight_offset": 1.0}
+    yield (randn_rows((3, 16), torch.bfloat16, True), None, _p(16, torch.float32, True), 1e-6), {}
+    yield (randn_rows((3, 16), torch.float32, True).t(), _p(3, torch.float32, True), _p(3, torch.float32), 1e-5), {}
 
 
 def _samples_ln_bwd():
     for shape in SHAPES[:2]:
         for dtype in DTYPES:
-            x, n = _x(shape, dtype), shape[-1]
+            x, n = randn_rows(shape, dtype), shape[-1]
             yield (torch.randn_like(x), x, _p(n, dtype), _p(n, dtype), 1e-5, 0.0), {}
-    x = _x((4, 32), torch.float32)
+    x = randn_rows((4, 32), torch.float32)
     yield (torch.randn_like(x), x, None, None, 1e-5, 0.0), {}
     yield (torch.randn_like(x), x, _p(32, torch.float32), None, 1e-5, 1.0), {}
     yield (torch.randn_like(x), x, None, _p(32, torch.float32), 1e-5, 0.0), {}
@@ -53,18 +44,18 @@ def _samples_add():
         for dtype in DTYPES:
             for rg in (False, True):
                 n = shape[-1]
-                yield ((_x(shape, dtype, rg), _x(shape, dtype, rg, noncontig=True), _p(n, dtype, rg),
+                yield ((randn_rows(shape, dtype, rg), randn_rows(shape, dtype, rg, noncontig=True), _p(n, dtype, rg),
                         _p(n, dtype, rg), 1e-5), {"residual_in_fp32": rg})
-    yield (_x((3, 16), torch.float32, True), _x((3, 16), torch.float32, True), None, None, 1e-5), {}
+    yield (randn_rows((3, 16), torch.float32, True), randn_rows((3, 16), torch.float32, True), None, None, 1e-5), {}
 
 
 def _samples_add_bwd():
     for dtype in DTYPES:
-        s = _x((3, 5, 32), torch.float32)
+        s = randn_rows((3, 5, 32), torch.float32)
         yield ((torch.randn_like(s, dtype=dtype), torch.randn_like(s), s, _p(32, dtype), _p(32, dtype),
                 1e-5, 0.0), {})
-    yield (torch.randn(4, 16), None, _x((4, 16), torch.float32), None, None, 1e-5, 1.0), {}
-    yield (torch.randn(4, 16), None, _x((4, 16), torch.float32), _p(16, torch.float32), None, 1e-5, 0.0), {}
+    yield (torch.randn(4, 16), None, randn_rows((4, 16), torch.float32), None, None, 1e-5, 1.0), {}
+    yield (torch.randn(4, 16), None, randn_rows((4, 16), torch.float32), _p(16, torch.float32), None, 1e-5, 0.0), {}
 
 
 OPCHECK_SAMPLES = {

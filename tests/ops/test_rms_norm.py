@@ -4,19 +4,10 @@ import torch
 
 import torch_flash
 from torch_flash.reference import rms_norm as ref
-from _utils import TOL, assert_rel_close, to64
+from _utils import TOL, assert_rel_close, randn_rows, to64
 
 SHAPES = [(2, 8, 64), (1, 3, 16), (5, 32), (7, 1, 96)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def _x(shape, dtype, rg=False, noncontig=False):
-    if noncontig:  # a strided view over a wider buffer
-        base = torch.randn(*shape[:-1], shape[-1] * 2, dtype=dtype)
-        x = base[..., ::2]
-    else:
-        x = torch.randn(shape, dtype=dtype)
-    return x.requires_grad_(rg)
 
 
 def _samples_rms():
@@ -25,17 +16,17 @@ def _samples_rms():
             for rg in (False, True):
                 for nc in (False, True):
                     w = torch.randn(shape[-1], dtype=dtype, requires_grad=rg)
-                    yield (_x(shape, dtype, rg, nc), w, 1e-5), {"cast_before_weight": nc}
-    yield (_x((3, 16), torch.float32, True), None, 1e-6), {}
-    yield (_x((3, 16), torch.bfloat16, True), torch.randn(16, requires_grad=True), 1e-6), {"weight_offset": 1.0}
+                    yield (randn_rows(shape, dtype, rg, nc), w, 1e-5), {"cast_before_weight": nc}
+    yield (randn_rows((3, 16), torch.float32, True), None, 1e-6), {}
+    yield (randn_rows((3, 16), torch.bfloat16, True), torch.randn(16, requires_grad=True), 1e-6), {"weight_offset": 1.0}
 
 
 def _samples_rms_bwd():
     for shape in SHAPES[:2]:
         for dtype in DTYPES:
-            x = _x(shape, dtype)
+            x = randn_rows(shape, dtype)
             yield (torch.randn_like(x), x, torch.randn(shape[-1], dtype=dtype), 1e-5, 0.0, True), {}
-    x = _x((4, 32), torch.float32)
+    x = randn_rows((4, 32), torch.float32)
     yield (torch.randn_like(x), x, None, 1e-5, 0.0, False), {}
 
 
@@ -44,16 +35,16 @@ def _samples_add():
         for dtype in DTYPES:
             for rg in (False, True):
                 w = torch.randn(shape[-1], dtype=dtype, requires_grad=rg)
-                yield ((_x(shape, dtype, rg), _x(shape, dtype, rg, noncontig=True), w, 1e-5),
+                yield ((randn_rows(shape, dtype, rg), randn_rows(shape, dtype, rg, noncontig=True), w, 1e-5),
                        {"residual_in_fp32": rg})
 
 
 def _samples_add_bwd():
     for dtype in DTYPES:
-        s = _x((3, 5, 32), torch.float32)
+        s = randn_rows((3, 5, 32), torch.float32)
         yield ((torch.randn_like(s, dtype=dtype), torch.randn_like(s), s, torch.randn(32, dtype=dtype),
                 1e-5, 0.0, True, dtype), {})
-    yield ((torch.randn(4, 16), None, _x((4, 16), torch.float32), None, 1e-5, 1.0, False,
+    yield ((torch.randn(4, 16), None, randn_rows((4, 16), torch.float32), None, 1e-5, 1.0, False,
             torch.float32), {})
 
 
