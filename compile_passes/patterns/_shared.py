@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..graph import A, dtype_of, fake_call, getitem, insert_call, is_op, last_dim, same_meta, val
+from ..graph import A, dtype_of, fake_call, getitem, insert_call, is_op, last_dim, location, same_meta, val
 
 
 def arg(node: fx.Node, name: str, default: Any = None) -> Any:
@@ -118,3 +118,35 @@ def fuse_residual(gm: fx.GraphModule, norm: fx.Node, fused_op) -> bool:
         anchor.append(node)
         anchor = node
     return True
+
+
+def rewrite_norms(gm: fx.GraphModule, report, anchors, op: str, fused_op: str, label: str,
+                  direct: str, call_args) -> None:
+    """The site loop of the norm families. anchors: (node, anchor name, match) with match(node)
+    -> a match, a reason (str), or None (not a candidate at all). call_args(match) -> (args,
+    kwargs) of flash.<op>. Reasons of hand-written spellings read "looks like <label> but ...";
+    those of the `direct` anchor (the F.* call) stand alone. A rewritten norm whose input is a
+    residual add then becomes flash.<fused_op>."""
+    from ..report import Site
+
+    flash = torch.ops.flash
+    rewritten = {}
+    for n, anchor, match in anchors:
+        m = match(n)
+        if m is None:
+            continue
+        site = Site("norm", location(n), anchor)
+        report.add(site)
+        if isinstance(m, str):
+            site.reason = m if anchor == direct else f"looks like {label} but {m}"
+            continue
+        args, kwargs = call_args(m)
+        node = call_checked(gm.graph, m.out, getattr(flash, op).default, args, kwargs)
+        site.reason = node if isinstance(node, str) else replace(gm.graph, m.out, node, op)
+        if not site.reason:
+            site.op = op
+            rewritten[node] = site
+    gm.graph.eliminate_dead_code()
+    for node, site in rewritten.items():
+        if fuse_residual(gm, node, getattr(flash, fused_op).default):
+            site.op = fused_op

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ..graph import A, cast_dtype, dtype_of, is_op, last_dim, location, number, only_user, other_operand, val
-from ..report import Report, Site
-from ._shared import arg, call_checked, fuse_residual, known_equal, replace, same_value
+from ..graph import A, cast_dtype, dtype_of, is_op, last_dim, number, only_user, other_operand, val
+from ..report import Report
+from ._shared import arg, known_equal, rewrite_norms, same_value
 
 FLASH = torch.ops.flash
 HALF = (torch.float16, torch.bfloat16)
@@ -164,22 +164,5 @@ def rewrite(gm: fx.GraphModule, report: Report) -> None:
                for n in gm.graph.find_nodes(op="call_function", target=A.layer_norm.default)]
     anchors += [(n, name, _match_root) for root, (name, _) in ROOTS.items()
                 for n in gm.graph.find_nodes(op="call_function", target=root)]
-    rewritten: dict[fx.Node, Site] = {}
-    for n, anchor, match in anchors:
-        m = match(n)
-        if m is None:
-            continue
-        site = Site("norm", location(n), anchor)
-        report.add(site)
-        if isinstance(m, str):
-            site.reason = m if match is _match_aten else f"looks like LayerNorm but {m}"
-            continue
-        node = call_checked(gm.graph, m.out, FLASH.layer_norm.default, (m.x, m.weight, m.bias, m.eps))
-        site.reason = node if isinstance(node, str) else replace(gm.graph, m.out, node, "layer_norm")
-        if not site.reason:
-            site.op = "layer_norm"
-            rewritten[node] = site
-    gm.graph.eliminate_dead_code()
-    for node, site in rewritten.items():
-        if fuse_residual(gm, node, FLASH.add_layer_norm.default):
-            site.op = "add_layer_norm"
+    rewrite_norms(gm, report, anchors, "layer_norm", "add_layer_norm", "LayerNorm", "F.layer_norm",
+                  lambda m: ((m.x, m.weight, m.bias, m.eps), {}))

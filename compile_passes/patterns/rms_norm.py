@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ..graph import (A, cast_dtype, dtype_of, is_op, last_dim, location, number, only_user,
-                     other_operand, split_const, strip_casts, val)
-from ..report import Report, Site
-from ._shared import call_checked, fuse_residual, replace
+from ..graph import (A, cast_dtype, dtype_of, is_op, last_dim, number, only_user, other_operand,
+                     split_const, strip_casts, val)
+from ..report import Report
+from ._shared import rewrite_norms
 
 FLASH = torch.ops.flash
 HALF = (torch.float16, torch.bfloat16)
@@ -115,22 +115,6 @@ def rewrite(gm: fx.GraphModule, report: Report) -> None:
     anchors = [(n, "rsqrt", _match) for n in gm.graph.find_nodes(op="call_function", target=A.rsqrt.default)]
     anchors += [(n, "F.rms_norm", _match_aten)
                 for n in gm.graph.find_nodes(op="call_function", target=A.rms_norm.default)]
-    rewritten: dict[fx.Node, Site] = {}
-    for n, anchor, match in anchors:
-        site = Site("norm", location(n), anchor)
-        report.add(site)
-        m = match(n)
-        if isinstance(m, str):
-            site.reason = m if anchor == "F.rms_norm" else f"looks like RMSNorm but {m}"
-            continue
-        node = call_checked(gm.graph, m.out, FLASH.rms_norm.default, (m.x, m.weight, m.eps),
-                            {"weight_offset": m.weight_offset, "cast_before_weight": m.cast_before_weight})
-        site.reason = node if isinstance(node, str) else replace(gm.graph, m.out, node, "rms_norm")
-        if site.reason:
-            continue
-        site.op = "rms_norm"
-        rewritten[node] = site
-    gm.graph.eliminate_dead_code()
-    for node, site in rewritten.items():
-        if fuse_residual(gm, node, FLASH.add_rms_norm.default):
-            site.op = "add_rms_norm"
+    rewrite_norms(gm, report, anchors, "rms_norm", "add_rms_norm", "RMSNorm", "F.rms_norm",
+                  lambda m: ((m.x, m.weight, m.eps), {"weight_offset": m.weight_offset,
+                                                      "cast_before_weight": m.cast_before_weight}))
