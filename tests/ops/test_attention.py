@@ -452,3 +452,70 @@ def test_bad_inputs_fail_at_trace_time():
         fq, fk = mode.from_tensor(q), mode.from_tensor(torch.randn(2, 2, 7, 6))
         with pytest.raises(ValueError, match="flash.attention_with_lse: k has head dim 6"):
             torch.ops.flash.attention_with_lse(fq, fk, mode.from_tensor(v))
+
+
+# ------------------------------------------------------------------------------------------
+# torch.compile(fullgraph=True), CUDA graphs and torch.export; on CUDA the Triton kernels run
+# inside the compiled graph, on CPU the reference path does
+# ------------------------------------------------------------------------------------------
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def _features_step(q, k, v, bias):
+    """One training-style call with GQA, causal, softcap and a padding bias; loss and grads."""
+    out = attention(q, k, v, attn_bias=bias, causal=True, softcap=20.0)
+    return out.float().square().sum()
+
+
+def _compile_inputs(device, dtype):
+    q, k, v = (t.to(device) for t in _qkv(b=2, hq=4, hkv=2, sq=40, sk=40, d=64, dtype=dtype))
+    bias = torch.zeros(2, 1, 1, 40, device=device)
+    bias[1, ..., 33:] = float("-inf")
+    return [t.requires_grad_() for t in (q, k, v)], bias
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_forward_backward(device):
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    leaves, bias = _compile_inputs(device, dtype)
+    eager_loss = _features_step(*leaves, bias)
+    eager_grads = torch.autograd.grad(eager_loss, leaves)
+    torch._dynamo.reset()
+    step = torch.compile(_features_step, fullgraph=True)
+    loss = step(*leaves, bias)
+    grads = torch.autograd.grad(loss, leaves)
+    tol = TOL[dtype]
+    assert_rel_close(loss, eager_loss, tol)
+    for g, e in zip(grads, eager_grads):
+        assert_rel_close(g, e, tol)
+
+
+@pytest.mark.cuda
+def test_cuda_graphs_reduce_overhead():
+    """mode="reduce-overhead" replays a CUDA graph: no host sync inside the op, and replays
+    with new input values give the new results."""
+    torch._dynamo.reset()
+    step = torch.compile(lambda q, k, v: attention(q, k, v, causal=True), mode="reduce-overhead",
+                         fullgraph=True)
+    for _ in range(4):  # warm-up, record, replays
+        q, k, v = (t.cuda() for t in _qkv(b=2, hq=8, hkv=2, sq=256, sk=256, d=128, dtype=torch.bfloat16))
+        out = step(q, k, v).clone()
+        assert_rel_close(out, attention(q, k, v, causal=True), TOL[torch.bfloat16])
+
+
+class _Attn(torch.nn.Module):
+    def forward(self, q, k, v, bias):
+        return attention(q, k, v, attn_bias=bias, causal=True, softcap=20.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_export_save_load(device, tmp_path):
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    (q, k, v), bias = _compile_inputs(device, dtype)
+    q, k, v = (t.detach() for t in (q, k, v))
+    ep = torch.export.export(_Attn(), (q, k, v, bias))
+    assert any(n.target is torch.ops.flash.attention.default for n in ep.graph.nodes)
+    torch.export.save(ep, tmp_path / "attn.pt2")
+    loaded = torch.export.load(tmp_path / "attn.pt2")
+    expected = _Attn()(q, k, v, bias)
+    assert torch.equal(loaded.module()(q, k, v, bias), expected)

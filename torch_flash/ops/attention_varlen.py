@@ -131,21 +131,17 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
 
     q (Tq, Hq, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv): the tokens of all sequences end to end;
     cu_seqlens_q / cu_seqlens_k (batch + 1,) int32: cumulative sequence lengths from 0.
-    max_seqlen_q / max_seqlen_k: the longest sequence (an upper bound is fine); computed
-    from cu_seqlens when omitted, which costs a host synchronisation on GPU.
+    max_seqlen_q / max_seqlen_k: a hint, an upper bound on the longest sequence that sizes
+    the kernels' grids. Omitted, the bound is the total token count Tq / Tk: no host
+    synchronisation (the call compiles with fullgraph=True and records in CUDA graphs), at the
+    cost of grid programs that exit at once.
     scale, causal, window, softcap, dropout_p as in `torch_flash.attention`, per sequence
     (causal and window aligned bottom-right within each sequence).
     Returns out (Tq, Hq, Dv), or (out, lse (Hq, Tq) fp32) with return_lse=True.
     """
     kwargs = op_kwargs("attention_varlen", scale, causal, window, softcap, dropout_p)
     seed = kwargs.pop("dropout_seed")
-    lengths = []
-    for name, cu, given in (("cu_seqlens_q", cu_seqlens_q, max_seqlen_q),
-                            ("cu_seqlens_k", cu_seqlens_k, max_seqlen_k)):
-        if given is None:
-            check_cu_seqlens("attention_varlen", name, cu)
-            given = int(cu.diff().max()) if cu.shape[0] > 1 else 0
-        lengths.append(given)
-    out, lse = torch.ops.flash.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *lengths,
-                                                seed, **kwargs)
+    out, lse = torch.ops.flash.attention_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, q.shape[0] if max_seqlen_q is None else max_seqlen_q,
+        k.shape[0] if max_seqlen_k is None else max_seqlen_k, seed, **kwargs)
     return (out, lse) if return_lse else out

@@ -1,0 +1,64 @@
+"""What limits the Triton attention kernels on the GPU, measured: the autotuned config of each
+kernel, its registers / spills / shared memory, whether its PTX uses Hopper's wgmma, and (run
+under ncu with --profile-from-start off) one profiled forward and backward of ours and of
+SDPA-cuDNN at the standard grid's D=128, S=16k point.
+Usage: ncu --profile-from-start off [sections] python scripts/profile_attention.py [--causal]
+"""
+import sys
+
+import torch
+
+import torch_flash  # noqa: F401
+from torch_flash.kernels.triton import attention as A
+
+
+def compiled_kernels(tuned):
+    """The CompiledKernel objects of a wrap_triton(autotune(jit)) kernel."""
+    fn = tuned.kernel.fn
+    for cache in getattr(fn, "device_caches", {}).values():
+        table = cache[0] if isinstance(cache, tuple) else cache
+        yield from table.values()
+
+
+def describe(name, tuned):
+    best = tuned.kernel.best_config
+    print(f"{name}: best config {best}")
+    for k in compiled_kernels(tuned):
+        ptx = k.asm.get("ptx", "")
+        print(f"  compiled: regs {k.n_regs} spills {k.n_spills} shared {k.metadata.shared} B "
+              f"warps {k.metadata.num_warps} stages {k.metadata.num_stages} "
+              f"wgmma in ptx: {ptx.count('wgmma.mma_async')} mma.sync: {ptx.count('mma.sync')}")
+
+
+def main(causal):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    b, h, s, d = 2, 16, 16384, 128
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+               for _ in range(3))
+    flags = dict(scale=None, causal=causal, window_left=-1, window_right=-1, softcap=0.0,
+                 dropout_p=0.0, dropout_seed=None)
+    out, lse = A.attention_fwd(q, k, v, None, **flags)  # autotunes
+    do = torch.randn_like(out)
+    A.attention_bwd(do, None, q, k, v, None, out, lse, **flags, bias_requires_grad=False,
+                    deterministic=True)
+    for name, tuned in zip(("forward", "dK/dV", "dQ"), A._KERNELS["d128"]):
+        describe(name, tuned)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        ref = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
+        torch.autograd.grad(ref, leaves, do, retain_graph=True)
+    torch.cuda.synchronize()
+
+    torch.cuda.cudart().cudaProfilerStart()
+    A.attention_fwd(q, k, v, None, **flags)
+    A.attention_bwd(do, None, q, k, v, None, out, lse, **flags, bias_requires_grad=False,
+                    deterministic=True)
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        ref = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
+        torch.autograd.grad(ref, leaves, do)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
+if __name__ == "__main__":
+    main("--causal" in sys.argv)

@@ -1,0 +1,53 @@
+"""Sweep the norm kernels' launch heuristics on the GPU: rows per program tile (TILE) and, for
+the backward, programs per SM. Prints and writes JSON of the fraction of a device copy that
+each setting reaches, with the autotuned num_warps, so the defaults in
+torch_flash/kernels/triton/norm.py can be chosen from measurements.
+Usage: python scripts/sweep_norm.py OUT.json
+"""
+import itertools
+import json
+import sys
+
+import torch
+
+from torch_flash.bench._common import copy_bandwidth, env_info, median_ms
+from torch_flash.kernels.triton import norm
+
+SHAPES = [(32768, 4096), (65536, 1024), (4096, 8192)]
+
+
+def main(path):
+    rows = []
+    for (m, n), is_rms in itertools.product(SHAPES, (True, False)):
+        x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        g = torch.randn_like(x)
+        w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        b = None if is_rms else torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        kw = dict(eps=1e-6, is_rms=is_rms, weight_offset=0.0, cast_before_weight=False)
+        fwd_ceiling = copy_bandwidth(2 * x.numel() * 2)
+        bwd_ceiling = copy_bandwidth(3 * x.numel() * 2)
+        for tile in (2048, 4096, 8192, 16384):
+            norm.TILE = tile
+            norm._norm_fwd_kernel.cache.clear()
+            ms = median_ms(lambda: norm.norm_fwd(x, w, b, None, residual_in_fp32=False, **kw))
+            frac = 2 * x.numel() * 2 / (ms * 1e-3) / fwd_ceiling
+            rows.append(dict(op="rms" if is_rms else "ln", shape=[m, n], pass_="fwd", tile=tile,
+                             per_sm=None, ms=ms, frac=frac,
+                             warps=norm._norm_fwd_kernel.best_config.num_warps))
+            print(rows[-1], flush=True)
+            for per_sm in (1, 2, 4, 8, 16):
+                sms = torch.cuda.get_device_properties(0).multi_processor_count
+                norm._bwd_programs = lambda rows, block, device, p=per_sm: min(rows, sms * p)
+                norm._norm_bwd_kernel.cache.clear()
+                ms = median_ms(lambda: norm.norm_bwd(g, None, x, w, b, out_dtype=x.dtype, **kw))
+                frac = 3 * x.numel() * 2 / (ms * 1e-3) / bwd_ceiling
+                rows.append(dict(op="rms" if is_rms else "ln", shape=[m, n], pass_="bwd", tile=tile,
+                                 per_sm=per_sm, ms=ms, frac=frac,
+                                 warps=norm._norm_bwd_kernel.best_config.num_warps))
+                print(rows[-1], flush=True)
+    with open(path, "w") as f:
+        json.dump({"env": env_info(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
