@@ -199,6 +199,37 @@ def _dx_store(xhat, dxhat, c1, c2, rstd, gr, DX, rows, cols, mask, stride_dx,
 
 
 @triton.jit
+def _add2(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
+def _add3(a0, b0, c0, a1, b1, c1):
+    return a0 + a1, b0 + b1, c0 + c1
+
+
+@triton.jit
+def _row_sums(x, g, wo, mask, N, eps, IS_RMS: tl.constexpr):
+    """Statistics and the backward's row sums of whole rows held in registers: (mean, rstd, c1,
+    c2, xhat, dxhat) with c1 = mean(dxhat * xhat), c2 = mean(dxhat). Since xhat = (x - mean) *
+    rstd, c1 = rstd * mean(dxhat * (x - mean)): the sums that need rstd are taken in the same
+    multi-operand reduction as sum((x - mean)^2), one cross-warp round (LayerNorm: after the
+    mean's) where computing rstd first would take two more."""
+    dxhat = g * wo
+    if IS_RMS:
+        mean = tl.zeros([x.shape[0]], dtype=tl.float32)
+        d = x
+        m2, s1 = tl.reduce((x * x, dxhat * x), 1, _add2)
+        s2 = mean
+    else:
+        mean = tl.sum(x, axis=1) / N
+        d = tl.where(mask, x - mean[:, None], 0.0)
+        m2, s1, s2 = tl.reduce((d * d, dxhat * d, dxhat), 1, _add3)
+    rstd = tl.rsqrt(m2 / N + eps)
+    return mean, rstd, s1 * rstd / N, s2 / N, tl.where(mask, d * rstd[:, None], 0.0), dxhat
+
+
+@triton.jit
 def _param_grads(g, xhat, mask, CAST_BEFORE_W: tl.constexpr, ROUND: tl.constexpr):
     """This tile's contributions to dW and dB, summed over its rows."""
     h = xhat
@@ -242,11 +273,7 @@ def _norm_bwd_kernel(G, GR, X, W, DX, DWP, DBP, M, N, stride_g, stride_gr, strid
             next_mask = (rows + ROWS < row_end)[:, None] & col_mask[None, :]
             x_next = tl.load(_ptrs(X, rows + ROWS, cols, stride_x), mask=next_mask, other=0.0)
             g_next = tl.load(_ptrs(G, rows + ROWS, cols, stride_g), mask=next_mask, other=0.0)
-            mean, m2 = _stats_update(x, mask, 0, N, zero, zero, IS_RMS, BLOCK_N)
-            rstd = tl.rsqrt(m2 / N + eps)
-            xhat, dxhat = _grad_tile(x, g, wo, mean, rstd, mask, IS_RMS)
-            c1 = tl.sum(dxhat * xhat, axis=1) / N
-            c2 = tl.sum(dxhat, axis=1) / N
+            mean, rstd, c1, c2, xhat, dxhat = _row_sums(x, g, wo, mask, N, eps, IS_RMS)
             _dx_store(xhat, dxhat, c1, c2, rstd, gr, DX, rows, cols, mask, stride_dx, IS_RMS, HAS_GRES)
             dw_t, db_t = _param_grads(g, xhat, mask, CAST_BEFORE_W, ROUND)
             dw += dw_t
