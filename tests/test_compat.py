@@ -50,3 +50,104 @@ def test_alibi_is_refused():
     q = torch.randn(1, 4, 2, 16)
     with pytest.raises(ValueError, match="compat.flash_attn_func: alibi_slopes"):
         compat.flash_attn_func(q, q, q, alibi_slopes=torch.ones(2))
+
+
+# --- flash_attn_with_kvcache -----------------------------------------------------------
+
+def _kvcache_inputs(B=2, Sq=1, Snew=1, Hq=4, Hkv=2, D=16, S=12, rows=None):
+    """FlashAttention layout: q (B, Sq, Hq, D), caches (rows, S, Hkv, D), k/v (B, Snew, Hkv, D)."""
+    rows = B if rows is None else rows
+    q = torch.randn(B, Sq, Hq, D)
+    kc, vc = torch.randn(rows, S, Hkv, D), torch.randn(rows, S, Hkv, D)
+    k, v = torch.randn(B, Snew, Hkv, D), torch.randn(B, Snew, Hkv, D)
+    return q, kc, vc, k, v
+
+
+def _decode_op(q, kc, vc, cs, k=None, v=None, **kw):
+    """flash.attention_decode on the SDPA-layout views of FlashAttention-layout tensors."""
+    from torch_flash.ops.attention_decode import attention_decode
+    t = [None if x is None else x.transpose(1, 2) for x in (q, kc, vc, k, v)]
+    out, lse = attention_decode(t[0], t[1], t[2], cs, t[3], t[4], **kw)
+    return out.transpose(1, 2), lse
+
+
+def test_with_kvcache_matches_the_op():
+    q, kc, vc, k, v = _kvcache_inputs(Sq=2, Snew=2)
+    cs = torch.tensor([3, 7], dtype=torch.int32)
+    kc2, vc2 = kc.clone(), vc.clone()
+    out, lse = compat.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=cs, causal=True,
+                                              window_size=(4, 0), softcap=3.0, softmax_scale=0.3,
+                                              return_softmax_lse=True)
+    want, want_lse = _decode_op(q, kc2, vc2, cs, k, v, causal=True, window=(4, 0), softcap=3.0, scale=0.3)
+    assert out.shape == (2, 2, 4, 16) and out.is_contiguous() and lse.shape == (2, 4, 2)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(lse, want_lse)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)  # appended in place, (B, S, H, D)
+    assert torch.equal(kc[1, 7:9], k[1]) and torch.equal(vc[0, 3:5], v[0])
+
+
+def test_with_kvcache_int_and_default_seqlens():
+    q, kc, vc, k, v = _kvcache_inputs()
+    out = compat.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, cache_seqlens=5)
+    want, _ = _decode_op(q, kc.clone(), vc.clone(), torch.tensor([5, 5], dtype=torch.int32), k, v, causal=False)
+    torch.testing.assert_close(out, want)
+    full = compat.flash_attn_with_kvcache(q, kc, vc)  # no cache_seqlens: every slot is a key
+    ref = _sdpa(q, kc, vc)
+    assert_rel_close(full, ref, 1e-5)
+
+
+def test_with_kvcache_paged():
+    q, kc, vc, k, v = _kvcache_inputs(S=12)
+    page = 4
+    order = torch.randperm(8)[:6]
+    kp, vp = torch.randn(8, page, 2, 16), torch.randn(8, page, 2, 16)
+    kp[order], vp[order] = kc.reshape(6, page, 2, 16), vc.reshape(6, page, 2, 16)
+    table = order.view(2, 3).int()
+    cs = torch.tensor([4, 9], dtype=torch.int32)
+    out = compat.flash_attn_with_kvcache(q, kp, vp, k, v, cache_seqlens=cs, block_table=table, causal=True)
+    want, _ = _decode_op(q, kc, vc, cs, k, v, causal=True)
+    torch.testing.assert_close(out, want)
+    assert torch.equal(kp[table.long()].reshape(2, 12, 2, 16), kc)
+
+
+def test_with_kvcache_cache_batch_idx():
+    q, kc, vc, k, v = _kvcache_inputs(rows=4)
+    idx = torch.tensor([3, 1], dtype=torch.int32)
+    cs = torch.tensor([2, 6], dtype=torch.int32)
+    sel_k, sel_v = kc[idx.long()].clone(), vc[idx.long()].clone()
+    out = compat.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=cs, cache_batch_idx=idx, causal=True)
+    want, _ = _decode_op(q, sel_k, sel_v, cs, k, v, causal=True)
+    torch.testing.assert_close(out, want)
+    assert torch.equal(kc[idx.long()], sel_k) and torch.equal(vc[idx.long()], sel_v)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_with_kvcache_rotary_positions(causal):
+    """Causal: query i at cache_seqlens + i; neither causal nor local: every query at
+    cache_seqlens (FlashAttention's rule). GPT-J pairs (FlashAttention's default)."""
+    from torch_flash.ops.rotary import rotary_cos_sin
+    from torch_flash.reference.rotary import rotary
+    q, kc, vc, k, v = _kvcache_inputs(Sq=3, Snew=3)
+    cos, sin = rotary_cos_sin(16, 8)
+    cs = torch.tensor([1, 6], dtype=torch.int32)
+    kc2, vc2 = kc.clone(), vc.clone()
+    out = compat.flash_attn_with_kvcache(q, kc, vc, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=cs,
+                                         causal=causal)
+    k_rot = rotary(k.transpose(1, 2), cos, sin, True, seqlen_offsets=cs).transpose(1, 2)
+    q_pos = cs.long()[:, None] + (torch.arange(3) if causal else torch.zeros(3, dtype=torch.long))
+    q_rot = rotary(q.transpose(1, 2), cos[q_pos], sin[q_pos], True).transpose(1, 2)
+    want, _ = _decode_op(q_rot, kc2, vc2, cs, k_rot, v, causal=causal)
+    assert_rel_close(out, want, 1e-5)
+    torch.testing.assert_close(kc, kc2)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(alibi_slopes=torch.ones(4)), "alibi_slopes"),
+    (dict(cache_leftpad=torch.zeros(2, dtype=torch.int32)), "cache_leftpad"),
+    (dict(cache_batch_idx=torch.tensor([0, 1], dtype=torch.int32), block_table=torch.zeros(2, 1, dtype=torch.int32)),
+     "cache_batch_idx cannot be combined with block_table"),
+])
+def test_with_kvcache_refuses(kw, match):
+    q, kc, vc, _, _ = _kvcache_inputs()
+    with pytest.raises(ValueError, match=f"compat.flash_attn_with_kvcache: {match}"):
+        compat.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=3, **kw)

@@ -10,12 +10,15 @@ is always deterministic, so `deterministic` is accepted and has no effect.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
+import torch
 from torch import Tensor
 
 from .ops.attention import attention_with_lse
+from .ops.attention_decode import attention_decode, capacity
 from .ops.attention_varlen import attention_varlen
+from .ops.rotary import rotary
 
 
 def _check_supported(fn: str, alibi_slopes) -> None:
@@ -75,3 +78,52 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                                 scale=softmax_scale, causal=causal, window=tuple(window_size),
                                 softcap=softcap, dropout_p=dropout_p, return_lse=True)
     return _result(out, lse, return_attn_probs)
+
+
+def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor] = None,
+                            v: Optional[Tensor] = None, rotary_cos: Optional[Tensor] = None,
+                            rotary_sin: Optional[Tensor] = None,
+                            cache_seqlens: Optional[Union[int, Tensor]] = None,
+                            cache_batch_idx: Optional[Tensor] = None, cache_leftpad: Optional[Tensor] = None,
+                            block_table: Optional[Tensor] = None, softmax_scale: Optional[float] = None,
+                            causal: bool = False, window_size: tuple[int, int] = (-1, -1),
+                            softcap: float = 0.0, rotary_interleaved: bool = True, alibi_slopes=None,
+                            num_splits: int = 0, return_softmax_lse: bool = False):
+    """KV-cache decoding through flash.attention_decode. q (B, Sq, Hq, D); k_cache/v_cache
+    (B_cache, S, Hkv, D|Dv), or paged (num_blocks, block_size, Hkv, D|Dv) with block_table
+    (B, max_blocks) int32; k/v (B, Snew, Hkv, D|Dv) are written into the caches in place at
+    cache_seqlens (an int or a (B,) int32 tensor; None: the caches are full), rotated by
+    rotary_cos/rotary_sin (S_ro, rotary_dim / 2) when given. cache_batch_idx (B,) picks each
+    sequence's row of a non-paged cache. Returns out (B, Sq, Hq, Dv) (and softmax_lse
+    (B, Hq, Sq) fp32 with return_softmax_lse). Not supported: alibi_slopes, cache_leftpad."""
+    fn = "flash_attn_with_kvcache"
+    _check_supported(fn, alibi_slopes)
+    if cache_leftpad is not None:
+        raise ValueError(f"torch_flash.compat.{fn}: cache_leftpad is not supported; keep each "
+                         "sequence's tokens at the start of its cache")
+    q, k_cache, v_cache = (t.transpose(1, 2) for t in (q, k_cache, v_cache))
+    k, v = (None if t is None else t.transpose(1, 2) for t in (k, v))
+    if cache_batch_idx is not None:
+        if block_table is not None:
+            raise ValueError(f"torch_flash.compat.{fn}: cache_batch_idx cannot be combined with "
+                             "block_table (a paged cache)")
+        # cache row cache_batch_idx[b] is sequence b's only block, of S slots
+        block_table = cache_batch_idx[:, None]
+    if not isinstance(cache_seqlens, Tensor):
+        n = capacity(k_cache, block_table) if cache_seqlens is None else cache_seqlens
+        cache_seqlens = torch.full((q.shape[0],), n, dtype=torch.int32, device=q.device)
+    local = tuple(window_size) != (-1, -1)
+    if rotary_cos is not None and k is not None and not (causal or local) and q.shape[2] > 1:
+        # FlashAttention puts every query of a non-causal, non-local call at position
+        # cache_seqlens; the op would rotate query i at cache_seqlens + i
+        pos = cache_seqlens.long()
+        per_query = [t[pos][:, None].expand(-1, q.shape[2], -1) for t in (rotary_cos, rotary_sin)]
+        q = rotary(q, *per_query, interleaved=rotary_interleaved)
+        k = rotary(k, rotary_cos, rotary_sin, interleaved=rotary_interleaved, seqlen_offsets=cache_seqlens)
+        rotary_cos = rotary_sin = None
+    out, lse = attention_decode(q, k_cache, v_cache, cache_seqlens, k, v, block_table, scale=softmax_scale,
+                                causal=causal, window=tuple(window_size), softcap=softcap,
+                                rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                                rotary_interleaved=rotary_interleaved, num_splits=num_splits)
+    out = out.transpose(1, 2).contiguous()
+    return (out, lse) if return_softmax_lse else out

@@ -26,10 +26,11 @@ def rope_complex(x, cos, sin, pos, interleaved):
 
 
 def naive(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *, scale=None, causal=True,
-          window_left=-1, window_right=-1, softcap=0.0, rotary_cos=None, rotary_sin=None,
-          rotary_interleaved=False):
+          window=(-1, -1), softcap=0.0, rotary_cos=None, rotary_sin=None, rotary_interleaved=False,
+          num_splits=0):
     """One query and one sequence at a time, in float64, on contiguous caches.
     Returns (out, lse, k_cache after the append, v_cache after the append)."""
+    window_left, window_right = window
     kc, vc = k_cache.clone(), v_cache.clone()
     B, Hq, Sq, D = q.shape
     group = Hq // kc.shape[1]
@@ -106,8 +107,8 @@ CONFIGS = {
     "gqa": dict(Hq=4, Hkv=2),
     "mqa_sq3": dict(Hq=4, Hkv=1, Sq=3, Snew=3),
     "no_append": dict(Sq=2, Snew=0),
-    "window": dict(Sq=2, Snew=2, window_left=3),
-    "window_noncausal": dict(Sq=3, Snew=1, causal=False, window_left=2, window_right=1),
+    "window": dict(Sq=2, Snew=2, window=(3, -1)),
+    "window_noncausal": dict(Sq=3, Snew=1, causal=False, window=(2, 1)),
     "noncausal": dict(Sq=2, Snew=2, causal=False),
     "softcap": dict(Hq=4, softcap=2.0, scale=0.7),
     "rotary_neox_partial": dict(Hq=4, Sq=2, Snew=2, rotary_dim=8),
@@ -118,6 +119,13 @@ CONFIGS = {
 
 def _clone(args):
     return tuple(None if a is None else a.clone() for a in args)
+
+
+def op_kwargs(kwargs):
+    """The op's keyword arguments from the public function's (window -> window_left/right)."""
+    kwargs = dict(kwargs)
+    kwargs["window_left"], kwargs["window_right"] = kwargs.pop("window", (-1, -1))
+    return kwargs
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -210,10 +218,10 @@ def _samples_decode():
                         ("rotary_gptj", torch.float32), ("dv", torch.float16)):
         (q, kc, vc, cs, kn, vn), kw = make(dtype=dtype, flash_layout=dtype == torch.float16, **CONFIGS[name])
         cos, sin = kw.pop("rotary_cos", None), kw.pop("rotary_sin", None)
-        yield (q, kc, vc, cs, kn, vn, None, cos, sin), kw
+        yield (q, kc, vc, cs, kn, vn, None, cos, sin), op_kwargs(kw)
     (q, kc, vc, cs, kn, vn), kw = make(Hq=4, Sq=2, Snew=2, rotary_dim=8)
     kp, vp, table = to_paged(kc, vc)
-    yield (q, kp, vp, cs, kn, vn, table, *rotary_cos_sin(S_MAX + 2, 8)), {"window_left": 4}
+    yield (q, kp, vp, cs, kn, vn, table, *rotary_cos_sin(S_MAX + 2, 8)), {"window_left": 4, "num_splits": 2}
 
 
 OPCHECK_SAMPLES = {"attention_decode": _samples_decode}
@@ -246,7 +254,9 @@ def _bad_cases():
         (lambda: attention_decode(q.half(), kc, vc, cs), "dtype mismatch"),
         (lambda: attention_decode(torch.randn(2, 4, 1, 32)[..., ::2], kc, vc, cs),
          "q must have a contiguous last dimension"),
-        (lambda: attention_decode(q, kc, vc, cs, window_left=-2), "window_left/window_right must be >= -1"),
+        (lambda: attention_decode(q, kc, vc, cs, window=(-2, 0)), "window_left/window_right must be >= -1"),
+        (lambda: attention_decode(q, kc, vc, cs, window=3), "window must be a pair"),
+        (lambda: attention_decode(q, kc, vc, cs, num_splits=-1), "num_splits must be >= 0"),
         (lambda: attention_decode(q, kc, vc, cs, softcap=-1.0), "softcap must be >= 0"),
         (lambda: attention_decode(q, kc, vc, cs, rotary_cos=cos, rotary_sin=sin), "need k_new"),
         (lambda: attention_decode(q, kc, vc, cs, kn, vn, rotary_cos=cos), "must be given together"),

@@ -10,6 +10,12 @@ Inference only: no autograd rule is registered. A call with inputs that require 
 still runs forward; a backward through it raises "no autograd formula was registered".
 The rotary tables are positional in the schema because custom ops cannot take keyword-only
 tensors; the public function takes them by keyword.
+
+Paths: the Triton kernels (torch_flash/kernels/triton/decode.py) for CUDA tensors, the
+reference for CPU tensors. The checks of index values (cache_seqlens, block_table) need the
+values on the host, so they run on CPU tensors only: on the GPU they would synchronise every
+step and break CUDA-graph capture. There the kernels never read or write outside the caches
+and give NaN out/lse for a sequence whose indices are out of range.
 """
 from __future__ import annotations
 
@@ -34,7 +40,7 @@ def capacity(k_cache, block_table) -> int:
 
 
 def check_args(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin,
-               softcap, window_left, window_right) -> None:
+               softcap, window_left, window_right, num_splits) -> None:
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_tensor(OP, name, t, ndim=4)
     check_same_dtype(OP, q=q, k_cache=k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new)
@@ -76,14 +82,16 @@ def check_args(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, ro
     check(softcap >= 0.0, OP, f"softcap must be >= 0, got {softcap}")
     check(window_left >= -1 and window_right >= -1, OP,
           f"window_left/window_right must be >= -1 (-1: unbounded), got {window_left}, {window_right}")
+    check(num_splits >= 0, OP, f"num_splits must be >= 0 (0: chosen per call), got {num_splits}")
     check_same_device(OP, q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, k_new=k_new,
                       v_new=v_new, block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin)
 
 
 def check_data(q, k_cache, cache_seqlens, k_new, block_table, rotary_cos) -> None:
-    """The checks that read cache_seqlens/block_table values: eager calls on the reference
-    path only (see rotary.check_data)."""
-    if cache_seqlens.numel() == 0 or not _rotary.values_known(cache_seqlens):
+    """The checks that read cache_seqlens/block_table values: eager calls on CPU tensors only
+    (no trace, no device synchronisation; see the module doc)."""
+    if (cache_seqlens.numel() == 0 or cache_seqlens.device.type != "cpu"
+            or not _rotary.values_known(cache_seqlens)):
         return
     check(bool((cache_seqlens >= 0).all()), OP, f"cache_seqlens must be >= 0, got {cache_seqlens.tolist()}")
     snew = 0 if k_new is None else k_new.shape[2]
@@ -102,17 +110,31 @@ def check_data(q, k_cache, cache_seqlens, k_new, block_table, rotary_cos) -> Non
             _rotary.check_data(OP, t, rotary_cos, 0, cache_seqlens, None)
 
 
+def _use_triton(q, k_cache, v_cache, rotary_cos) -> bool:
+    triton = _dispatch.triton_can_run(q.device)
+    if triton:
+        from ..kernels.triton.decode import supports
+        triton = supports(q, k_cache, v_cache, rotary_cos)
+    return _dispatch.select(OP, q.device, triton=triton) == "triton"
+
+
 @triton_op("flash::attention_decode", mutates_args=("k_cache", "v_cache"))
 def _attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
                       k_new: Optional[Tensor] = None, v_new: Optional[Tensor] = None,
                       block_table: Optional[Tensor] = None, rotary_cos: Optional[Tensor] = None,
                       rotary_sin: Optional[Tensor] = None, *, scale: Optional[float] = None,
                       causal: bool = True, window_left: int = -1, window_right: int = -1,
-                      softcap: float = 0.0, rotary_interleaved: bool = False) -> tuple[Tensor, Tensor]:
+                      softcap: float = 0.0, rotary_interleaved: bool = False,
+                      num_splits: int = 0) -> tuple[Tensor, Tensor]:
     check_args(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin,
-               softcap, window_left, window_right)
-    _dispatch.select(OP, q.device, triton=False)
+               softcap, window_left, window_right, num_splits)
     check_data(q, k_cache, cache_seqlens, k_new, block_table, rotary_cos)
+    if _use_triton(q, k_cache, v_cache, rotary_cos):
+        from ..kernels.triton.decode import decode_fwd
+        return decode_fwd(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos,
+                          rotary_sin, scale=scale, causal=causal, window_left=window_left,
+                          window_right=window_right, softcap=softcap, rotary_interleaved=rotary_interleaved,
+                          num_splits=num_splits)
     out, lse = ref.attention_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
                                     rotary_cos, rotary_sin, scale, causal, window_left, window_right,
                                     softcap, rotary_interleaved)
@@ -122,10 +144,9 @@ def _attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens
 def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
                      k_new: Optional[Tensor] = None, v_new: Optional[Tensor] = None,
                      block_table: Optional[Tensor] = None, *, scale: Optional[float] = None,
-                     causal: bool = True, window_left: int = -1, window_right: int = -1,
-                     softcap: float = 0.0, rotary_cos: Optional[Tensor] = None,
-                     rotary_sin: Optional[Tensor] = None,
-                     rotary_interleaved: bool = False) -> tuple[Tensor, Tensor]:
+                     causal: bool = True, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                     rotary_cos: Optional[Tensor] = None, rotary_sin: Optional[Tensor] = None,
+                     rotary_interleaved: bool = False, num_splits: int = 0) -> tuple[Tensor, Tensor]:
     """Attention of new queries over a KV cache, appending k_new/v_new to it in place.
 
     q (B, Hq, Sq, D); k_cache/v_cache (B, Hkv, S_max, D|Dv), or paged (num_blocks, Hkv,
@@ -134,13 +155,18 @@ def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens:
     (B, Hkv, Snew, D|Dv) are written at positions cache_seqlens[b] .. + Snew (rotated first
     by the (S_ro, rotary_dim / 2) tables rotary_cos/rotary_sin, with q rotated at positions
     cache_seqlens[b] + i), then every sequence attends over cache_seqlens[b] + Snew keys.
-    causal is aligned bottom-right; window_left/right bound the keys a query sees (-1: no
+    causal is aligned bottom-right; window = (left, right) bounds the keys a query sees (-1: no
     bound); softcap > 0 caps scores as softcap * tanh(s / softcap). Hq % Hkv == 0 (GQA).
-    Any strides with a contiguous last dim. Returns out (B, Hq, Sq, Dv) in q's dtype and the
-    fp32 log-sum-exp (B, Hq, Sq); a query with no visible key gets out 0 and lse -inf.
-    Inference only (no backward).
+    Any strides with a contiguous last dim. num_splits: how many parts of the keys the GPU
+    kernel attends in parallel before merging them (0: chosen from the shapes; no effect on
+    the result beyond rounding). Returns out (B, Hq, Sq, Dv) in q's dtype and the fp32
+    log-sum-exp (B, Hq, Sq); a query with no visible key gets out 0 and lse -inf.
+    Inference only (no backward). No host synchronisation on the GPU (CUDA-graph safe); index
+    values are validated only for CPU tensors (see the module doc).
     """
+    check(isinstance(window, (tuple, list)) and len(window) == 2, OP,
+          f"window must be a pair (left, right), got {window!r}")
     return torch.ops.flash.attention_decode(
         q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin,
-        scale=scale, causal=causal, window_left=window_left, window_right=window_right,
-        softcap=softcap, rotary_interleaved=rotary_interleaved)
+        scale=scale, causal=causal, window_left=window[0], window_right=window[1],
+        softcap=softcap, rotary_interleaved=rotary_interleaved, num_splits=num_splits)
