@@ -18,7 +18,7 @@ from . import meta_kernels  # noqa: E402  (registers their fakes)
 from ._registry import OPS  # noqa: E402
 from .compile_passes.backend import COUNTERS as counters  # noqa: E402
 from .compile_passes.backend import backend, disable, enable, explain, rewrite  # noqa: E402
-from . import compat, nn  # noqa: E402
+from . import compat, data, nn  # noqa: E402
 from .ops.attention import attention, attention_with_lse  # noqa: E402
 from .ops.attention_decode import attention_decode  # noqa: E402
 from .ops.attention_varlen import attention_varlen  # noqa: E402
@@ -32,5 +32,5 @@ __version__ = "0.1.0"
 __all__ = [
     "OPS", "backend", "enable", "disable", "rewrite", "explain", "counters",
     "attention", "attention_with_lse", "attention_varlen", "attention_decode", "rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm",
-    "cross_entropy", "linear_cross_entropy", "rotary", "rotary_cos_sin", "compat", "nn",
+    "cross_entropy", "linear_cross_entropy", "rotary", "rotary_cos_sin", "compat", "data", "nn",
 ]
