@@ -45,18 +45,29 @@ def info() -> None:
         print(f"  {e.name:<22} {e.family:<9} {back}{mut}")
 
 
+SIZE_FLAGS = ("batch", "seq", "layers", "dim")  # demo model sizes a user may override
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m torch_flash")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("info", help="what is available: extension, Triton, interpreter, versions, ops")
-    d = sub.add_parser("demo", help="run every op on the default device and check it against the reference")
+    d = sub.add_parser("demo", help="a LLaMA-style model compiled with the flash backend: explain report, "
+                       "numerics against eager, training step time against torch.compile")
     d.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    d.add_argument("--ops", action="store_true", help="first check every public op against float64")
+    d.add_argument("--json", metavar="PATH", help="write the numbers (device, versions, date, step ms, "
+                   "peak bytes, ratios) to PATH")
+    d.add_argument("--steps", type=int, help="timed training steps (default 10 on CUDA, 3 on CPU)")
+    for field in SIZE_FLAGS:
+        d.add_argument(f"--{field}", type=int, help=f"override the model's {field} (default by device)")
     args = p.parse_args(argv)
     if args.cmd == "info":
         info()
     else:
         from torch_flash._demo import main as demo
-        raise SystemExit(demo(args.device))
+        sizes = {f: getattr(args, f) for f in SIZE_FLAGS if getattr(args, f)}
+        raise SystemExit(demo(args.device, ops=args.ops, json_path=args.json, steps=args.steps, sizes=sizes))
 
 
 if __name__ == "__main__":

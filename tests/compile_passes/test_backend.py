@@ -1,4 +1,7 @@
 """The flash backend, enable()/disable(), rewrite() of exported programs, explain()."""
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -160,15 +163,29 @@ def test_explain_reports_sites_and_reasons():
     assert sorted(s.op for s in ok.sites) == ["add_rms_norm", "attention", "rms_norm"]
 
 
-# On the H100 (torch 2.11) aoti_load_package of this package crashed the process (segfault,
-# 2026-11-21): open, see docs/perf/README.md; skipped so it cannot take the GPU run down.
-AOTI_CUDA_CRASH = pytest.mark.skip(reason="aoti_load_package segfaults on CUDA with torch 2.11 (open)")
+_AOTI_RUN = """
+import sys, torch, torch_flash
+x, mask, expected = torch.load(sys.argv[2])
+runner = torch._inductor.aoti_load_package(sys.argv[1])
+with torch.no_grad():
+    torch.testing.assert_close(runner(x, mask), expected, atol=1e-5, rtol=1e-5)
+print("package ran and matched eager")
+"""
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, AOTI_CUDA_CRASH])])
+# torch 2.11's AOTInductor C++ wrapper references int_array_N arrays it never declared when a
+# reinterpreted view feeds a user-defined Triton kernel (seen on the H100, 2026-11-21:
+# "'int_array_6' was not declared in this scope"); fixed upstream by pytorch/pytorch#193621 /
+# #193628. CPU packages build and run on 2.11 and 2.13.
+AOTI_CUDA_INT_ARRAY = pytest.mark.xfail(
+    torch.__version__ < "2.12", strict=True, reason="torch 2.11 AOTI wrapper codegen: undeclared int_array")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, AOTI_CUDA_INT_ARRAY])])
 def test_aot_inductor_package(tmp_path, device):
     """A rewritten exported program compiles with AOTInductor; the package loads and runs
-    with the flash ops inside (their kernels on GPU, the reference path on CPU)."""
+    with the flash ops inside (their kernels on GPU, the reference path on CPU). Loading runs
+    in a fresh process, as a deployment would (and so a crash there fails only this test)."""
     torch.manual_seed(0)
     model = LlamaBlock().to(device).eval()
     x, mask = torch.randn(2, 8, 32, device=device), causal_additive_mask(2, 8).to(device).contiguous()
@@ -176,6 +193,8 @@ def test_aot_inductor_package(tmp_path, device):
     assert _flash_nodes(ep.graph_module) == ["flash.add_rms_norm.default", "flash.attention.default",
                                              "flash.rms_norm.default"]
     path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "m.pt2"))
-    runner = torch._inductor.aoti_load_package(path)
     with torch.no_grad():
-        torch.testing.assert_close(runner(x, mask), model(x, mask), atol=1e-5, rtol=1e-5)
+        torch.save((x, mask, model(x, mask)), tmp_path / "io.pt")
+    run = subprocess.run([sys.executable, "-c", _AOTI_RUN, path, str(tmp_path / "io.pt")],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"exit {run.returncode}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"

@@ -137,6 +137,47 @@ def test_in_place():
     assert torch.equal(dx, z)
 
 
+@pytest.mark.parametrize("opts", [OPTIONS["plain"], OPTIONS["all"]], ids=["plain", "all"])
+@pytest.mark.parametrize("dtype", [FP32, BF16], ids=["fp32", "bf16"])
+def test_vocab_shards(dtype, opts):
+    """Three 150-column shards of a 450-class vocabulary (ignore_index 7 falls in the first):
+    ce_stats against the reference's row statistics, and each shard's ce_bwd from the whole row's
+    lse (into a new tensor and over the shard itself) against the columns of the whole gradient."""
+    x = _logits((2, 5, 450), dtype)
+    t = _target((2, 5), 450, opts.ignore_index)
+    t.view(-1)[1:4] = torch.tensor([0, 150, 449])  # shard edges
+    x64 = x.double()
+    lse = _lse64(x, opts).where(t != opts.ignore_index, 0.0)
+    g = _grad_loss(t, "none")
+    whole = ce_ref.cross_entropy_backward(g.double(), x64, t, opts, "none")
+    for r in range(3):
+        cols = slice(150 * r, 150 * (r + 1))
+        shard = x[..., cols].contiguous()
+        got = K.ce_stats(shard, t, ignore_index=opts.ignore_index, softcap=opts.softcap, vocab_start=150 * r,
+                         block=BLOCK)
+        expect = ce_ref.row_stats(x64[..., cols].reshape(-1, 150), t.reshape(-1), opts, vocab_start=150 * r)
+        for name, a, b in zip(("lse", "z_target", "z_sum"), got, expect):
+            assert a.dtype == FP32 and a.shape == t.shape
+            assert_rel_close(a.reshape(-1), b, TOL[FP32], what=name)
+        kw = dict(_kw(opts, "none"), vocab_start=150 * r, vocab_size=450, block=BLOCK)
+        assert_rel_close(K.ce_bwd(g, shard, t, lse.float(), **kw), whole[..., cols], TOL[dtype], what="dlogits")
+        assert K.ce_bwd(g, shard, t, lse.float(), out=shard, **kw) is shard
+        assert_rel_close(shard, whole[..., cols], TOL[dtype], what="dlogits in place")
+
+
+def test_strided_target_and_lse():
+    """A 1-D target or lse with a stride (a reshape keeps it) is read as the values it holds."""
+    x = _logits((6, 100), FP32)
+    wide_t = _target((12,), 100, -100)
+    t = wide_t[::2]
+    loss, lse, _ = K.ce_fwd(x, t, block=BLOCK, **_kw(OPTIONS["plain"], "none"))
+    assert_rel_close(loss, ce_ref.cross_entropy(x.double(), t.contiguous(), OPTIONS["plain"], "none"), TOL[FP32])
+    wide_lse = torch.stack([lse, lse], -1)
+    g = _grad_loss(t, "sum")
+    dx = K.ce_bwd(g, x, t, wide_lse[:, 0], block=BLOCK, **_kw(OPTIONS["plain"], "sum"))
+    assert torch.equal(dx, K.ce_bwd(g, x, t.contiguous(), lse, block=BLOCK, **_kw(OPTIONS["plain"], "sum")))
+
+
 def _layouts():
     wide = _logits((6, 2 * 150), FP32)
     yield "row-stride", wide[:, 150:], None  # rows 300 apart, read and written in place

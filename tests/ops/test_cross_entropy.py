@@ -1,8 +1,12 @@
 """flash.cross_entropy: opcheck, gradcheck, numerics vs F.cross_entropy and a float64 formula,
-chunking, bad inputs, empty batch, inputs untouched."""
+chunking, bad inputs, empty batch, inputs untouched; inplace_backward (results, layouts,
+rejections, torch.compile, measured allocations) and the per-shard ops of the vocab-parallel
+mode (tests/ops/test_cross_entropy_vocab_parallel.py runs the mode itself over two processes)."""
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile
 
 import torch_flash  # noqa: F401  (registers the ops)
 from torch_flash.ops.cross_entropy import cross_entropy
@@ -52,35 +56,64 @@ def _samples_fwd():
     for batch, n_classes in cases:
         for dtype in DTYPES:
             opts = OPTIONS[i % len(OPTIONS)]
-            x = _logits((*batch, n_classes), dtype, rg=i % 2 == 0, noncontig=i % 3 == 0)
+            # inplace_backward only with inputs that need no grad: opcheck copies inputs into
+            # leaves, whose values an in-place backward must not destroy (it refuses them)
+            inplace = {"inplace_backward": True} if i % 5 == 3 else {}
+            x = _logits((*batch, n_classes), dtype, rg=i % 2 == 0 and not inplace,
+                        noncontig=i % 3 == 0 and not inplace)
             t = _target(batch, n_classes, opts.get("ignore_index", -100),
                         torch.int32 if i % 4 == 1 else torch.int64)
-            yield (x, t), {**opts, "reduction": REDUCTIONS[i % 3]}
+            yield (x, t), {**opts, "reduction": REDUCTIONS[i % 3], **inplace}
             i += 1
 
 
-def _samples_bwd():
+def _shard(n_classes, i):
+    """(vocab_start, vocab_size) of a shard of n_classes columns: the whole vocabulary, the
+    first, a middle or the last shard."""
+    return [(0, None), (0, 3 * n_classes), (n_classes, 3 * n_classes), (2 * n_classes, 3 * n_classes)][i % 4]
+
+
+def _samples_bwd(inplace=False):
     for i, (reduction, dtype, opts) in enumerate(zip(REDUCTIONS * 2, DTYPES * 2, OPTIONS)):
         batch = (2, 3) if i % 2 else (5,)
-        x = _logits((*batch, 13), dtype, noncontig=i == 1)
+        vocab_start, vocab_size = _shard(13, i)
+        x = _logits((*batch, 13), dtype, noncontig=i == 1 and not inplace)
+        if inplace and i == 1:  # rows 26 apart: written in place
+            x = _logits((*batch, 26), dtype)[..., 13:]
         grad = torch.randn(batch if reduction == "none" else ())
-        t = _target(batch, 13, opts.get("ignore_index", -100))
-        lse = torch.ops.flash.cross_entropy_with_lse(x, t, **opts)[1] if i % 2 else None
-        yield (grad, x, t, lse), {**opts, "reduction": reduction}
+        t = _target(batch, vocab_size or 13, opts.get("ignore_index", -100))
+        lse = None
+        if vocab_size is not None:  # a whole-row log-sum-exp, as the vocab-parallel forward gives
+            lse = torch.ops.flash.cross_entropy_with_lse(_logits((*batch, vocab_size), dtype), t, **opts)[1]
+        elif i % 2:
+            lse = torch.ops.flash.cross_entropy_with_lse(x, t, **opts)[1]
+        shard = {} if vocab_size is None else {"vocab_start": vocab_start, "vocab_size": vocab_size}
+        yield (grad, x, t, lse), {**opts, "reduction": reduction, **shard}
 
 
 def _samples_with_lse():
     for (x, t), kw in list(_samples_fwd())[::2]:
+        kw.pop("inplace_backward", None)
         yield (x.detach(), t), kw
+
+
+def _samples_shard_stats():
+    for i, dtype in enumerate(DTYPES * 2):
+        opts = OPTIONS[i % len(OPTIONS)]
+        vocab_start, vocab_size = _shard(9, i)
+        x = _logits((2, 3, 9) if i % 2 else (5, 9), dtype, noncontig=i % 3 == 2)
+        t = _target(x.shape[:-1], vocab_size or 9, opts.get("ignore_index", -100), torch.int32 if i == 1 else torch.int64)
+        kw = {"ignore_index": opts.get("ignore_index", -100), "softcap": opts.get("softcap", 0.0)}
+        yield (x, t), {**kw, **({} if vocab_size is None else {"vocab_start": vocab_start, "vocab_size": vocab_size})}
 
 
 OPCHECK_SAMPLES = {
     "cross_entropy": _samples_fwd,
     "cross_entropy_with_lse": _samples_with_lse,
     "cross_entropy_backward": _samples_bwd,
+    "cross_entropy_backward_inplace": lambda: _samples_bwd(inplace=True),
+    "cross_entropy_shard_stats": _samples_shard_stats,
 }
-
-
 
 
 @pytest.mark.parametrize("opts", OPTIONS, ids=str)
@@ -222,9 +255,24 @@ def _bad_ce(logits=None, target=None, **kw):
     (_bad_ce(softcap=-2.0), "softcap must be >= 0"),
     (lambda: torch.ops.flash.cross_entropy_backward(torch.randn(4), torch.randn(4, 10),
                                                     torch.zeros(4, dtype=torch.long)), "grad_loss has shape"),
+    (lambda: torch.ops.flash.cross_entropy_backward(torch.randn(()), torch.randn(4, 10), torch.zeros(4, dtype=torch.long),
+                                                    torch.randn(3)), "lse has shape \\(3,\\), expected target's shape \\(4,\\)"),
+    (lambda: torch.ops.flash.cross_entropy_backward(torch.randn(()), torch.randn(4, 10), torch.zeros(4, dtype=torch.long),
+                                                    vocab_start=10, vocab_size=30), "lse .*is required for a vocabulary shard"),
+    (lambda: torch.ops.flash.cross_entropy_shard_stats(torch.randn(4, 10), torch.zeros(4, dtype=torch.long),
+                                                       vocab_start=25, vocab_size=30), "classes \\[25, 35\\), beyond vocab_size=30"),
+    (lambda: torch.ops.flash.cross_entropy_shard_stats(torch.randn(4, 10), torch.zeros(4, dtype=torch.long),
+                                                       vocab_start=10), "vocab_start=10 needs vocab_size"),
+    (lambda: torch.ops.flash.cross_entropy_shard_stats(torch.randn(4, 10), torch.zeros(4, dtype=torch.long),
+                                                       vocab_start=-1, vocab_size=30), "vocab_start must be >= 0"),
+    (lambda: torch.ops.flash.cross_entropy_shard_stats(torch.randn(4, 10), torch.tensor([0, 29, 30, 5]),
+                                                       vocab_start=10, vocab_size=30), "target contains 30, outside \\[0, 30\\)"),
+    (_bad_ce(logits=torch.randn(4, 20)[:, ::2], inplace_backward=True), "inplace_backward=True writes the gradient over"),
+    (lambda: torch.ops.flash.cross_entropy_backward_inplace(torch.randn(()), torch.randn(1, 10).expand(4, 10),
+                                                            torch.zeros(4, dtype=torch.long)), "non-overlapping rows"),
 ])
 def test_bad_inputs(bad, match):
-    with pytest.raises(ValueError, match=f"flash.cross_entropy(_backward)?: .*{match}"):
+    with pytest.raises(ValueError, match=f"flash.cross_entropy(_[a-z_]+)?: .*{match}"):
         bad()
 
 
@@ -260,3 +308,212 @@ def test_with_lse_and_saved_lse_backward():
     saved = torch.ops.flash.cross_entropy_backward(g, x, t, lse, softcap=4.0, z_loss=1e-2)
     recomputed = torch.ops.flash.cross_entropy_backward(g, x, t, softcap=4.0, z_loss=1e-2)
     torch.testing.assert_close(saved, recomputed)
+
+
+# --------------------------------------------------------------------------------------
+# inplace_backward
+# --------------------------------------------------------------------------------------
+def _producer(batch, n_classes, dtype=torch.float32):
+    """A leaf that requires grad and the logits computed from it (an intermediate, as a model's
+    lm-head output is; doubling is exact): (leaf, logits)."""
+    leaf = _logits((*batch, n_classes), dtype, rg=True)
+    return leaf, leaf * 2
+
+
+def _grad_like(out):
+    return torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(0))
+
+
+def _both_ways(logits_fn, t, **kw):
+    """(loss, dleaf, dlogits) without and with inplace_backward; each from fresh logits of
+    logits_fn() -> (leaf, logits). dlogits is the gradient reaching the logits."""
+    results = []
+    for inplace in (False, True):
+        leaf, logits = logits_fn()
+        logits.retain_grad()
+        loss = cross_entropy(logits, t, inplace_backward=inplace, **kw)
+        loss.backward(_grad_like(loss))
+        if inplace:  # the gradient now lives in the logits' memory
+            assert torch.equal(logits, logits.grad)
+        results.append((loss.detach(), leaf.grad, logits.grad))
+    return results
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("opts", [OPTIONS[0], OPTIONS[-1]], ids=["plain", "all"])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_inplace_backward_matches(monkeypatch, backend, opts, reduction):
+    """Same loss and gradients as the out-of-place backward, on the CPU path and the Triton
+    kernels (under the interpreter here), the gradient written over the logits."""
+    monkeypatch.setenv("TORCH_FLASH_BACKEND", backend)
+    dtype = torch.float32 if backend == "reference" else torch.bfloat16
+    t = _target((3, 4), 70, opts.get("ignore_index", -100))
+    seed = torch.seed()
+
+    def make():
+        torch.manual_seed(seed)
+        return _producer((3, 4), 70, dtype)
+
+    (loss, dleaf, dlogits), (loss_i, dleaf_i, dlogits_i) = _both_ways(make, t, reduction=reduction, **opts)
+    assert torch.equal(loss, loss_i) and torch.equal(dleaf, dleaf_i) and torch.equal(dlogits, dlogits_i)
+    leaf64 = make()[0].detach().double().requires_grad_()
+    exact = _naive(leaf64 * 2, t, reduction=reduction, **opts)
+    exact.backward(_grad_like(exact))
+    assert_rel_close(loss_i, exact, TOL[torch.float32])
+    assert_rel_close(dleaf_i, leaf64.grad, TOL[dtype], what="dleaf")
+
+
+def test_inplace_backward_row_strided_view():
+    """logits viewed out of a wider intermediate (rows 2V apart, a batch dim): written in place,
+    the rest of the buffer untouched."""
+    t = _target((2, 3), 20)
+    x = _logits((2, 3, 40))
+    leaves = [x.clone().requires_grad_() for _ in range(2)]
+    wide = [leaf * 2 for leaf in leaves]
+    made = iter(zip(leaves, (w[..., 10:30] for w in wide)))
+    (_, dleaf, dlogits), (_, dleaf_i, dlogits_i) = _both_ways(lambda: next(made), t, label_smoothing=0.1)
+    torch.testing.assert_close(dleaf_i, dleaf)
+    torch.testing.assert_close(dlogits_i, dlogits)
+    assert torch.equal(wide[1][..., 10:30], dlogits)
+    for cols in (slice(0, 10), slice(30, 40)):
+        assert torch.equal(wide[1][..., cols], wide[0][..., cols])
+
+
+def test_inplace_backward_rejects_leaves_and_layouts():
+    leaf = _logits((4, 10), rg=True)
+    t = _target((4,), 10)
+    with pytest.raises(ValueError, match="flash.cross_entropy: .*logits is a leaf tensor that requires grad"):
+        cross_entropy(leaf, t, inplace_backward=True)
+    with pytest.raises(ValueError, match="flash.cross_entropy: .*a leaf tensor that requires grad \\(or a view of one\\)"):
+        cross_entropy(leaf[1:], t[1:], inplace_backward=True)
+    with pytest.raises(ValueError, match="flash.cross_entropy: inplace_backward=True writes the gradient over logits"):
+        cross_entropy((leaf * 2).t(), _target((10,), 4), inplace_backward=True)  # columns 10 apart
+    with pytest.raises(ValueError, match="non-overlapping rows"):
+        cross_entropy((leaf[:1] * 2).expand(4, 10), t, inplace_backward=True)
+    # without a backward, nothing is overwritten: a leaf is fine
+    before = leaf.detach().clone()
+    with torch.no_grad():
+        cross_entropy(leaf, t, inplace_backward=True)
+    cross_entropy(leaf.detach(), t, inplace_backward=True)
+    assert torch.equal(leaf, before)
+
+
+def test_inplace_backward_detects_logits_needed_later():
+    """An op that saved the logits for its own backward sees them overwritten: PyTorch's
+    version-counter error, never a wrong gradient."""
+    x = _logits((4, 10), rg=True)
+    logits = x.exp()  # exp saves its output, the logits
+    loss = cross_entropy(logits, _target((4,), 10), inplace_backward=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def _peak_allocated(fn) -> int:
+    """Peak bytes the CPU allocator handed out while fn ran, beyond what existed before, from
+    the profiler's allocation events (CPU PyTorch has no memory_allocated counters)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    sizes, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation:
+            sizes.append((node.start_time_ns, node.extra_fields.alloc_size))
+        stack.extend(node.children)
+    current = peak = 0
+    for _, size in sorted(sizes):
+        current += size
+        peak = max(peak, current)
+    return peak
+
+
+@pytest.mark.filterwarnings("ignore:.*allocated before the profiling started")
+def test_inplace_backward_allocates_no_logits_sized_buffer(monkeypatch):
+    """Measured: the backward's peak allocation is a chunk's temporaries (4 rows here), where the
+    out-of-place backward also allocates the logits-sized dlogits."""
+    monkeypatch.setattr(ref, "CHUNK_BYTES", 4 * 1000 * 4)
+    t = _target((64,), 1000)
+    peaks = {}
+    for inplace in (False, True):
+        logits = _logits((64, 1000), rg=True) * 1.0
+        loss = cross_entropy(logits, t, z_loss=1e-3, inplace_backward=inplace)
+        peaks[inplace] = _peak_allocated(lambda: torch.autograd.grad(loss, logits))
+    logits_bytes = 64 * 1000 * 4
+    assert peaks[False] >= logits_bytes, peaks
+    assert peaks[True] < logits_bytes / 8, peaks
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_inplace_backward_compiles(backend):
+    """Under torch.compile: logits made inside the graph and logits as a graph input (the
+    mutation then reaches the caller's tensor, as in eager)."""
+    h = torch.randn(6, 8, requires_grad=True)
+    w = torch.randn(30, 8, requires_grad=True)
+    t = _target((6,), 30)
+
+    def model(h, w, inplace):
+        return cross_entropy(h @ w.t(), t, label_smoothing=0.1, inplace_backward=inplace)
+
+    expect = torch.autograd.grad(model(h, w, False), (h, w))
+    got = torch.autograd.grad(torch.compile(model, backend=backend, fullgraph=True)(h, w, True), (h, w))
+    for g, e in zip(got, expect):
+        torch.testing.assert_close(g, e)
+    if backend == "aot_eager":
+        logits = h @ w.t()
+        loss = torch.compile(lambda x: cross_entropy(x, t, inplace_backward=True), backend=backend)(logits)
+        (dlogits,) = torch.autograd.grad(loss, logits)
+        torch.testing.assert_close(logits, dlogits)
+
+
+# --------------------------------------------------------------------------------------
+# Vocabulary shards (the per-shard ops of the vocab-parallel mode)
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("opts", OPTIONS, ids=str)
+def test_shards_combine_to_whole(monkeypatch, backend, opts):
+    """Three shards' statistics, combined as the vocab-parallel forward does, give the loss of
+    the whole vocabulary; each shard's backward with the whole row's lse gives its columns of
+    the whole gradient (in place too)."""
+    monkeypatch.setenv("TORCH_FLASH_BACKEND", backend)
+    dtype = torch.float64 if backend == "reference" else torch.float32
+    x = _logits((3, 5, 3 * 11), dtype)
+    t = _target((3, 5), 33, opts.get("ignore_index", -100))
+    lo = ref.LossOptions(**opts)
+    shards = x.split(11, -1)
+    stats = [torch.ops.flash.cross_entropy_shard_stats(s, t, vocab_start=11 * r, vocab_size=33,
+                                                       ignore_index=lo.ignore_index, softcap=lo.softcap)
+             for r, s in enumerate(shards)]
+    lse_r, z_t, z_sum = (torch.stack(v) for v in zip(*stats))
+    lse = torch.where(t != lo.ignore_index, lse_r.logsumexp(0), 0.0)
+    whole_loss, whole_lse = torch.ops.flash.cross_entropy_with_lse(x, t, **opts, reduction="none")
+    torch.testing.assert_close(lse, whole_lse)
+    torch.testing.assert_close(ref.loss_from_stats(lse, z_t.sum(0), z_sum.sum(0), t, lo, 33), whole_loss)
+    g = torch.randn(t.shape, dtype=dtype)
+    whole = torch.ops.flash.cross_entropy_backward(g, x, t, **opts, reduction="none")
+    for r, s in enumerate(shards):
+        kw = dict(**opts, reduction="none", vocab_start=11 * r, vocab_size=33)
+        torch.testing.assert_close(torch.ops.flash.cross_entropy_backward(g, s, t, lse, **kw), whole[..., 11 * r:11 * (r + 1)])
+        inplace = s.clone()
+        torch.ops.flash.cross_entropy_backward_inplace(g, inplace, t, lse, **kw)
+        torch.testing.assert_close(inplace, whole[..., 11 * r:11 * (r + 1)])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("inplace", [False, True])
+def test_cuda_inplace_backward_memory(inplace):
+    """Triton path, 4096 x 32000 bf16: the backward allocates dlogits (262 MB) unless
+    inplace_backward, where it allocates no logits-sized buffer."""
+    x = torch.randn(4096, 32000, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    logits = x * 2
+    t = torch.randint(0, 32000, (4096,), device="cuda")
+    loss = cross_entropy(logits, t, label_smoothing=0.1, inplace_backward=inplace)
+    exact_in = logits.detach().double().requires_grad_()
+    F.cross_entropy(exact_in, t, label_smoothing=0.1).backward()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    (dlogits,) = torch.autograd.grad(loss, logits)
+    extra = torch.cuda.max_memory_allocated() - before
+    logits_bytes = logits.numel() * logits.element_size()
+    assert (extra < logits_bytes / 16) if inplace else (extra >= logits_bytes), extra
+    assert (dlogits.data_ptr() == logits.data_ptr()) == inplace
+    assert_rel_close(dlogits, exact_in.grad, TOL[torch.bfloat16], what="dlogits")

@@ -2,7 +2,9 @@
 
 Implementations: ours (the launchers of torch_flash/kernels/triton/cross_entropy.py): "ours"
 is ce_fwd then ce_bwd from the saved lse into a new dlogits, "ours-inplace" is ce_fwd writing
-the gradient over the logits (Liger-style); eager F.cross_entropy on logits upcast to fp32 (as
+the gradient over the logits (Liger-style), "ours-inplace_backward" is the public
+torch_flash.cross_entropy(..., inplace_backward=True) through autograd (the backward writes the
+gradient over the logits: its peak_mb shows no logits-sized buffer); eager F.cross_entropy on logits upcast to fp32 (as
 HF models do), torch.compile of it, and Liger-Kernel's LigerCrossEntropyFunction where installed.
 Bytes counted: the logits read once (forward), read twice and the gradient written once
 (forward+backward), whatever an implementation really moves; TB/s is set against a device copy
@@ -38,7 +40,7 @@ def measure(rows: list[dict], impls: dict[str, Callable[[], object] | None], nby
         tbps = None if ms is None or nbytes is None else nbytes / (ms * 1e-3) / 1e12
         rows.append({**labels, "impl": impl, "ms": ms, "tbps": tbps, "peak_mb": peak})
         if ms is not None:
-            print(f"  {impl:>18}: {ms:9.3f} ms" + (f" {tbps:6.2f} TB/s" if tbps is not None else "")
+            print(f"  {impl:>22}: {ms:9.3f} ms" + (f" {tbps:6.2f} TB/s" if tbps is not None else "")
                   + (f" peak {peak:9.1f} MB" if peak is not None else ""))
 
 
@@ -46,7 +48,7 @@ def copy_row(rows: list[dict], nbytes: int, device: str, **labels) -> None:
     """The ceiling: a device copy moving nbytes, as a row of impl "copy"."""
     bw = copy_bandwidth(nbytes, device)
     rows.append({**labels, "impl": "copy", "ms": nbytes / bw * 1e3, "tbps": bw / 1e12, "peak_mb": None})
-    print(f"  {'copy':>18}: {nbytes / bw * 1e3:9.3f} ms {bw / 1e12:6.2f} TB/s")
+    print(f"  {'copy':>22}: {nbytes / bw * 1e3:9.3f} ms {bw / 1e12:6.2f} TB/s")
 
 
 def with_grad(f: Callable, *inputs: torch.Tensor) -> Callable[[], object]:
@@ -113,6 +115,7 @@ def _liger():
 
 def run(args) -> list[dict]:
     from ..kernels.triton.cross_entropy import ce_bwd, ce_fwd
+    from ..ops.cross_entropy import cross_entropy
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = CPU_SHAPES if device == "cpu" else (QUICK if args.quick else SHAPES)
@@ -134,6 +137,15 @@ def run(args) -> list[dict]:
         def ours_inplace():
             return ce_fwd(x_ours, t, grad_logits_out=x_ours, **OPTIONS)[2]
 
+        # inplace_backward refuses leaves: the logits are an intermediate, as a model's lm-head
+        # output (after the first call they hold gradients, which time the same as logits)
+        source = x.clone().requires_grad_()
+        logits_ib = source * 1
+
+        def ours_inplace_backward():
+            loss = cross_entropy(logits_ib, t, inplace_backward=True, **OPTIONS)
+            return torch.autograd.grad(loss, logits_ib)
+
         ref = _eager(x, t).item()
         got = ce_fwd(x, t, **OPTIONS)[0].item()
         print(f"{n}x{v}: loss ours {got:.6f}, eager fp32 {ref:.6f}")
@@ -142,14 +154,15 @@ def run(args) -> list[dict]:
                "compile": no_grad(compiled, x, t), "liger": None if liger is None else no_grad(liger, x_liger, t)}
         measure(rows, fwd, nbytes, **labels, **{"pass": "fwd"})
         copy_row(rows, nbytes, device, **labels, **{"pass": "fwd"})
-        both = {"ours": ours, "ours-inplace": ours_inplace, "eager": with_grad(_eager, x, t),
+        both = {"ours": ours, "ours-inplace": ours_inplace, "ours-inplace_backward": ours_inplace_backward,
+                "eager": with_grad(_eager, x, t),
                 "compile": with_grad(compiled, x, t),
                 "liger": None if liger is None else with_grad(liger, x_liger, t)}
         if device == "cuda" and not args.quick and (n, v) == shapes[0]:
             both.update({f"ours[block={b}]": (lambda b=b: ours(b)) for b in BLOCK_SWEEP})
         measure(rows, both, 3 * nbytes, **labels, **{"pass": "fwd+bwd"})
         copy_row(rows, 3 * nbytes, device, **labels, **{"pass": "fwd+bwd"})
-        del x, x_ours, x_liger
+        del x, x_ours, x_liger, source, logits_ib
     return rows
 
 

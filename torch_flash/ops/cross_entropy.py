@@ -6,7 +6,14 @@ otherwise. Formula and chunking: torch_flash/reference/cross_entropy.py. With a 
 needed, the forward runs flash.cross_entropy_with_lse and the backward reuses each row's
 log-sum-exp, so the only logits-sized tensor it allocates is dlogits (on GPU, Triton kernels
 in torch_flash/kernels/triton/cross_entropy.py: the forward reads the logits once, the
-backward reads them once and writes dlogits once).
+backward reads them once and writes dlogits once). inplace_backward=True writes dlogits over the
+logits instead (flash.cross_entropy_backward_inplace), so no logits-sized tensor is allocated.
+
+Vocab-parallel mode (process_group given): each rank holds a vocabulary shard; per-shard row
+statistics (flash.cross_entropy_shard_stats) are combined by two all-reduces (MAX of the lse,
+then one SUM of the rescaled exp-sums, target logits and logit sums) through functional
+collectives, so it traces under torch.compile; the backward is local (the gradient op with the
+whole row's lse), with no communication.
 """
 from __future__ import annotations
 
@@ -61,6 +68,52 @@ def check_target_values(op: str, target: Tensor, n_classes: int, ignore_index: i
                  f"not ignore_index={ignore_index}")
 
 
+def check_shard(op: str, logits, vocab_start: int, vocab_size: Optional[int]) -> None:
+    """logits (..., V_local) as the classes [vocab_start, vocab_start + V_local) of vocab_size
+    (None: logits is the whole vocabulary)."""
+    n_cols = logits.shape[-1]
+    check(vocab_start >= 0, op, f"vocab_start must be >= 0, got {vocab_start}")
+    if vocab_size is None:
+        check(vocab_start == 0, op, f"vocab_start={vocab_start} needs vocab_size (the whole vocabulary's)")
+    else:
+        check(vocab_start + n_cols <= vocab_size, op,
+              f"logits holds classes [{vocab_start}, {vocab_start + n_cols}), beyond vocab_size={vocab_size}")
+
+
+def check_lse(op: str, lse, target, logits, vocab_size: Optional[int]) -> None:
+    if lse is None:
+        check(vocab_size is None or vocab_size == logits.shape[-1], op,
+              "lse (the whole vocabulary's log-sum-exp of each row) is required for a vocabulary shard")
+        return
+    check_tensor(op, "lse", lse)
+    check(tuple(lse.shape) == tuple(target.shape), op,
+          f"lse has shape {tuple(lse.shape)}, expected target's shape {tuple(target.shape)}")
+    check_same_device(op, logits=logits, lse=lse)
+
+
+def check_inplace_layout(op: str, logits) -> None:
+    """The in-place gradient overwrites logits row by row: its rows must be seen as (N, V) in
+    place and not overlap. Metadata only (the fakes run it too)."""
+    check_tensor(op, "logits", logits, min_ndim=1)
+    stride = ref.row_stride(logits)
+    n_rows = logits.numel() // max(1, logits.shape[-1])
+    check(stride is not None and (n_rows <= 1 or stride >= logits.shape[-1]), op,
+          f"inplace_backward=True writes the gradient over logits, which needs evenly spaced, "
+          f"non-overlapping rows with a contiguous last dimension; got shape {tuple(logits.shape)} "
+          f"and strides {logits.stride()} (pass logits.contiguous() or inplace_backward=False)")
+
+
+def check_inplace_owner(op: str, logits: Tensor) -> None:
+    """The values of a leaf that requires grad (a parameter) must survive the backward. Reads
+    autograd metadata, which traced (fake) tensors do not carry faithfully: eager calls only."""
+    if torch.compiler.is_compiling() or is_fake(logits):
+        return
+    base = logits if logits._base is None else logits._base
+    check(not (base.is_leaf and base.requires_grad), op,
+          "inplace_backward=True overwrites logits with its gradient, but logits is a leaf tensor that "
+          "requires grad (or a view of one), whose values must survive; pass inplace_backward=False")
+
+
 def check_args(op: str, logits, target, opts: LossOptions, reduction: str) -> None:
     check_tensor(op, "logits", logits, min_ndim=1)
     check(logits.shape[-1] > 0, op,
@@ -97,8 +150,11 @@ def _forward(op: str, logits: Tensor, target: Tensor, opts: LossOptions, reducti
 @triton_op("flash::cross_entropy", mutates_args=())
 def _cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
                    label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float = 0.0,
-                   reduction: str = "mean") -> Tensor:
+                   reduction: str = "mean", inplace_backward: bool = False) -> Tensor:
+    """inplace_backward only changes the backward (see cross_entropy)."""
     opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap)
+    if inplace_backward:
+        check_inplace_layout("cross_entropy", logits)
     return _forward("cross_entropy", logits, target, opts, reduction)[0]
 
 
@@ -113,51 +169,217 @@ def _cross_entropy_with_lse(logits: Tensor, target: Tensor, *, ignore_index: int
     return _forward("cross_entropy_with_lse", logits, target, opts, reduction)
 
 
+def check_backward_args(op: str, grad_loss, logits, target, lse, opts: LossOptions, reduction: str,
+                        vocab_start: int, vocab_size: Optional[int]) -> None:
+    check_args(op, logits, target, opts, reduction)
+    check_grad_loss(op, grad_loss, target, reduction)
+    check_shard(op, logits, vocab_start, vocab_size)
+    check_lse(op, lse, target, logits, vocab_size)
+
+
+def _backward_into(op: str, grad_loss: Tensor, logits: Tensor, target: Tensor, lse: Optional[Tensor],
+                   opts: LossOptions, reduction: str, vocab_start: int, vocab_size: Optional[int],
+                   out: Optional[Tensor]) -> Tensor:
+    """dlogits into out (None: a new tensor) on the path select() picks."""
+    check_backward_args(op, grad_loss, logits, target, lse, opts, reduction, vocab_start, vocab_size)
+    check_target_values(op, target, vocab_size or logits.shape[-1], opts.ignore_index)
+    shard = dict(vocab_start=vocab_start, vocab_size=vocab_size)
+    if _backend(op, logits, target) == "triton":
+        from ..kernels.triton.cross_entropy import ce_bwd
+        # lse None: the kernel recomputes it (one more read of the logits)
+        return ce_bwd(grad_loss, logits, target, lse, **opts._asdict(), reduction=reduction, **shard, out=out)
+    return ref.cross_entropy_backward(grad_loss, logits, target, opts, reduction, lse, **shard, out=out)
+
+
 @triton_op("flash::cross_entropy_backward", mutates_args=())
 def _cross_entropy_backward(grad_loss: Tensor, logits: Tensor, target: Tensor,
                             lse: Optional[Tensor] = None, *,
                             ignore_index: int = -100, label_smoothing: float = 0.0,
                             z_loss: float = 0.0, softcap: float = 0.0,
-                            reduction: str = "mean") -> Tensor:
+                            reduction: str = "mean", vocab_start: int = 0,
+                            vocab_size: Optional[int] = None) -> Tensor:
+    """dlogits for the loss's upstream gradient grad_loss; lse (saved by the forward) is each
+    row's whole-vocabulary log-sum-exp, recomputed when None. logits may be a vocabulary shard:
+    the classes from vocab_start of vocab_size (then lse is required)."""
     opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap)
-    check_args("cross_entropy_backward", logits, target, opts, reduction)
-    check_grad_loss("cross_entropy_backward", grad_loss, target, reduction)
-    check_target_values("cross_entropy_backward", target, logits.shape[-1], ignore_index)
-    if _backend("cross_entropy_backward", logits, target) == "triton":
-        from ..kernels.triton.cross_entropy import ce_bwd
-        # lse None: the kernel recomputes it (one more read of the logits)
-        return ce_bwd(grad_loss, logits, target, lse, **opts._asdict(), reduction=reduction)
-    return ref.cross_entropy_backward(grad_loss, logits, target, opts, reduction)
+    return _backward_into("cross_entropy_backward", grad_loss, logits, target, lse, opts, reduction,
+                          vocab_start, vocab_size, None)
+
+
+@triton_op("flash::cross_entropy_backward_inplace", mutates_args=("logits",))
+def _cross_entropy_backward_inplace(grad_loss: Tensor, logits: Tensor, target: Tensor,
+                                    lse: Optional[Tensor] = None, *,
+                                    ignore_index: int = -100, label_smoothing: float = 0.0,
+                                    z_loss: float = 0.0, softcap: float = 0.0,
+                                    reduction: str = "mean", vocab_start: int = 0,
+                                    vocab_size: Optional[int] = None) -> None:
+    """flash.cross_entropy_backward written over logits (which it destroys), row chunk by row
+    chunk (Triton: each row read whole before it is written), so no second logits-sized tensor
+    exists."""
+    op = "cross_entropy_backward_inplace"
+    check_inplace_layout(op, logits)
+    opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap)
+    _backward_into(op, grad_loss, logits, target, lse, opts, reduction, vocab_start, vocab_size, logits)
+
+
+@triton_op("flash::cross_entropy_shard_stats", mutates_args=())
+def _cross_entropy_shard_stats(logits: Tensor, target: Tensor, *, vocab_start: int = 0,
+                               vocab_size: Optional[int] = None, ignore_index: int = -100,
+                               softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+    """(lse, z_target, z_sum) of each row of logits (..., V_local), the classes from vocab_start
+    of vocab_size, for the vocab-parallel loss: the log-sum-exp of the shard's (capped) logits z,
+    z at the target where it lies in this shard (else 0), and the sum of z; target's shape, in
+    fp32 for half logits (else logits' dtype), all 0 on ignored rows. One read of the logits."""
+    op = "cross_entropy_shard_stats"
+    opts = LossOptions(ignore_index=ignore_index, softcap=softcap)
+    check_args(op, logits, target, opts, "none")
+    check_shard(op, logits, vocab_start, vocab_size)
+    check_target_values(op, target, vocab_size or logits.shape[-1], ignore_index)
+    if _backend(op, logits, target) == "triton":
+        from ..kernels.triton.cross_entropy import ce_stats
+        stats = ce_stats(logits, target, ignore_index=ignore_index, softcap=softcap, vocab_start=vocab_start)
+        return tuple(s.to(compute_dtype(logits.dtype)) for s in stats)
+    return ref.cross_entropy_shard_stats(logits, target, opts, vocab_start)
 
 
 _OPTIONS = (*LossOptions._fields, "reduction")
 
 
+def _grad_logits(inplace: bool, grad_loss: Tensor, logits: Tensor, target: Tensor, lse: Tensor,
+                 **options) -> Tensor:
+    """The backward of both modes: dlogits as a new tensor, or written over logits (returned)."""
+    if inplace:
+        torch.ops.flash.cross_entropy_backward_inplace(grad_loss, logits, target, lse, **options)
+        return logits
+    return torch.ops.flash.cross_entropy_backward(grad_loss, logits, target, lse, **options)
+
+
+def _check_inplace(op: str, logits: Tensor) -> None:
+    check_inplace_layout(op, logits)
+    check_inplace_owner(op, logits)
+
+
+def _forward_with_lse(*, inplace_backward, **inputs):
+    """The autograd forward (a gradient is needed)."""
+    if inplace_backward:
+        _check_inplace("cross_entropy", inputs["logits"])
+    return torch.ops.flash.cross_entropy_with_lse(**inputs)
+
+
 def _setup(ctx, inputs, loss, lse):
+    ctx.inplace = inputs["inplace_backward"]
     ctx.save_for_backward(inputs["logits"], inputs["target"], lse)
     ctx.options = {k: inputs[k] for k in _OPTIONS}
 
 
 def _backward(ctx, grad_loss):
     logits, target, lse = ctx.saved_tensors
-    return {"logits": torch.ops.flash.cross_entropy_backward(grad_loss, logits, target, lse,
-                                                             **ctx.options)}
+    return {"logits": _grad_logits(ctx.inplace, grad_loss, logits, target, lse, **ctx.options)}
 
 
-register_autograd_via(_cross_entropy, forward=lambda **inputs: torch.ops.flash.cross_entropy_with_lse(**inputs),
-                      setup_context=_setup, backward=_backward)
+register_autograd_via(_cross_entropy, forward=_forward_with_lse, setup_context=_setup, backward=_backward)
+
+
+# --------------------------------------------------------------------------------------
+# Vocab-parallel mode
+# --------------------------------------------------------------------------------------
+def _check_ranks_agree(op: str, logits: Tensor, target: Tensor, group) -> None:
+    """Shard shapes, the compute dtype and the targets must match across the group's ranks: a
+    mismatch would hang a collective or give each rank a different loss. One tiny blocking
+    all-reduce, eager only (graphs under torch.compile skip it)."""
+    import torch.distributed as dist
+
+    if torch.compiler.is_compiling() or is_fake(logits):
+        return
+    mine = torch.tensor([logits.shape[-1], logits.numel(), target.numel(),
+                         compute_dtype(logits.dtype).itemsize, int(target.long().sum())],
+                        dtype=torch.int64, device=logits.device)
+    both = torch.cat([mine, -mine])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    if not (torch.equal(both[:5], mine) and torch.equal(-both[5:], mine)):
+        fail(op, f"the ranks of process_group disagree on the logits shards or targets: this rank "
+                 f"(rank {group.rank()}) has logits {tuple(logits.shape)} {logits.dtype} and target "
+                 f"{tuple(target.shape)}; every rank needs an equal shard (..., V / world_size) and the "
+                 f"same target")
+
+
+class _VocabParallel(torch.autograd.Function):
+    """Loss over a vocabulary split across process_group (the shard of this rank: logits);
+    gradient for this shard only (each rank gets its own)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, group, opts, reduction, inplace_backward):
+        import torch.distributed._functional_collectives as funcol
+
+        n_cols = logits.shape[-1]
+        shard = dict(vocab_start=group.rank() * n_cols, vocab_size=group.size() * n_cols)
+        local_lse, z_t, z_sum = torch.ops.flash.cross_entropy_shard_stats(
+            logits, target, **shard, ignore_index=opts.ignore_index, softcap=opts.softcap)
+        top = funcol.all_reduce(local_lse, "max", group)
+        # rescaled exp-sums, target logits (one shard has each) and logit sums in one SUM
+        sums = funcol.all_reduce(torch.stack([(local_lse - top).exp(), z_t, z_sum]), "sum", group)
+        valid = target != opts.ignore_index
+        lse = torch.where(valid, top + sums[0].log(), 0.0)
+        loss = ref.loss_from_stats(lse, sums[1], sums[2], target, opts, shard["vocab_size"])
+        ctx.inplace = inplace_backward
+        ctx.save_for_backward(logits, target, lse)
+        ctx.options = {**opts._asdict(), "reduction": reduction, **shard}
+        return ref.reduce(loss.reshape(-1), target, opts.ignore_index, reduction)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, target, lse = ctx.saved_tensors
+        return _grad_logits(ctx.inplace, grad_loss, logits, target, lse, **ctx.options), *[None] * 5
+
+
+def _vocab_parallel(logits: Tensor, target: Tensor, group, opts: LossOptions, reduction: str,
+                    inplace_backward: bool) -> Tensor:
+    import torch.distributed as dist
+
+    op = "cross_entropy"
+    check(dist.is_available() and isinstance(group, dist.ProcessGroup), op,
+          f"process_group must be a torch.distributed ProcessGroup, got {type(group).__name__}")
+    check_tensor(op, "logits", logits, min_ndim=1)
+    check_tensor(op, "target", target, dtypes=INDEX_DTYPES)
+    _check_ranks_agree(op, logits, target, group)
+    check_args(op, logits, target, opts, reduction)
+    if inplace_backward:
+        check_inplace_layout(op, logits)
+        if torch.is_grad_enabled() and logits.requires_grad:
+            check_inplace_owner(op, logits)
+    return _VocabParallel.apply(logits, target, group, opts, reduction, inplace_backward)
 
 
 def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
                   label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float = 0.0,
-                  reduction: str = "mean") -> Tensor:
+                  reduction: str = "mean", inplace_backward: bool = False, process_group=None) -> Tensor:
     """Cross-entropy of logits (..., V) against class indices target (...), over any V.
 
     As F.cross_entropy (ignore_index, label_smoothing, reduction "mean" over non-ignored
     rows, "sum", "none"), plus z_loss * logsumexp^2 per row (PaLM) and Gemma-2 style
     logit softcapping (softcap * tanh(logits / softcap)) when softcap > 0. Math in fp32;
     the loss is fp32 for fp16/bf16 logits, else logits' dtype. Gradient for logits only.
+
+    inplace_backward=True (as FlashAttention's): the backward writes the gradient over the
+    logits' memory instead of a new tensor, saving one logits-sized buffer; the logits' values
+    are destroyed then (they stay intact until the backward). logits must be an intermediate
+    (not a leaf that requires grad, nor a view of one), with evenly spaced non-overlapping rows,
+    and nothing else may need its values after the loss's backward: an op that saved logits for
+    its own backward fails with PyTorch's "modified by an inplace operation" error.
+
+    process_group (vocab-parallel, as Megatron's VocabParallel cross-entropy): logits (..., V_local)
+    is this rank's shard of the vocabulary, the classes [rank * V_local, (rank + 1) * V_local),
+    with equal shards on every rank of the group (V = world_size * V_local); target holds
+    global class ids and is the same on every rank. Every rank gets the loss of the whole
+    vocabulary (identical on all ranks) and the gradient of its own shard. Two all-reduces of
+    per-row statistics in the forward, none in the backward; eager calls add one tiny blocking
+    all-reduce that checks the ranks agree (shard shapes, targets). Traces under torch.compile
+    (functional collectives).
     """
+    if process_group is not None:
+        opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap)
+        return _vocab_parallel(logits, target, process_group, opts, reduction, inplace_backward)
     return torch.ops.flash.cross_entropy(logits, target, ignore_index=ignore_index,
                                          label_smoothing=label_smoothing, z_loss=z_loss,
-                                         softcap=softcap, reduction=reduction)
+                                         softcap=softcap, reduction=reduction,
+                                         inplace_backward=inplace_backward)

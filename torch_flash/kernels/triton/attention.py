@@ -29,6 +29,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from .scalars import fp32
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -284,6 +285,7 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias, Seed, CuQ, CuK,
               SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
               DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: BLOCK_M query rows of one (batch, q head). Writes out and lse."""
+    qk_scale, softcap, dropout_p = fp32(qk_scale), fp32(softcap), fp32(dropout_p)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
@@ -439,6 +441,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, DQ, DK, DV, Lse, Delta, Bias, DBias, Seed, CuQ, 
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: BLOCK_N key rows of one (batch, kv head); loops over the q heads of its
     group, so dK/dV are written once, without atomics. Also dbias, and dQ with ATOMIC_DQ."""
+    sm_scale, qk_scale = fp32(sm_scale), fp32(qk_scale)
+    softcap, dropout_p = fp32(softcap), fp32(dropout_p)
     bhk = tl.program_id(1)
     h_kv = H // GROUP
     b = bhk // h_kv
@@ -530,6 +534,8 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Bias, Seed, CuQ, CuK,
                  SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
                  DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: dQ of BLOCK_M query rows of one (batch, q head), no atomics."""
+    sm_scale, qk_scale = fp32(sm_scale), fp32(qk_scale)
+    softcap, dropout_p = fp32(softcap), fp32(dropout_p)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H

@@ -27,6 +27,8 @@ import triton
 import triton.language as tl
 
 from ... import _dispatch
+from ...reference.cross_entropy import row_stride
+from .scalars import fp32
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -61,26 +63,33 @@ def _capped(x, softcap, inv_softcap, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _ce_kernel(X, T, Loss, Lse, G, Out, NValid, n_cols, stride_x, stride_out, stride_g,
-               ignore_index, label_smoothing, z_loss, softcap, inv_softcap,
-               FORWARD: tl.constexpr, WRITE_GRAD: tl.constexpr, HAS_GRAD_LOSS: tl.constexpr,
-               MEAN: tl.constexpr, SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
-    """Row program_id(0) of X (rows, n_cols). FORWARD: write Loss[row] and Lse[row] (both fp32;
-    0 on ignored rows), else read Lse[row]. WRITE_GRAD: write the row's gradient to Out, scaled
-    by G[row * stride_g] (HAS_GRAD_LOSS, else 1) and by 1 / NValid[0] (MEAN). Out may be X."""
+def _ce_kernel(X, T, Loss, Lse, ZT, ZSum, G, Out, NValid, n_cols, n_classes, vocab_start,
+               stride_x, stride_out, stride_g, ignore_index, label_smoothing, z_loss, softcap, inv_softcap,
+               FORWARD: tl.constexpr, STATS: tl.constexpr, WRITE_GRAD: tl.constexpr,
+               HAS_GRAD_LOSS: tl.constexpr, MEAN: tl.constexpr, SUM_Z: tl.constexpr, SOFTCAP: tl.constexpr,
+               BLOCK: tl.constexpr):
+    """Row program_id(0) of X (rows, n_cols), the columns [vocab_start, vocab_start + n_cols) of a
+    vocabulary of n_classes. FORWARD: write Lse[row] and either Loss[row] or, STATS, ZT[row] (z at
+    the target if it falls in X, else 0) and ZSum[row] (all fp32, 0 on ignored rows); else read
+    Lse[row] (the whole row's). SUM_Z: sum z (label smoothing, STATS). WRITE_GRAD: write the row's
+    gradient to Out, scaled by G[row * stride_g] (HAS_GRAD_LOSS, else 1) and by 1 / NValid[0]
+    (MEAN). Out may be X."""
+    label_smoothing, z_loss = fp32(label_smoothing), fp32(z_loss)
+    softcap, inv_softcap = fp32(softcap), fp32(inv_softcap)
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x
     t = tl.load(T + row)
     valid = t != ignore_index
-    in_range = (t >= 0) & (t < n_cols)
-    t_col = tl.where(in_range, t, -1).to(tl.int32)
+    t_local = t - vocab_start
+    hit = valid & (t_local >= 0) & (t_local < n_cols)
+    t_col = tl.where(hit, t_local, -1).to(tl.int32)
     if FORWARD:
         lse2 = tl.zeros([], dtype=tl.float32)  # log2 units
-        loss = tl.zeros([], dtype=tl.float32)
+        z_t = tl.zeros([], dtype=tl.float32)
+        z_sum = tl.zeros([], dtype=tl.float32)
         if valid:
             m2 = tl.full([], float("-inf"), tl.float32)
             d = tl.zeros([], dtype=tl.float32)
-            z_sum = tl.zeros([], dtype=tl.float32)
             for off in range(0, n_cols, BLOCK):
                 cols = off + tl.arange(0, BLOCK)
                 mask = cols < n_cols
@@ -90,17 +99,22 @@ def _ce_kernel(X, T, Loss, Lse, G, Out, NValid, n_cols, stride_x, stride_out, st
                 m_new = tl.maximum(m2, tl.max(z2, 0))
                 d = d * tl.exp2(m2 - m_new) + tl.sum(tl.exp2(z2 - m_new), 0)
                 m2 = m_new
-                if SMOOTH:
+                if SUM_Z:
                     z_sum += tl.sum(tl.where(mask, z, 0.0), 0)
             lse2 = m2 + tl.log2(d)
-            lse = lse2 * _LN2
-            z_t, _ = _capped(tl.load(x_row + t_col, mask=in_range, other=0.0).to(tl.float32),
+            z_t, _ = _capped(tl.load(x_row + t_col, mask=hit, other=0.0).to(tl.float32),
                              softcap, inv_softcap, SOFTCAP)
+        lse = lse2 * _LN2
+        tl.store(Lse + row, lse)
+        if STATS:
+            tl.store(ZT + row, z_t)
+            tl.store(ZSum + row, z_sum)
+        else:
+            # ignored rows: lse = z_t = z_sum = 0, so their loss is 0
             loss = lse - z_t + z_loss * lse * lse
-            if SMOOTH:
-                loss += label_smoothing * (z_t - z_sum / n_cols)
-        tl.store(Loss + row, loss)
-        tl.store(Lse + row, lse2 * _LN2)
+            if SUM_Z:
+                loss += label_smoothing * (z_t - z_sum / n_classes)
+            tl.store(Loss + row, loss)
     else:
         lse2 = tl.load(Lse + row).to(tl.float32) * _LOG2E
     if WRITE_GRAD:
@@ -112,8 +126,8 @@ def _ce_kernel(X, T, Loss, Lse, G, Out, NValid, n_cols, stride_x, stride_out, st
             w = w / tl.load(NValid).to(tl.float32)
         w = tl.where(valid, w, 0.0)  # also drops mean's inf when no row is valid
         coef = w * (1.0 + 2.0 * z_loss * (lse2 * _LN2))
-        smooth = w * label_smoothing / n_cols
-        hit = w * (1.0 - label_smoothing)
+        smooth = w * label_smoothing / n_classes
+        hit_w = w * (1.0 - label_smoothing)
         out_row = Out + row * stride_out
         n_read = tl.where(valid, n_cols, 0)  # ignored rows read nothing: with w = 0 they get 0
         for off in range(0, n_cols, BLOCK):
@@ -122,7 +136,7 @@ def _ce_kernel(X, T, Loss, Lse, G, Out, NValid, n_cols, stride_x, stride_out, st
             z, th = _capped(tl.load(x_row + cols, mask=cols < n_read, other=0.0).to(tl.float32),
                             softcap, inv_softcap, SOFTCAP)
             dz = tl.exp2(z * _LOG2E - lse2) * coef - smooth
-            dz = tl.where(cols == t_col, dz - hit, dz)
+            dz = tl.where(cols == t_col, dz - hit_w, dz)
             if SOFTCAP:
                 dz *= 1.0 - th * th
             tl.store(out_row + cols, dz.to(Out.dtype.element_ty), mask=mask)
@@ -140,18 +154,19 @@ def _launch_config(n_cols: int, block: int | None) -> tuple[int, int]:
 def _row_view(t: torch.Tensor, n_cols: int) -> torch.Tensor | None:
     """t (..., n_cols) as an (N, n_cols) view sharing its memory when its rows are contiguous and
     evenly spaced (any slicing of the last dim, a transposed batch of one...), else None."""
-    if n_cols > 1 and t.stride(-1) != 1:
-        return None
-    lead = [(n, s) for n, s in zip(t.shape[:-1], t.stride()[:-1]) if n != 1]
-    if any(outer != inner * n for (_, outer), (n, inner) in zip(lead, lead[1:])):
-        return None
-    return t.as_strided((t.numel() // n_cols, n_cols), (lead[-1][1] if lead else n_cols, 1))
+    stride = row_stride(t)
+    return None if stride is None else t.as_strided((t.numel() // n_cols, n_cols), (stride, 1))
 
 
 def _as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
     """t (..., n_cols) as (N, n_cols) rows the kernel can read: a view, else a contiguous copy."""
     rows = _row_view(t, n_cols)
     return rows if rows is not None else t.contiguous().view(-1, n_cols)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """t as the dense 1-D array the kernel indexes by row (reshape alone keeps a 1-D stride)."""
+    return t.reshape(-1).contiguous()
 
 
 def _writable_rows(out: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, bool]:
@@ -168,21 +183,24 @@ def _n_valid(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
 
 
 def _launch(x, t, *, loss, lse, grad_loss, out, n_valid, ignore_index, label_smoothing, z_loss,
-            softcap, reduction, block=None):
-    """One _ce_kernel launch over the rows of x (N, V). loss None: read lse instead of writing it;
-    out None: no gradient; grad_loss None: an upstream gradient of 1."""
+            softcap, reduction, block=None, stats=None, vocab_start=0, vocab_size=None):
+    """One _ce_kernel launch over the rows of x (N, V). loss and stats None: read lse instead of
+    writing it; stats (z_t, z_sum): write those instead of the loss; out None: no gradient;
+    grad_loss None: an upstream gradient of 1. x holds the classes from vocab_start of vocab_size
+    (default: x is the whole vocabulary)."""
     n_rows, n_cols = x.shape
     if n_rows == 0:
         return
     block, num_warps = _launch_config(n_cols, block)
     g = grad_loss.reshape(-1) if grad_loss is not None else None
+    z_t, z_sum = (None, None) if stats is None else stats
     torch.library.wrap_triton(_ce_kernel)[(n_rows,)](
-        x, t, loss, lse, g, out, n_valid, n_cols, x.stride(0), 0 if out is None else out.stride(0),
-        0 if g is None or g.numel() == 1 else g.stride(0),
+        x, t, loss, lse, z_t, z_sum, g, out, n_valid, n_cols, vocab_size or n_cols, vocab_start,
+        x.stride(0), 0 if out is None else out.stride(0), 0 if g is None or g.numel() == 1 else g.stride(0),
         ignore_index, label_smoothing, z_loss, softcap, 1.0 / softcap if softcap > 0 else 0.0,
-        FORWARD=loss is not None, WRITE_GRAD=out is not None, HAS_GRAD_LOSS=g is not None,
-        MEAN=reduction == "mean", SMOOTH=label_smoothing > 0, SOFTCAP=softcap > 0, BLOCK=block,
-        num_warps=num_warps)
+        FORWARD=loss is not None or stats is not None, STATS=stats is not None, WRITE_GRAD=out is not None,
+        HAS_GRAD_LOSS=g is not None, MEAN=reduction == "mean", SUM_Z=label_smoothing > 0 or stats is not None,
+        SOFTCAP=softcap > 0, BLOCK=block, num_warps=num_warps)
 
 
 def _reduce(losses: torch.Tensor, target: torch.Tensor, n_valid: torch.Tensor, reduction: str) -> torch.Tensor:
@@ -211,7 +229,7 @@ def ce_fwd(logits, target, *, ignore_index, label_smoothing, z_loss, softcap, re
     scales it by grad_loss. block forces the vocabulary block (a power of 2).
     """
     n_cols = logits.shape[-1]
-    x, t = _as_rows(logits, n_cols), target.reshape(-1)
+    x, t = _as_rows(logits, n_cols), _flat(target)
     losses = torch.empty(t.shape[0], dtype=torch.float32, device=logits.device)
     lse = torch.empty_like(losses)
     n_valid = _n_valid(t, ignore_index)
@@ -224,23 +242,37 @@ def ce_fwd(logits, target, *, ignore_index, label_smoothing, z_loss, softcap, re
     return _reduce(losses, target, n_valid, reduction), lse.view(target.shape), grad_logits_out
 
 
+def ce_stats(logits, target, *, ignore_index, softcap, vocab_start=0, block=None):
+    """Row statistics of logits (..., V_local), the classes from vocab_start of a sharded
+    vocabulary: (lse, z_target, z_sum), fp32 (...), 0 on ignored rows; z_target is 0 where the
+    row's target lies in another shard. One read of the logits."""
+    n_cols = logits.shape[-1]
+    x, t = _as_rows(logits, n_cols), _flat(target)
+    lse, z_t, z_sum = (torch.empty(t.shape[0], dtype=torch.float32, device=logits.device) for _ in range(3))
+    _launch(x, t, loss=None, lse=lse, grad_loss=None, out=None, n_valid=None, ignore_index=ignore_index,
+            label_smoothing=0.0, z_loss=0.0, softcap=softcap, reduction="none", block=block,
+            stats=(z_t, z_sum), vocab_start=vocab_start)
+    return lse.view(target.shape), z_t.view(target.shape), z_sum.view(target.shape)
+
+
 def ce_bwd(grad_loss, logits, target, lse, *, ignore_index, label_smoothing, z_loss, softcap, reduction,
-           out=None, block=None):
+           vocab_start=0, vocab_size=None, out=None, block=None):
     """dlogits (..., V) from ce_fwd's lse: one read of logits, one write of out (default: a new
     contiguous tensor like logits; may be logits itself). grad_loss: target's shape for
     reduction="none", else a scalar. lse None: the same kernel recomputes it first (a backward
-    that needs nothing saved but the inputs, for one more read of the logits)."""
+    that needs nothing saved but the inputs, for one more read of the logits). A vocabulary shard
+    (classes from vocab_start of vocab_size) needs lse, the whole row's log-sum-exp."""
     n_cols = logits.shape[-1]
-    x, t = _as_rows(logits, n_cols), target.reshape(-1)
+    x, t = _as_rows(logits, n_cols), _flat(target)
     if out is None:
         out = logits.new_empty(logits.shape)
     dst, copy_back = _writable_rows(out, x.shape)
     scratch = torch.empty(t.shape[0], dtype=torch.float32, device=x.device) if lse is None else None
-    _launch(x, t, loss=scratch, lse=torch.empty_like(scratch) if lse is None else lse.reshape(-1),
+    _launch(x, t, loss=scratch, lse=torch.empty_like(scratch) if lse is None else _flat(lse),
             grad_loss=grad_loss, out=dst,
             n_valid=_n_valid(t, ignore_index) if reduction == "mean" else None,
             ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-            reduction=reduction, block=block)
+            reduction=reduction, block=block, vocab_start=vocab_start, vocab_size=vocab_size)
     if copy_back:
         out.copy_(dst.view(out.shape))
     return out
@@ -292,7 +324,7 @@ def lce_fwd(hidden, weight, target, bias, *, ignore_index, label_smoothing, z_lo
     PyTorch's unfused bf16 path (4 chunks 1.13x), the bf16 logits' own rounding dominating.
     """
     n_cols, hid = weight.shape
-    h, t = hidden.reshape(-1, hid), target.reshape(-1)
+    h, t = hidden.reshape(-1, hid), _flat(target)
     n_rows = h.shape[0]
     losses = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
     lse = torch.empty_like(losses)

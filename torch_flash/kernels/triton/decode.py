@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from .attention import _LN2, _LOG2E, _UNBOUNDED, _dot, _tanh
+from .scalars import fp32
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256  # bounds the tiles kept in SRAM
@@ -156,6 +157,7 @@ def _decode_kernel(Q, KC, VC, SEQLENS, BT, COS, SIN, Out, Lse, OutP, LseP,
                    BLOCK_N: tl.constexpr):
     """One program: BLOCK_M rows (q head g of the group, query i) of one (batch, kv head) over
     one split of the keys. Writes out/lse, or with SPLIT the split's partial (out, lse)."""
+    qk_scale, softcap = fp32(qk_scale), fp32(softcap)
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // HKV

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ... import _dispatch
+from .scalars import fp32
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Widest column block held in registers per row; longer rows loop over blocks of this size.
@@ -32,8 +33,11 @@ FWD_MAX_BLOCK = 16384
 BWD_MAX_BLOCK = 8192
 # Target elements per program tile: short rows are processed several at a time.
 TILE = 4096
-# Backward programs per SM, at most; fewer for wide rows (dW partials are programs x N fp32).
-BWD_PROGRAMS_PER_SM = 8
+# Backward programs per SM: BWD_ELEMENTS_PER_SM // row block, at most 8 (dW partials are
+# programs x N fp32). Measured on the H100 (scripts/sweep_norm.py, 2026-11-21): at (32768, 4096)
+# 2 programs per SM reached 0.91 / 0.86 of copy (RMSNorm / LayerNorm) where 4 reached 0.88 / 0.81.
+BWD_ELEMENTS_PER_SM = 8192
+BWD_MAX_PROGRAMS_PER_SM = 8
 
 _ROUND_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -123,6 +127,7 @@ def _norm_fwd_kernel(X, R, W, B, Y, RO, M, N, stride_x, stride_r, stride_y, stri
                      IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr,
                      HAS_B: tl.constexpr, CAST_BEFORE_W: tl.constexpr, ROUND: tl.constexpr,
                      ONE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+    eps, weight_offset = fp32(eps), fp32(weight_offset)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < M
     zero = tl.zeros([ROWS], dtype=tl.float32)
@@ -247,6 +252,7 @@ def _norm_bwd_kernel(G, GR, X, W, DX, DWP, DBP, M, N, stride_g, stride_gr, strid
                      HAS_DW: tl.constexpr, HAS_DB: tl.constexpr, CAST_BEFORE_W: tl.constexpr,
                      ROUND: tl.constexpr, ONE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
                      ROWS: tl.constexpr):
+    eps, weight_offset = fp32(eps), fp32(weight_offset)
     # Program p owns rows [p*M//P, (p+1)*M//P) (at least one, as P <= M) and row p of the partials.
     pid = tl.program_id(0).to(tl.int64)
     row_start = (pid * M) // tl.num_programs(0)
@@ -381,7 +387,7 @@ def _bwd_programs(m: int, block: int, device: torch.device) -> int:
     """Backward programs: a few per SM (fewer for wide rows), each owning a range of rows."""
     if device.type != "cuda":
         return min(m, 2)  # interpreter: two programs still exercise the partial-sum reduction
-    per_sm = max(1, min(BWD_PROGRAMS_PER_SM, 16384 // block))
+    per_sm = max(1, min(BWD_MAX_PROGRAMS_PER_SM, BWD_ELEMENTS_PER_SM // block))
     return min(m, torch.cuda.get_device_properties(device).multi_processor_count * per_sm)
 
 
