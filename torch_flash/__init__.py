@@ -26,11 +26,11 @@ from .ops.cross_entropy import cross_entropy  # noqa: E402
 from .ops.layer_norm import add_layer_norm, layer_norm  # noqa: E402
 from .ops.linear_cross_entropy import linear_cross_entropy  # noqa: E402
 from .ops.rms_norm import add_rms_norm, rms_norm  # noqa: E402
-from .ops.rotary import rotary, rotary_cos_sin  # noqa: E402
+from .ops.rotary import rotary, rotary_cos_sin, rotary_qk  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [
     "OPS", "backend", "enable", "disable", "rewrite", "explain", "counters",
     "attention", "attention_with_lse", "attention_varlen", "attention_decode", "rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm",
-    "cross_entropy", "linear_cross_entropy", "rotary", "rotary_cos_sin", "compat", "data", "nn",
+    "cross_entropy", "linear_cross_entropy", "rotary", "rotary_cos_sin", "rotary_qk", "compat", "data", "nn",
 ]

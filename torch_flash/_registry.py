@@ -33,10 +33,18 @@ OPS: tuple[OpEntry, ...] = (
     OpEntry("cross_entropy", "cross_entropy", "loss", "cross_entropy_backward"),
     # the autograd forward of cross_entropy: the loss and the row log-sum-exps its backward reuses
     OpEntry("cross_entropy_with_lse", "cross_entropy", "loss", None, public=False),
+    # the backward of cross_entropy(inplace_backward=True): the gradient written over the logits
+    OpEntry("cross_entropy_backward_inplace", "cross_entropy", "loss", None, ("logits",), public=False),
+    # vocab-parallel cross_entropy: one vocabulary shard's row statistics, combined across ranks
+    OpEntry("cross_entropy_shard_stats", "cross_entropy", "loss", None, public=False),
     OpEntry("linear_cross_entropy", "linear_cross_entropy", "loss", "linear_cross_entropy_backward"),
     # the autograd forward of linear_cross_entropy: loss and gradients in one pass
     OpEntry("linear_cross_entropy_with_grads", "linear_cross_entropy", "loss", None, public=False),
     OpEntry("rotary", "rotary", "rotary", "rotary_backward"),
+    OpEntry("rotary_qk", "rotary", "rotary", "rotary_qk_backward"),
+    # in-place forms, public as torch_flash.rotary / rotary_qk(..., inplace=True)
+    OpEntry("rotary_", "rotary", "rotary", "rotary_backward", ("x",), public=False),
+    OpEntry("rotary_qk_", "rotary", "rotary", "rotary_qk_backward", ("q", "k"), public=False),
 )
 
 BY_NAME = {e.name: e for e in OPS}

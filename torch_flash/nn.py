@@ -19,7 +19,7 @@ from .ops.cross_entropy import LossOptions, check_options, cross_entropy
 from .ops.layer_norm import add_layer_norm, layer_norm
 from .ops.linear_cross_entropy import linear_cross_entropy
 from .ops.rms_norm import add_rms_norm, rms_norm
-from .ops.rotary import rotary, rotary_cos_sin
+from .ops.rotary import rotary, rotary_cos_sin, rotary_qk
 
 
 def _check(cond: bool, who: str, msg: str) -> None:
@@ -182,7 +182,8 @@ class LinearCrossEntropyLoss(_Loss):
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding of q and k through flash.rotary.
+    """Rotary position embedding of q and k through flash.rotary_qk (one kernel launch), or
+    flash.rotary for each when their shapes differ beyond the head count.
 
     Rotates the first `dim` dims of each head (partial rotary when dim < head dim) with
     angle pos * base ** (-2i / dim); interleaved=False is GPT-NeoX/LLaMA, True GPT-J.
@@ -216,8 +217,10 @@ class RotaryEmbedding(nn.Module):
         as reading the offsets' maximum would synchronise with the device."""
         seqlen = max(q.shape[-2], k.shape[-2]) + (0 if isinstance(seqlen_offsets, Tensor) else seqlen_offsets)
         cos, sin = self.tables(max(seqlen, max_seqlen or 0), q.device, q.dtype)
-        return tuple(rotary(t, cos, sin, interleaved=self.interleaved, seqlen_offsets=seqlen_offsets)
-                     for t in (q, k))
+        kw = dict(interleaved=self.interleaved, seqlen_offsets=seqlen_offsets)
+        if q.dtype == k.dtype and q.shape[:1] + q.shape[2:] == k.shape[:1] + k.shape[2:]:
+            return rotary_qk(q, k, cos, sin, **kw)  # one kernel launch
+        return rotary(q, cos, sin, **kw), rotary(k, cos, sin, **kw)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, base={self.base}, interleaved={self.interleaved}"

@@ -151,6 +151,98 @@ def test_positions_outside_table_left_unrotated():
     assert torch.equal(out[1, :, 2:], x[1, :, 2:])
 
 
+def _apply_qk(q, k, cos, sin, interleaved=False, seqlen_offset=0, seqlen_offsets=None, cu_seqlens=None,
+              conjugate=False, q_out=None, k_out=None):
+    return K.rotary_apply_qk(q, k, cos, sin, interleaved=interleaved, seqlen_offset=seqlen_offset,
+                             seqlen_offsets=seqlen_offsets, cu_seqlens=cu_seqlens, conjugate=conjugate,
+                             q_out=q_out, k_out=k_out)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Names the rotary kernels launched, one entry a launch."""
+    calls = []
+    for name in ("_rotary_kernel", "_rotary_qk_kernel"):
+        kernel = getattr(K, name)
+
+        def run(*args, run=kernel.run, name=name, **kwargs):
+            calls.append(name)
+            return run(*args, **kwargs)
+        monkeypatch.setattr(kernel, "run", run)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads", [(4, 1), (2, 3), (3, 3)], ids=["mqa", "k_more", "mha"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+def test_qk_dense(interleaved, heads, dtype, launches):
+    """q and k of their own head counts (more k heads than BLOCK_H=2 q heads too), tensor
+    offsets, partial rotary: one launch, every element written (outputs poisoned)."""
+    hq, hk = heads
+    q, k = _bshd(2, hq, 5, 20, dtype), _bshd(2, hk, 5, 20, dtype)
+    cos, sin = _tables(16, 12)
+    offs = torch.tensor([3, 9], device=DEV)
+    q_out, k_out = torch.full_like(q, float("nan")), torch.full_like(k, float("nan"))
+    before = q.clone(), k.clone()
+    assert _apply_qk(q, k, cos, sin, interleaved, seqlen_offsets=offs, q_out=q_out, k_out=k_out) == (q_out, k_out)
+    assert launches == ["_rotary_qk_kernel"]
+    pos = torch.arange(5, device=DEV)[None] + offs[:, None]
+    for out, x in zip((q_out, k_out), (q, k)):
+        assert_rel_close(out, _dense_expected(x, cos, sin, pos, interleaved), TOL[dtype])
+    assert torch.equal(q, before[0]) and torch.equal(k, before[1])
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+def test_qk_varlen_per_token_conjugate(interleaved, launches):
+    """Packed q/k with an empty sequence; per-token tables (one set for the batch); conjugate."""
+    cu = torch.tensor([0, 3, 3, 7], device=DEV, dtype=torch.int32)
+    q, k = (torch.randn(7, h, 16, device=DEV, dtype=torch.bfloat16) for h in (4, 1))
+    cos, sin = _tables(16, 16)
+    offs = torch.tensor([2, 0, 5], device=DEV)
+    q_out, k_out = _apply_qk(q, k, cos, sin, interleaved, seqlen_offset=1, seqlen_offsets=offs, cu_seqlens=cu,
+                             conjugate=True)
+    for out, x in zip((q_out, k_out), (q, k)):
+        expected = torch.empty_like(x, dtype=torch.float64)
+        for b in range(3):
+            lo, hi = int(cu[b]), int(cu[b + 1])
+            pos = torch.arange(hi - lo, device=DEV) + 1 + int(offs[b])
+            expected[lo:hi] = _rotate64(x[lo:hi], cos[pos][:, None], sin[pos][:, None], interleaved, True)
+        assert_rel_close(out, expected, TOL[torch.bfloat16])
+    qd, kd = _bshd(2, 2, 6, 16, torch.float16), _bshd(2, 1, 6, 16, torch.float16)
+    ct, st = (t[None, 3:9] for t in _tables(16, 16))
+    for out, x in zip(_apply_qk(qd, kd, ct, st, interleaved), (qd, kd)):
+        assert_rel_close(out, _rotate64(x, ct[:, None], st[:, None], interleaved), TOL[torch.float16])
+    assert launches == ["_rotary_qk_kernel"] * 2
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+def test_qk_in_place(interleaved, launches):
+    """q and k as views of one fused qkv buffer, rotated in it in one launch: pass-through dims,
+    v and the padding between never written."""
+    B, S, hq, hk, D, rd = 2, 7, 4, 2, 20, 12
+    qkv = torch.randn(B, S, (hq + 2 * hk) * D + 3, device=DEV, dtype=torch.bfloat16)  # + padding
+    before = qkv.clone()
+    spans = ((0, hq * D), (hq * D, (hq + hk) * D))
+    q, k = (qkv[..., a:b].unflatten(-1, (-1, D)).transpose(1, 2) for a, b in spans)
+    qb, kb = (before[..., a:b].unflatten(-1, (-1, D)).transpose(1, 2) for a, b in spans)
+    cos, sin = _tables(S, rd)
+    out = _apply_qk(q, k, cos, sin, interleaved, q_out=q, k_out=k)
+    assert out[0] is q and out[1] is k and launches == ["_rotary_qk_kernel"]
+    pos = torch.arange(S, device=DEV).expand(B, S)
+    for x, xb in ((q, qb), (k, kb)):
+        assert_rel_close(x, _dense_expected(xb, cos, sin, pos, interleaved), TOL[torch.bfloat16])
+        assert torch.equal(x[..., rd:], xb[..., rd:])
+    assert torch.equal(qkv[..., (hq + hk) * D:], before[..., (hq + hk) * D:])
+    with pytest.raises(ValueError, match="both in place or both out of place"):
+        _apply_qk(q, k, cos, sin, q_out=q)
+
+
+def test_qk_empty(launches):
+    q, k = torch.randn(0, 2, 4, 8, device=DEV), torch.randn(0, 1, 4, 8, device=DEV)
+    q_out, k_out = _apply_qk(q, k, *_tables(4, 8))
+    assert q_out.shape == q.shape and k_out.shape == k.shape and not launches
+
+
 def test_supports():
     x = torch.randn(2, 3, 4, 16, device=DEV)
     cos, sin = _tables(4, 16)
@@ -160,6 +252,21 @@ def test_supports():
     assert not K.rotary_supports(x.transpose(-1, -2), cos, sin)  # last dim not contiguous
     per_token = torch.randn(3, 4, 8, device=DEV)
     assert not K.rotary_supports(x, per_token, per_token)  # 3 sets of tables for a batch of 2
+
+
+@pytest.mark.cuda
+def test_cuda_qk_gqa_shape(launches):
+    """LLaMA-3-8B-like q (32 heads) and k (8 heads) of 128, (B, S, H, D) views, one launch each way."""
+    q, k = _bshd(2, 32, 4096, 128, torch.bfloat16), _bshd(2, 8, 4096, 128, torch.bfloat16)
+    cos, sin = _tables(4096, 128)
+    pos = torch.arange(4096, device="cuda").expand(2, 4096)
+    q_out, k_out = _apply_qk(q, k, cos, sin)
+    for out, x in ((q_out, q), (k_out, k)):
+        assert_rel_close(out, _dense_expected(x, cos, sin, pos, False), TOL[torch.bfloat16])
+    back = _apply_qk(q_out, k_out, cos, sin, conjugate=True, q_out=q_out, k_out=k_out)
+    for out, x in zip(back, (q, k)):
+        assert_rel_close(out, x, TOL[torch.bfloat16])
+    assert launches == ["_rotary_qk_kernel"] * 2
 
 
 @pytest.mark.cuda

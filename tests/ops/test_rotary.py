@@ -1,9 +1,13 @@
-"""flash.rotary: opcheck, gradcheck, numerics against the model code, varlen, bad inputs."""
+"""flash.rotary, flash.rotary_qk and their in-place forms: opcheck, gradcheck, numerics
+against the model code, varlen, one kernel launch, in place under autograd and torch.compile,
+bad inputs."""
+import os
+
 import pytest
 import torch
 
 import torch_flash  # noqa: F401  (registers the ops)
-from torch_flash.ops.rotary import rotary, rotary_cos_sin
+from torch_flash.ops.rotary import rotary, rotary_cos_sin, rotary_qk
 from _utils import TOL, assert_rel_close, rel_err
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -79,7 +83,46 @@ def _samples_rotary_bwd():
     yield (_x((1, 2, 3, 8), rg=True), c, s), {}
 
 
-OPCHECK_SAMPLES = {"rotary": _samples_rotary, "rotary_backward": _samples_rotary_bwd}
+def _qk(B, Hq, Hk, S, D, dtype=torch.float32, rg=False, flash_layout=False):
+    """q (B, Hq, S, D) and k (B, Hk, S, D); rg makes them non-leaf (in-place ops may write them)."""
+    q, k = (_x((B, h, S, D), dtype, flash_layout=flash_layout) for h in (Hq, Hk))
+    if rg:
+        q, k = (t.requires_grad_() * 1 for t in (q, k))  # mul keeps the (B, S, H, D) strides
+    return q, k
+
+
+def _samples_qk():
+    """Shared by rotary_qk and rotary_qk_ (inputs that require grad are non-leaf, writable)."""
+    c, s = _tables(12, 8)
+    for dtype, rg, interleaved in ((torch.float32, True, False), (torch.bfloat16, False, True)):
+        yield ((*_qk(2, 4, 2, 5, 12, dtype, rg, flash_layout=True), c, s),
+               {"interleaved": interleaved, "seqlen_offset": 2})
+    yield (*_qk(2, 2, 1, 4, 8, rg=True), c, s, torch.tensor([0, 7])), {}
+    (q, cu), (k, _) = _packed([3, 0, 5], 4, 8), _packed([3, 0, 5], 1, 8)
+    yield (q, k, c, s, torch.tensor([1, 2, 4], dtype=torch.int32), cu), {"interleaved": True}
+    pos = torch.randint(0, 12, (2, 4))
+    yield (*_qk(2, 3, 1, 4, 8), c[pos], s[pos]), {"conjugate": True}
+
+
+def _samples_qk_bwd():
+    c, s = _tables(10, 8)
+    yield (*_qk(2, 4, 2, 4, 12, torch.bfloat16, flash_layout=True), c, s), {"seqlen_offset": 1}
+    (q, cu), (k, _) = _packed([2, 4], 2, 8), _packed([2, 4], 1, 8)
+    yield (q, k, c, s, torch.tensor([3, 0]), cu), {"interleaved": True, "conjugate": True}
+    yield (*_qk(1, 2, 2, 3, 8, rg=True), c, s), {}
+
+
+def _samples_rotary_inplace():
+    c, s = _tables(12, 8)
+    yield (_x((2, 3, 5, 12), torch.bfloat16, flash_layout=True), c, s), {"interleaved": True, "seqlen_offset": 3}
+    yield (_x((2, 2, 4, 8), rg=True) * 1, c, s, torch.tensor([0, 7])), {"conjugate": True}
+    x, cu = _packed([3, 0, 5], 2, 8)
+    yield (x, c, s, None, cu), {"seqlen_offset": 2}
+
+
+OPCHECK_SAMPLES = {"rotary": _samples_rotary, "rotary_backward": _samples_rotary_bwd,
+                   "rotary_qk": _samples_qk, "rotary_qk_backward": _samples_qk_bwd,
+                   "rotary_": _samples_rotary_inplace, "rotary_qk_": _samples_qk}
 
 
 
@@ -195,11 +238,54 @@ def _bad_cases():
     ]
 
 
-@pytest.mark.parametrize("case", range(len(_bad_cases())))
+def _bad_qk_cases():
+    c, s = _tables(8, 8)
+    q, k = _qk(2, 4, 2, 4, 8)
+    qp, cu = _packed([3, 2], 2, 8)
+    return [
+        (lambda: rotary_qk(q, k[:, :, :3], c, s),
+         "k shape \\(2, 2, 3, 8\\) must equal q shape \\(2, 4, 4, 8\\) but for the heads"),
+        (lambda: rotary_qk(q, torch.randn(2, 2, 4, 12), c, s), "k shape .* must equal q shape .* but for the heads"),
+        (lambda: rotary_qk(q, k[:1], c, s), "k shape .* must equal q shape"),
+        (lambda: rotary_qk(qp, torch.randn(4, 1, 8), c, s, cu_seqlens=cu),
+         "k shape \\(4, 1, 8\\) must equal q shape \\(5, 2, 8\\)"),
+        (lambda: rotary_qk(q, k.double(), c, s), "k dtype torch.float64 differs from q dtype torch.float32"),
+        (lambda: rotary_qk(q, k[0], c, s), "k must have 4 dimensions"),
+        (lambda: rotary_qk(q, torch.randn(2, 2, 4, 16)[..., ::2], c, s), "k must have a contiguous last dimension"),
+        (lambda: rotary_qk(q[..., :6], k[..., :6], c, s), "rotary_dim 8 .* exceeds the head dim 6"),
+        (lambda: rotary_qk(q, k, c, s, seqlen_offsets=torch.tensor([0, 5])), "a token sits at position 8"),
+        (lambda: rotary(torch.randn(2, 1, 4, 8).expand(2, 3, 4, 8), c, s, inplace=True),
+         "x has elements that share memory"),
+        (lambda: rotary_qk(q, q, c, s, inplace=True), "q and k are the same memory"),
+        (lambda: rotary(torch.randn(2, 2, 4, 8, requires_grad=True), c, s, inplace=True),
+         "x is a leaf tensor \\(or a view of one\\) that requires grad"),
+        (lambda: rotary_qk(q * 1, torch.randn(2, 4, 2, 8, requires_grad=True).transpose(1, 2), c, s,
+                           inplace=True), "k is a leaf tensor"),
+        (lambda: torch.ops.flash.rotary_qk_backward(q, k.half(), c, s), "grad_k dtype torch.float16 differs"),
+        # in place under autograd: refused under the in-place op's name
+        (lambda: rotary_qk(q.requires_grad_() * 1, k[:, :, :3], c, s, inplace=True),
+         "^flash.rotary_qk_: k shape .* must equal q shape"),
+        (lambda: rotary(q.requires_grad_() * 1, c, s, seqlen_offsets=torch.tensor([0, 5]), inplace=True),
+         "^flash.rotary_: .*a token sits at position 8"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_cases()) + len(_bad_qk_cases())))
 def test_bad_inputs(case):
-    bad, match = _bad_cases()[case]
-    with pytest.raises(ValueError, match=f"flash.rotary(_cos_sin)?: .*{match}"):
+    bad, match = (_bad_cases() + _bad_qk_cases())[case]
+    with pytest.raises(ValueError, match=match if match[0] == "^" else f"flash.rotary\\w*: .*{match}"):
         bad()
+
+
+def test_bad_inplace_writes_nothing():
+    """A refused in-place call leaves both tensors as they were."""
+    c, s = _tables(8, 8)
+    q, k = _qk(2, 4, 2, 4, 8)
+    k.requires_grad_()
+    q_before = q.clone()
+    with pytest.raises(ValueError, match="flash.rotary_qk_: k is a leaf"):
+        rotary_qk(q, k, c, s, inplace=True)
+    assert torch.equal(q, q_before)
 
 
 def test_empty_batch():
@@ -209,12 +295,244 @@ def test_empty_batch():
     assert y.shape == x.shape
     y.sum().backward()
     assert x.grad.shape == x.shape
+    q, k = (torch.randn(0, h, 4, 8, requires_grad=True) for h in (2, 1))
+    qr, kr = rotary_qk(q, k, c, s)
+    assert qr.shape == q.shape and kr.shape == k.shape
+    (qr.sum() + kr.sum()).backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape
+    rotary_qk(q.detach(), k.detach(), c, s, inplace=True)
 
 
 def test_inputs_untouched():
     c, s = _tables(10, 8)
     x, offsets = torch.randn(2, 2, 4, 8), torch.tensor([1, 2])
-    copies = [t.clone() for t in (x, c, s, offsets)]
+    k = torch.randn(2, 1, 4, 8)
+    copies = [t.clone() for t in (x, k, c, s, offsets)]
     rotary(x, c, s, seqlen_offsets=offsets)
-    for a, b in zip((x, c, s, offsets), copies):
+    rotary_qk(x, k, c, s, seqlen_offsets=offsets)
+    torch.ops.flash.rotary_qk_backward(x, k, c, s, offsets)
+    for a, b in zip((x, k, c, s, offsets), copies):
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- q and k in one launch, in place
+
+@pytest.fixture(params=["reference", "triton"])
+def backend(request, monkeypatch):
+    """Both paths of the ops: the reference, and the Triton kernel (interpreted on CPU, tiny
+    shapes); yields the device to put tensors on."""
+    monkeypatch.setenv("TORCH_FLASH_BACKEND", request.param)
+    return "cuda" if request.param == "triton" and torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Names the Triton rotary kernels launched, one entry a launch."""
+    from torch_flash.kernels.triton import rotary as K
+    calls = []
+    for name in ("_rotary_kernel", "_rotary_qk_kernel"):
+        kernel = getattr(K, name)
+
+        def run(*args, run=kernel.run, name=name, **kwargs):
+            calls.append(name)
+            return run(*args, **kwargs)
+        monkeypatch.setattr(kernel, "run", run)
+    return calls
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_qk_gradcheck(interleaved):
+    c, s = _tables(9, 4, torch.float64)
+    q, k = (torch.randn(2, h, 3, 8, dtype=torch.float64, requires_grad=True) for h in (2, 1))
+    offsets = torch.tensor([2, 5])
+
+    def qk(a, b):
+        return rotary_qk(a, b, c, s, interleaved=interleaved, seqlen_offsets=offsets)
+
+    def qk_inplace(a, b):  # writes copies; the gradient flows through what was written
+        return rotary_qk(a * 1, b * 1, c, s, interleaved=interleaved, seqlen_offsets=1, inplace=True)
+
+    for fn in (qk, qk_inplace):
+        assert torch.autograd.gradcheck(fn, (q, k))
+        assert torch.autograd.gradgradcheck(fn, (q, k))
+    assert torch.autograd.gradcheck(lambda a: rotary(a * 1, c, s, interleaved=interleaved, inplace=True), (q,))
+    qp, kp = (torch.randn(6, h, 8, dtype=torch.float64, requires_grad=True) for h in (2, 1))
+    cu = torch.tensor([0, 4, 6], dtype=torch.int32)
+    assert torch.autograd.gradcheck(lambda a, b: rotary_qk(a, b, c, s, interleaved=interleaved, cu_seqlens=cu),
+                                   (qp, kp))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_qk_matches_model_code(backend, dtype, interleaved, inplace):
+    """GQA q and k in the (B, S, H, D) layout, partial rotary: fp64 model code (and no worse
+    than that code in dtype), layouts kept, pass-through dims exact, in place the very
+    tensors returned."""
+    B, Hq, Hk, S, D, rd, off = 2, 4, 2, 9, 24, 16, 3
+    q, k = (t.to(backend) for t in _qk(B, Hq, Hk, S, D, dtype, flash_layout=True))
+    c, s = (t.to(backend) for t in _tables(S + off, rd))
+    qi, ki = (q.clone(), k.clone()) if inplace else (q, k)
+    outs = rotary_qk(qi, ki, c, s, interleaved=interleaved, seqlen_offsets=off, inplace=inplace)
+    pos = torch.arange(S, device=backend) + off
+    for out, x in zip(outs, (q, k)):
+        exact = rope_model(x.double(), c.double(), s.double(), pos, interleaved)
+        err = assert_rel_close(out, exact, TOL[dtype])
+        if not (backend == "cpu" and os.environ["TORCH_FLASH_BACKEND"] == "triton"):
+            # the Triton interpreter truncates fp32 to bf16 where a GPU rounds to nearest
+            assert err <= rel_err(rope_model(x, c.to(dtype), s.to(dtype), pos, interleaved), exact) + 1e-6
+        assert out.dtype == dtype and out.stride() == x.stride()
+        assert torch.equal(out[..., rd:], x[..., rd:])
+    if inplace:
+        assert outs[0] is qi and outs[1] is ki
+    else:
+        assert torch.equal(qi, q) and torch.equal(ki, k)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_qk_agrees_with_rotary(backend, interleaved):
+    """rotary_qk and rotary_, in every layout rotary takes, give rotary's results exactly."""
+    c, s = (t.to(backend) for t in _tables(20, 8))
+    offsets = torch.tensor([0, 4, 11], device=backend)
+    q, k = (t.to(backend) for t in _qk(3, 3, 1, 5, 12, flash_layout=True))
+    (qp, cu), (kp, _) = _packed([5, 0, 3], 2, 8), _packed([5, 0, 3], 1, 8)
+    pos = torch.randint(0, 20, (3, 5), device=backend)
+    cases = [((q, k, c, s), {"seqlen_offsets": 2}),
+             ((q, k, c, s), {"seqlen_offsets": offsets}),
+             ((q, k, c[pos], s[pos]), {}),
+             ((qp.to(backend), kp.to(backend), c, s), {"seqlen_offsets": offsets, "cu_seqlens": cu.to(backend)})]
+    for (a, b, cos, sin), kw in cases:
+        want = [rotary(t, cos, sin, interleaved=interleaved, **kw) for t in (a, b)]
+        for got in (rotary_qk(a, b, cos, sin, interleaved=interleaved, **kw),
+                    rotary_qk(a.clone(), b.clone(), cos, sin, interleaved=interleaved, inplace=True, **kw),
+                    [rotary(t.clone(), cos, sin, interleaved=interleaved, inplace=True, **kw) for t in (a, b)]):
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_one_launch(launches, monkeypatch):
+    """rotary_qk: one kernel launch forward and one backward, whatever the head counts; the
+    in-place ops one launch too, and one each way under autograd."""
+    monkeypatch.setenv("TORCH_FLASH_BACKEND", "triton")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    qk = "_rotary_qk_kernel"
+    c, s = (t.to(dev) for t in _tables(8, 8))
+    q, k = (t.to(dev).requires_grad_() for t in _qk(2, 4, 1, 5, 12, flash_layout=True))
+    qr, kr = rotary_qk(q, k, c, s, seqlen_offsets=1)
+    assert launches == [qk]
+    gq, gk = torch.randn_like(qr), torch.randn_like(kr)
+    torch.autograd.backward((qr, kr), (gq, gk))
+    assert launches == [qk, qk]
+    want = [torch.ops.flash.rotary_backward(g, c, s, seqlen_offset=1) for g in (gq, gk)]
+    torch.testing.assert_close((q.grad, k.grad), tuple(want))
+    del launches[:]
+    with torch.no_grad():
+        rotary_qk(q, k, c, s, inplace=True)
+        rotary(q, c, s, inplace=True)
+    assert launches == [qk, "_rotary_kernel"]
+    q2, k2 = (t.detach().requires_grad_() * 1 for t in (q, k))  # non-leaf: writable under autograd
+    rotary_qk(q2, k2, c, s, inplace=True)
+    (q2.sum() + k2.sum()).backward()
+    assert launches == [qk, "_rotary_kernel", qk, qk]
+
+
+def test_inplace_rewrites_storage(backend):
+    """q and k as views of one fused qkv projection (B, S, (Hq + 2 Hkv) D) are rotated in that
+    buffer; v and the pass-through dims keep their values, and autograd sees the write."""
+    B, S, Hq, Hk, D, rd = 2, 5, 4, 2, 12, 8
+    qkv = torch.randn(B, S, (Hq + 2 * Hk) * D, device=backend)
+    before = qkv.clone()
+
+    def views(buf):
+        q, k, v = (buf[..., a:b].unflatten(-1, (-1, D)).transpose(1, 2)
+                   for a, b in ((0, Hq * D), (Hq * D, (Hq + Hk) * D), ((Hq + Hk) * D, None)))
+        return q, k, v
+
+    c, s = (t.to(backend) for t in _tables(S, rd))
+    q, k, v = views(qkv)
+    version, ptrs = q._version, (q.data_ptr(), k.data_ptr())
+    want = rotary_qk(*views(before)[:2], c, s)
+    out = rotary_qk(q, k, c, s, inplace=True)
+    assert out[0] is q and out[1] is k and (q.data_ptr(), k.data_ptr()) == ptrs
+    assert q._version > version
+    for got, w in zip(views(qkv), (*want, views(before)[2])):
+        torch.testing.assert_close(got, w, rtol=0, atol=0)
+    for got, b in zip(views(qkv)[:2], views(before)[:2]):
+        assert torch.equal(got[..., rd:], b[..., rd:])
+
+
+def _attention_block(w, c, s, inplace):
+    """A fused qkv projection rotated in its buffer, or the same written by torch's copy_."""
+    qkv = w * 2
+    q, k, v = (qkv[..., a:a + 16].unflatten(-1, (-1, 8)).transpose(1, 2) for a in (0, 16, 32))
+    if inplace:
+        rotary_qk(q, k, c, s, inplace=True)
+        rotary(v, c, s, seqlen_offsets=1, inplace=True)
+    else:
+        for t, r in zip((q, k), rotary_qk(q, k, c, s)):
+            t.copy_(r)
+        v.copy_(rotary(v, c, s, seqlen_offsets=1))
+    return (q * k).sum() + (q * v).sum() + qkv.square().sum()
+
+
+def test_inplace_autograd(backend):
+    """Gradients through in-place rotations of views equal those of the copy_ spelling."""
+    c, s = (t.to(backend) for t in _tables(8, 4))
+    w = torch.randn(2, 5, 48, device=backend, requires_grad=True)
+    want, = torch.autograd.grad(_attention_block(w, c, s, inplace=False), w)
+    got, = torch.autograd.grad(_attention_block(w, c, s, inplace=True), w)
+    torch.testing.assert_close(got, want)
+    x = torch.randn(1, 2, 5, 8, device=backend, requires_grad=True)
+    with torch.no_grad():  # a leaf may be written without autograd, as with any in-place op
+        rotary(x, c, s, inplace=True)
+    assert x.grad_fn is None
+
+
+def test_inplace_compiles():
+    """Under torch.compile (functionalization, then Inductor) the inputs are written as
+    eagerly, and a training graph gives eager's gradients. The reference path: under
+    TRITON_INTERPRET=1 compile cannot trace into the Triton kernel."""
+    c, s = _tables(8, 4)
+
+    def infer(q, k, offsets):
+        rotary_qk(q, k, c, s, seqlen_offsets=offsets, inplace=True)
+        return rotary(q, c, s, inplace=True)
+
+    q, k = _qk(2, 4, 2, 5, 8, flash_layout=True)
+    offsets = torch.tensor([1, 3])
+    qe, ke = q.clone(), k.clone()
+    infer(qe, ke, offsets)
+    out = torch.compile(infer, fullgraph=True)(q, k, offsets)
+    torch.testing.assert_close((q, k), (qe, ke), rtol=0, atol=0)
+    assert out.data_ptr() == q.data_ptr()
+    w = torch.randn(2, 5, 48, requires_grad=True)
+    want, = torch.autograd.grad(_attention_block(w, c, s, inplace=False), w)
+    compiled = torch.compile(_attention_block, backend="aot_eager", fullgraph=True)
+    got, = torch.autograd.grad(compiled(w, c, s, inplace=True), w)
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.cuda
+def test_cuda_compiled_triton_path():
+    """torch.compile traces into the Triton kernel (functionalization copies back each argument
+    it writes): eager's results for rotary, rotary_qk and their in-place forms on views of one
+    qkv buffer, and eager's gradients."""
+    c, s = (t.cuda() for t in _tables(64, 32))
+
+    def infer(qkv, offsets):
+        q, k, v = (qkv[..., a:a + 128].unflatten(-1, (-1, 64)).transpose(1, 2) for a in (0, 128, 256))
+        rotary_qk(q, k, c, s, seqlen_offsets=offsets, inplace=True)
+        return rotary(v, c, s), rotary_qk(v, k, c, s)
+
+    qkv = torch.randn(2, 16, 384, device="cuda", dtype=torch.bfloat16)
+    offsets = torch.tensor([0, 9], device="cuda")
+    eager_qkv = qkv.clone()
+    want = infer(eager_qkv, offsets)
+    got = torch.compile(infer, fullgraph=True)(qkv, offsets)
+    torch.testing.assert_close(qkv, eager_qkv, rtol=0, atol=0)
+    torch.testing.assert_close(got, want)
+    w = torch.randn(2, 5, 48, device="cuda", requires_grad=True)
+    c8, s8 = (t[:, :2] for t in (c, s))
+    want, = torch.autograd.grad(_attention_block(w, c8, s8, inplace=False), w)
+    got, = torch.autograd.grad(torch.compile(_attention_block, fullgraph=True)(w, c8, s8, inplace=True), w)
+    torch.testing.assert_close(got, want)

@@ -1,10 +1,13 @@
 """Rotary embedding of q and k, forward and backward, bf16: `python -m torch_flash.bench rotary`.
 
 LLaMA-7B-like heads (32 q and 32 k heads of 128), q and k as the (B, H, S, D) views of
-(B, S, H, D) projections that HF models make. Implementations: ours (the Triton launcher of
-torch_flash/kernels/triton/rotary.py, once per tensor, out of place and in place), eager
-HF `q * cos + rotate_half(q) * sin`, torch.compile of it, Liger-Kernel's rope where installed.
-Bytes moved = q and k read and written once, plus the (S, rd/2) fp32 cos/sin tables.
+(B, S, H, D) projections that HF models make. Implementations: ours, the Triton launchers of
+torch_flash/kernels/triton/rotary.py, once per tensor ("ours", as flash.rotary twice) or q and
+k in one launch ("ours_qk", as flash.rotary_qk), each out of place and in place ("_inplace",
+as flash.rotary_ / flash.rotary_qk_); eager HF `q * cos + rotate_half(q) * sin`,
+torch.compile of it, Liger-Kernel's liger_rotary_pos_emb where installed. The backward of
+ours is the conjugate rotation of the gradients. Bytes moved = q and k read and written once,
+plus the (S, rd/2) fp32 cos/sin tables.
 """
 from __future__ import annotations
 
@@ -30,14 +33,14 @@ def _hf_rope(q, k, cos, sin):  # cos/sin (S, D), halves duplicated, in q's dtype
 
 def _liger():
     try:
-        from liger_kernel.ops.rope import LigerRopeFunction
+        from liger_kernel.transformers.rope import liger_rotary_pos_emb
     except ImportError:
         return None
-    return lambda q, k, cos, sin: LigerRopeFunction.apply(q, k, cos[None], sin[None])
+    return lambda q, k, cos, sin: liger_rotary_pos_emb(q, k, cos[None], sin[None])
 
 
 def run(args) -> list[dict]:
-    from ..kernels.triton.rotary import rotary_apply
+    from ..kernels.triton.rotary import rotary_apply, rotary_apply_qk
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = CPU_SHAPES if device == "cpu" else (QUICK if args.quick else SHAPES)
@@ -52,25 +55,29 @@ def run(args) -> list[dict]:
         angles = torch.arange(seqlen, device=device)[:, None] * inv_freq
         cos, sin = angles.cos(), angles.sin()  # (S, D/2): our tables
         cos_full, sin_full = (torch.cat((t, t), -1).to(q.dtype) for t in (cos, sin))  # HF's
+        kw = dict(interleaved=False, seqlen_offset=0, seqlen_offsets=None, cu_seqlens=None)
 
         def ours(a, b, conjugate=False, in_place=False):
-            kw = dict(interleaved=False, seqlen_offset=0, seqlen_offsets=None, cu_seqlens=None,
-                      conjugate=conjugate)
-            return (rotary_apply(a, cos, sin, out=a if in_place else None, **kw),
-                    rotary_apply(b, cos, sin, out=b if in_place else None, **kw))
+            return (rotary_apply(a, cos, sin, out=a if in_place else None, conjugate=conjugate, **kw),
+                    rotary_apply(b, cos, sin, out=b if in_place else None, conjugate=conjugate, **kw))
 
-        inputs = [q, k, cos_full, sin_full]
-        pairs = {"eager": autograd_pair(_hf_rope, inputs, (gq, gk)),
-                 "compile": autograd_pair(compiled, inputs, (gq, gk)),
-                 "liger": None if liger is None else autograd_pair(liger, inputs, (gq, gk))}
+        def ours_qk(a, b, conjugate=False, in_place=False):
+            return rotary_apply_qk(a, b, cos, sin, q_out=a if in_place else None, k_out=b if in_place else None,
+                                   conjugate=conjugate, **kw)
+
+        # the tables are constants: no gradient (Liger gives none)
+        pairs = {name: None if f is None else autograd_pair(
+                     lambda a, b, f=f: f(a, b, cos_full, sin_full), [q, k], (gq, gk))
+                 for name, f in (("eager", _hf_rope), ("compile", compiled), ("liger", liger))}
         # in place rotates the same buffers again on every call: fine for timing
         qi, ki, gqi, gki = (t.clone() for t in (q, k, gq, gk))
-        impls = {
-            "forward": {"ours": lambda: ours(q, k), "ours_inplace": lambda: ours(qi, ki, in_place=True)},
-            "backward": {"ours": lambda: ours(gq, gk, conjugate=True),
-                         "ours_inplace": lambda: ours(gqi, gki, conjugate=True, in_place=True)},
-        }
-        nbytes = 4 * q.numel() * q.element_size() + 2 * cos.numel() * cos.element_size()
+        impls: dict[str, dict] = {"forward": {}, "backward": {}}
+        for name, fn in (("ours", ours), ("ours_qk", ours_qk)):
+            impls["forward"].update({name: lambda fn=fn: fn(q, k),
+                                     f"{name}_inplace": lambda fn=fn: fn(qi, ki, in_place=True)})
+            impls["backward"].update({name: lambda fn=fn: fn(gq, gk, conjugate=True),
+                                      f"{name}_inplace": lambda fn=fn: fn(gqi, gki, conjugate=True, in_place=True)})
+        nbytes = 2 * (q.numel() + k.numel()) * q.element_size() + 2 * cos.numel() * cos.element_size()
         for pass_, i in (("forward", 0), ("backward", 1)):
             timed = {**impls[pass_], **{name: None if p is None else p[i] for name, p in pairs.items()}}
             time_impls(rows, timed, nbytes, device, op="rotary", shape=[batch, heads, seqlen, HEAD_DIM],

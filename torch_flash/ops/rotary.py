@@ -1,14 +1,21 @@
-"""flash.rotary: rotary position embedding (RoPE), schema, dispatch, autograd, public functions.
+"""flash.rotary and friends: rotary position embedding (RoPE), schemas, dispatch, autograd,
+public functions.
 
 x (B, H, S, D) with any strides and a contiguous last dim (FlashAttention's (B, S, H, D) is
 its .transpose(1, 2) view), or (total, H, D) packed with cu_seqlens (B + 1,). cos/sin are
 (S_ro, rd / 2) tables indexed by position, or (B or 1, S, rd / 2) already gathered per
 token; rd = 2 * cos.shape[-1] <= D and dims past rd pass through (partial rotary). See
-torch_flash/reference/rotary.py for the formula. The rotation is orthogonal, so the
-backward is the same op rotating the other way (flash.rotary_backward = conjugate flipped).
+torch_flash/reference/rotary.py for the formula.
+
+Ops: flash.rotary (x) and flash.rotary_qk (q and k of their own head counts, one kernel
+launch), and their in-place forms flash.rotary_ / flash.rotary_qk_ (declared mutations,
+no outputs). The rotation is orthogonal, so each backward is the same rotation by the
+opposite angle (flash.rotary_backward, flash.rotary_qk_backward: conjugate flipped). The
+in-place ops are differentiable too (see _register_inplace_autograd).
 """
 from __future__ import annotations
 
+import warnings
 from typing import Optional, Union
 
 import torch
@@ -18,6 +25,7 @@ from torch.library import triton_op
 
 from .. import _dispatch
 from ..reference import rotary as ref
+from ._autograd import REGISTERED
 from ._checks import (INDEX_DTYPES, check, check_last_dim_contiguous, check_positive_float,
                       check_same_device, check_tensor)
 
@@ -34,12 +42,11 @@ def check_table(op: str, cos, sin, head_dim, names=("cos", "sin")) -> None:
           f"rotary_dim {2 * cos.shape[-1]} (2 * {names[0]}.shape[-1]) exceeds the head dim {head_dim}")
 
 
-def check_args(op: str, x, cos, sin, seqlen_offset, seqlen_offsets, cu_seqlens) -> None:
-    """x is the input (named grad in rotary_backward)."""
-    x_name = "grad" if op == "rotary_backward" else "x"
+def check_args(op: str, x, cos, sin, seqlen_offset, seqlen_offsets, cu_seqlens, name: str = "x") -> None:
+    """x (named `name` in the messages) is the input, or the gradient of a backward op."""
     packed = cu_seqlens is not None
-    check_tensor(op, x_name, x, ndim=3 if packed else 4)
-    check_last_dim_contiguous(op, **{x_name: x})
+    check_tensor(op, name, x, ndim=3 if packed else 4)
+    check_last_dim_contiguous(op, **{name: x})
     check_table(op, cos, sin, x.shape[-1])
     check(seqlen_offset >= 0, op, f"seqlen_offset must be >= 0, got {seqlen_offset}")
     if packed:
@@ -58,12 +65,25 @@ def check_args(op: str, x, cos, sin, seqlen_offset, seqlen_offsets, cu_seqlens) 
               "cos/sin gathered per token (3-D) take no seqlen_offset/seqlen_offsets")
         check(cos.shape[0] in (1, batch) and cos.shape[1] == x.shape[2], op,
               f"cos/sin of shape {tuple(cos.shape)} must be (B or 1, S, rotary_dim // 2) "
-              f"for x of shape {tuple(x.shape)}")
+              f"for {name} of shape {tuple(x.shape)}")
     elif not packed:
         check(x.shape[2] + seqlen_offset <= cos.shape[0], op,
               f"cos/sin have {cos.shape[0]} positions, fewer than seqlen {x.shape[2]} + "
               f"seqlen_offset {seqlen_offset}")
-    check_same_device(op, x=x, cos=cos, sin=sin, seqlen_offsets=seqlen_offsets, cu_seqlens=cu_seqlens)
+    check_same_device(op, **{name: x}, cos=cos, sin=sin, seqlen_offsets=seqlen_offsets, cu_seqlens=cu_seqlens)
+
+
+def check_qk_args(op: str, q, k, cos, sin, seqlen_offset, seqlen_offsets, cu_seqlens,
+                  names: tuple[str, str] = ("q", "k")) -> None:
+    """check_args for q, and k of q's shape but for the head count (dim 1), dtype and device."""
+    qn, kn = names
+    check_args(op, q, cos, sin, seqlen_offset, seqlen_offsets, cu_seqlens, qn)
+    check_tensor(op, kn, k, ndim=q.dim())
+    check_last_dim_contiguous(op, **{kn: k})
+    check(k.shape[:1] + k.shape[2:] == q.shape[:1] + q.shape[2:], op,
+          f"{kn} shape {tuple(k.shape)} must equal {qn} shape {tuple(q.shape)} but for the heads (dim 1)")
+    check(k.dtype == q.dtype, op, f"{kn} dtype {k.dtype} differs from {qn} dtype {q.dtype}")
+    check_same_device(op, **{qn: q, kn: k})
 
 
 def values_known(t) -> bool:
@@ -91,65 +111,200 @@ def check_data(op: str, x, cos, seqlen_offset, seqlen_offsets, cu_seqlens) -> No
               f"cos/sin have {cos.shape[0]} positions, but a token sits at position {last}")
 
 
-def _rotary_impl(op: str, x, cos, sin, interleaved, seqlen_offset, seqlen_offsets, cu_seqlens,
-                 conjugate) -> Tensor:
-    check_args(op, x, cos, sin, seqlen_offset, seqlen_offsets, cu_seqlens)
-    check_data(op, x, cos, seqlen_offset, seqlen_offsets, cu_seqlens)
-    triton = _dispatch.triton_can_run(x.device)
+def check_inplace_args(op: str, tensors: dict, cos, sin, seqlen_offset, seqlen_offsets, cu_seqlens) -> None:
+    """The tensors an in-place op writes, {"x": x} or {"q": q, "k": k}: check_args or
+    check_qk_args; and in eager calls (as check_data) no element shared within one (an
+    expanded view) or between two (q is k)."""
+    xs = list(tensors.values())
+    if len(xs) == 1:
+        check_args(op, xs[0], cos, sin, seqlen_offset, seqlen_offsets, cu_seqlens, *tensors)
+    else:
+        check_qk_args(op, *xs, cos, sin, seqlen_offset, seqlen_offsets, cu_seqlens, tuple(tensors))
+    if not values_known(xs[0]):
+        return
+    for name, t in tensors.items():
+        check(torch._debug_has_internal_overlap(t) != 1, op,
+              f"{name} has elements that share memory (strides {t.stride()}); in place needs distinct ones")
+    if len(xs) == 2:
+        check(xs[0].numel() == 0 or xs[0].data_ptr() != xs[1].data_ptr(), op,
+              "{} and {} are the same memory".format(*tensors))
+
+
+def _rotate(op: str, xs: tuple[Tensor, ...], inplace: bool, cos, sin, seqlen_offsets, cu_seqlens, interleaved,
+            seqlen_offset, conjugate) -> tuple[Tensor, ...]:
+    """Rotate x, or q and k, into new tensors of their layouts, or in place; the Triton kernel
+    takes all of them in one launch. Arguments checked by the caller."""
+    check_data(op, xs[0], cos, seqlen_offset, seqlen_offsets, cu_seqlens)
+    flags = dict(interleaved=interleaved, seqlen_offset=seqlen_offset, seqlen_offsets=seqlen_offsets,
+                 cu_seqlens=cu_seqlens, conjugate=conjugate)
+    # new tensors in x's own layout (as empty_like), so the fake can promise it
+    outs = xs if inplace else tuple(torch.empty_like(x) for x in xs)
+    triton = _dispatch.triton_can_run(xs[0].device)
     if triton:
         from ..kernels.triton.rotary import rotary_supports
-        triton = rotary_supports(x, cos, sin)
-    if _dispatch.select(op, x.device, triton=triton) == "triton":
-        from ..kernels.triton.rotary import rotary_apply
-        return rotary_apply(x, cos, sin, interleaved=interleaved, seqlen_offset=seqlen_offset,
-                            seqlen_offsets=seqlen_offsets, cu_seqlens=cu_seqlens, conjugate=conjugate,
-                            out=torch.empty_like(x))
-    out = ref.rotary(x, cos, sin, interleaved, seqlen_offset, seqlen_offsets, cu_seqlens, conjugate)
-    # x's own layout (a kernel writes into empty_like(x)), so the fake can promise it
-    return torch.empty_like(x).copy_(out)
+        triton = all(rotary_supports(x, cos, sin) for x in xs)
+    if _dispatch.select(op, xs[0].device, triton=triton) == "triton":
+        from ..kernels.triton.rotary import rotary_apply, rotary_apply_qk
+        if len(xs) == 1:
+            return (rotary_apply(xs[0], cos, sin, out=outs[0], **flags),)
+        return rotary_apply_qk(*xs, cos, sin, q_out=outs[0], k_out=outs[1], **flags)
+    for x, out in zip(xs, outs):
+        if inplace:
+            ref.rotary_(x, cos, sin, **flags)
+        else:
+            out.copy_(ref.rotary(x, cos, sin, **flags))
+    return outs
 
 
 @triton_op("flash::rotary", mutates_args=())
 def _rotary(x: Tensor, cos: Tensor, sin: Tensor, seqlen_offsets: Optional[Tensor] = None,
             cu_seqlens: Optional[Tensor] = None, *, interleaved: bool = False, seqlen_offset: int = 0,
             conjugate: bool = False) -> Tensor:
-    return _rotary_impl("rotary", x, cos, sin, interleaved, seqlen_offset, seqlen_offsets, cu_seqlens,
-                        conjugate)
+    check_args("rotary", x, cos, sin, seqlen_offset, seqlen_offsets, cu_seqlens)
+    return _rotate("rotary", (x,), False, cos, sin, seqlen_offsets, cu_seqlens, interleaved, seqlen_offset,
+                   conjugate)[0]
 
 
 @triton_op("flash::rotary_backward", mutates_args=())
 def _rotary_backward(grad: Tensor, cos: Tensor, sin: Tensor, seqlen_offsets: Optional[Tensor] = None,
                      cu_seqlens: Optional[Tensor] = None, *, interleaved: bool = False,
                      seqlen_offset: int = 0, conjugate: bool = False) -> Tensor:
-    """Gradient of flash.rotary with the same flags: the rotation by the opposite angle."""
-    return _rotary_impl("rotary_backward", grad, cos, sin, interleaved, seqlen_offset, seqlen_offsets,
-                        cu_seqlens, not conjugate)
+    """Gradient of flash.rotary (and flash.rotary_) with the same flags: the rotation by the
+    opposite angle."""
+    check_args("rotary_backward", grad, cos, sin, seqlen_offset, seqlen_offsets, cu_seqlens, "grad")
+    return _rotate("rotary_backward", (grad,), False, cos, sin, seqlen_offsets, cu_seqlens, interleaved,
+                   seqlen_offset, not conjugate)[0]
 
+
+@triton_op("flash::rotary_qk", mutates_args=())
+def _rotary_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, seqlen_offsets: Optional[Tensor] = None,
+               cu_seqlens: Optional[Tensor] = None, *, interleaved: bool = False, seqlen_offset: int = 0,
+               conjugate: bool = False) -> tuple[Tensor, Tensor]:
+    """flash.rotary of q and of k (its own head count), in one kernel launch."""
+    check_qk_args("rotary_qk", q, k, cos, sin, seqlen_offset, seqlen_offsets, cu_seqlens)
+    return _rotate("rotary_qk", (q, k), False, cos, sin, seqlen_offsets, cu_seqlens, interleaved,
+                   seqlen_offset, conjugate)
+
+
+@triton_op("flash::rotary_qk_backward", mutates_args=())
+def _rotary_qk_backward(grad_q: Tensor, grad_k: Tensor, cos: Tensor, sin: Tensor,
+                        seqlen_offsets: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None, *,
+                        interleaved: bool = False, seqlen_offset: int = 0,
+                        conjugate: bool = False) -> tuple[Tensor, Tensor]:
+    """Gradients of flash.rotary_qk (and flash.rotary_qk_) with the same flags, in one launch."""
+    check_qk_args("rotary_qk_backward", grad_q, grad_k, cos, sin, seqlen_offset, seqlen_offsets, cu_seqlens,
+                  ("grad_q", "grad_k"))
+    return _rotate("rotary_qk_backward", (grad_q, grad_k), False, cos, sin, seqlen_offsets, cu_seqlens,
+                   interleaved, seqlen_offset, not conjugate)
+
+
+@triton_op("flash::rotary_", mutates_args=("x",))
+def _rotary_inplace(x: Tensor, cos: Tensor, sin: Tensor, seqlen_offsets: Optional[Tensor] = None,
+                    cu_seqlens: Optional[Tensor] = None, *, interleaved: bool = False, seqlen_offset: int = 0,
+                    conjugate: bool = False) -> None:
+    """flash.rotary into x's own storage; dims past the rotary dim are not written."""
+    check_inplace_args("rotary_", {"x": x}, cos, sin, seqlen_offset, seqlen_offsets, cu_seqlens)
+    _rotate("rotary_", (x,), True, cos, sin, seqlen_offsets, cu_seqlens, interleaved, seqlen_offset, conjugate)
+
+
+@triton_op("flash::rotary_qk_", mutates_args=("q", "k"))
+def _rotary_qk_inplace(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, seqlen_offsets: Optional[Tensor] = None,
+                       cu_seqlens: Optional[Tensor] = None, *, interleaved: bool = False,
+                       seqlen_offset: int = 0, conjugate: bool = False) -> None:
+    """flash.rotary_qk into q's and k's own storage, in one launch."""
+    check_inplace_args("rotary_qk_", {"q": q, "k": k}, cos, sin, seqlen_offset, seqlen_offsets, cu_seqlens)
+    _rotate("rotary_qk_", (q, k), True, cos, sin, seqlen_offsets, cu_seqlens, interleaved, seqlen_offset,
+            conjugate)
+
+
+# ---- autograd. The rotation is orthogonal: each op's gradient is the rotation of the incoming
+# gradients by the opposite angle; only the tables are saved.
 
 def _setup(ctx, inputs, keyword_only_inputs, output):
-    _, cos, sin, seqlen_offsets, cu_seqlens = inputs
+    *_, cos, sin, seqlen_offsets, cu_seqlens = inputs
     ctx.save_for_backward(cos, sin, seqlen_offsets, cu_seqlens)
     ctx.flags = dict(keyword_only_inputs)
 
 
+def _rotate_grads(op_name: str, ctx, grads) -> tuple[Tensor, ...]:
+    """op_name with the forward's flags applied to the gradients of its outputs."""
+    cos, sin, seqlen_offsets, cu_seqlens = ctx.saved_tensors
+    # e.g. the expanded gradient of a sum()
+    grads = [g if g.stride(-1) == 1 else g.clone(memory_format=torch.contiguous_format) for g in grads]
+    dx = getattr(torch.ops.flash, op_name)(*grads, cos, sin, seqlen_offsets, cu_seqlens, **ctx.flags)
+    return dx if isinstance(dx, tuple) else (dx,)
+
+
 def _backward_via(op_name: str):
-    """rotary and rotary_backward with the same flags are each other's gradient (so the
-    backward is differentiable too). cos/sin are tables: no gradient."""
-    def backward(ctx, grad):
-        cos, sin, seqlen_offsets, cu_seqlens = ctx.saved_tensors
-        if grad.stride(-1) != 1:  # e.g. the expanded gradient of a sum()
-            grad = grad.clone(memory_format=torch.contiguous_format)
-        dx = getattr(torch.ops.flash, op_name)(grad, cos, sin, seqlen_offsets, cu_seqlens, **ctx.flags)
-        return dx, None, None, None, None
+    """Each forward op and its backward op with the same flags are each other's gradient (so
+    the backward is differentiable too). cos/sin are tables: no gradient."""
+    def backward(ctx, *grads):
+        return (*_rotate_grads(op_name, ctx, grads), None, None, None, None)
     return backward
 
 
-_rotary.register_autograd(_backward_via("rotary_backward"), setup_context=_setup)
-_rotary_backward.register_autograd(_backward_via("rotary"), setup_context=_setup)
+for _op, _grad_op in ((_rotary, "rotary_backward"), (_rotary_backward, "rotary"),
+                      (_rotary_qk, "rotary_qk_backward"), (_rotary_qk_backward, "rotary_qk")):
+    _op.register_autograd(_backward_via(_grad_op), setup_context=_setup)
+
+
+def _register_inplace_autograd(opdef, functional: str) -> None:
+    """The Autograd kernel of an in-place op (register_autograd takes functional ops only), by
+    the mechanism torch_flash.ops._autograd uses. Without a gradient to record it runs the op's
+    kernel. With one, it rotates by the functional op and copies the result into the rotary
+    dims: autograd records the copy on the tensors and on the views they may be (q and k of one
+    qkv projection, which a Function marking both dirty could not return), and the gradient is
+    the functional op's, the conjugate rotation of the incoming one."""
+    schema = opdef._opoverload._schema
+    names = [a.name for a in schema.arguments]
+    mutated = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    defaults = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+    op_name = opdef._qualname.split("::")[1]
+
+    def autograd_kernel(*args, **kwargs):
+        given = {**defaults, **dict(zip(names, args)), **kwargs}
+        tensors = {n: given.pop(n) for n in mutated}
+        xs = list(tensors.values())
+        if not (torch.is_grad_enabled() and any(x.requires_grad for x in xs)):
+            with torch._C._AutoDispatchBelowAutograd():
+                return opdef._opoverload(*args, **kwargs)
+        # everything the op itself would refuse, refused under this op's name before any write
+        check_inplace_args(op_name, tensors, given["cos"], given["sin"], given["seqlen_offset"],
+                           given["seqlen_offsets"], given["cu_seqlens"])
+        check_data(op_name, xs[0], given["cos"], given["seqlen_offset"], given["seqlen_offsets"],
+                   given["cu_seqlens"])
+        for name, x in tensors.items():
+            base = x._base if x._is_view() else x
+            check(not (base.is_leaf and base.requires_grad), op_name,
+                  f"{name} is a leaf tensor (or a view of one) that requires grad; rotate a copy, "
+                  f"or use inplace=False")
+        rd = 2 * given["cos"].shape[-1]
+        rotated = getattr(torch.ops.flash, functional)(*(x[..., :rd] for x in xs), **given)
+        for x, r in zip(xs, rotated if isinstance(rotated, tuple) else (rotated,)):
+            x[..., :rd].copy_(r)
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"(?s).*Overriding a previously registered kernel")
+        opdef._lib.impl(opdef._name, autograd_kernel, "Autograd", allow_override=True)
+    REGISTERED[op_name] = autograd_kernel
+
+
+_register_inplace_autograd(_rotary_inplace, "rotary")
+_register_inplace_autograd(_rotary_qk_inplace, "rotary_qk")
+
+
+# ---- public functions
+
+def _offset_kwargs(seqlen_offsets: Union[int, Tensor]) -> dict:
+    """The op's spelling of seqlen_offsets: an int, or a (B,) tensor."""
+    if isinstance(seqlen_offsets, Tensor):
+        return {"seqlen_offsets": seqlen_offsets}
+    return {"seqlen_offset": seqlen_offsets}
 
 
 def rotary(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = False,
-           seqlen_offsets: Union[int, Tensor] = 0, cu_seqlens: Optional[Tensor] = None) -> Tensor:
+           seqlen_offsets: Union[int, Tensor] = 0, cu_seqlens: Optional[Tensor] = None,
+           inplace: bool = False) -> Tensor:
     """Rotary position embedding of x, returned in x's dtype and layout.
 
     x: (B, H, S, D) (any strides, contiguous last dim), or (total, H, D) packed with
@@ -158,13 +313,31 @@ def rotary(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = False,
     of sequence b sits at position s + seqlen_offsets (an int, or a (B,) int tensor: one
     offset per sequence, as in KV-cache decoding). interleaved=False rotates the halves
     of the first rotary_dim dims (GPT-NeoX, LLaMA), True the pairs (x[2i], x[2i+1]) (GPT-J);
-    dims past rotary_dim pass through. Differentiable in x.
+    dims past rotary_dim pass through. inplace=True rotates x's own storage (flash.rotary_;
+    dims past rotary_dim are not written) and returns x. Differentiable in x, in place too
+    (but not on a leaf that requires grad, as for any in-place op).
     """
-    if isinstance(seqlen_offsets, Tensor):
-        return torch.ops.flash.rotary(x, cos, sin, interleaved=interleaved,
-                                      seqlen_offsets=seqlen_offsets, cu_seqlens=cu_seqlens)
-    return torch.ops.flash.rotary(x, cos, sin, interleaved=interleaved, seqlen_offset=seqlen_offsets,
-                                  cu_seqlens=cu_seqlens)
+    kw = dict(interleaved=interleaved, cu_seqlens=cu_seqlens, **_offset_kwargs(seqlen_offsets))
+    if inplace:
+        torch.ops.flash.rotary_(x, cos, sin, **kw)
+        return x
+    return torch.ops.flash.rotary(x, cos, sin, **kw)
+
+
+def rotary_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = False,
+              seqlen_offsets: Union[int, Tensor] = 0, cu_seqlens: Optional[Tensor] = None,
+              inplace: bool = False) -> tuple[Tensor, Tensor]:
+    """rotary of q and k in one kernel launch (forward and backward): (q_out, k_out).
+
+    q (B, Hq, S, D) and k (B, Hkv, S, D) (or (total, Hq, D) and (total, Hkv, D) with
+    cu_seqlens) share every dim but the heads (GQA/MQA), and their dtype; options as rotary.
+    inplace=True rotates both in their own storage (flash.rotary_qk_) and returns (q, k).
+    """
+    kw = dict(interleaved=interleaved, cu_seqlens=cu_seqlens, **_offset_kwargs(seqlen_offsets))
+    if inplace:
+        torch.ops.flash.rotary_qk_(q, k, cos, sin, **kw)
+        return q, k
+    return torch.ops.flash.rotary_qk(q, k, cos, sin, **kw)
 
 
 def rotary_cos_sin(seqlen: int, rotary_dim: int, base: float = 10000.0, device=None,

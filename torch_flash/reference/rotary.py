@@ -54,6 +54,29 @@ def rotary(x, cos, sin, interleaved=False, seqlen_offset=0, seqlen_offsets=None,
     return torch.cat((rotated, x[..., rd:]), -1)
 
 
+def rotary_(x, cos, sin, interleaved=False, seqlen_offset=0, seqlen_offsets=None, cu_seqlens=None,
+            conjugate=False):
+    """rotary in x's own storage: writes x[..., :rd] only; returns x."""
+    rd = 2 * cos.shape[-1]
+    x[..., :rd].copy_(rotary(x[..., :rd], cos, sin, interleaved, seqlen_offset, seqlen_offsets, cu_seqlens,
+                             conjugate))
+    return x
+
+
+def rotary_qk(q, k, cos, sin, interleaved=False, seqlen_offset=0, seqlen_offsets=None, cu_seqlens=None,
+              conjugate=False):
+    """(rotary of q, rotary of k): one set of positions, any head counts."""
+    return tuple(rotary(t, cos, sin, interleaved, seqlen_offset, seqlen_offsets, cu_seqlens, conjugate)
+                 for t in (q, k))
+
+
+def rotary_qk_(q, k, cos, sin, interleaved=False, seqlen_offset=0, seqlen_offsets=None, cu_seqlens=None,
+               conjugate=False):
+    """rotary_qk in q's and k's own storage; returns (q, k)."""
+    return tuple(rotary_(t, cos, sin, interleaved, seqlen_offset, seqlen_offsets, cu_seqlens, conjugate)
+                 for t in (q, k))
+
+
 def rotary_cos_sin(seqlen, rotary_dim, base=10000.0, device=None, dtype=torch.float32):
     """(cos, sin) tables (seqlen, rotary_dim / 2): angle pos * base^(-2i / rotary_dim)."""
     cdt = compute_dtype(dtype)

@@ -1,4 +1,5 @@
-"""Triton rotary embedding kernel (GPT-NeoX and GPT-J layouts), in place or out of place.
+"""Triton rotary embedding kernels (GPT-NeoX and GPT-J layouts), of x or of q and k in one
+launch, in place or out of place.
 
 x is (B, H, S, D) with any strides and a contiguous last dim, or (total, H, D) packed with
 cu_seqlens (B + 1,). cos/sin are tables (S_ro, rd/2) indexed by position, or per token
@@ -11,8 +12,10 @@ with tensor offsets, which the op validates on the reference path) leaves its to
 rather than reading out of bounds.
 
 A program rotates BLOCK_S tokens of BLOCK_H heads of one sequence, loading cos/sin once for
-all its heads. Packed sequences find their sequence by a binary search in cu_seqlens, so the
-grid needs no max_seqlen and no host synchronisation.
+all its heads. _rotary_qk_kernel rotates q and k (same shape but for their head counts, GQA)
+in one launch: the head axis of its grid covers q's head blocks, then k's. Packed sequences
+find their sequence by a binary search in cu_seqlens, so the grid needs no max_seqlen and no
+host synchronisation.
 """
 from __future__ import annotations
 
@@ -33,24 +36,47 @@ def _configs() -> list[triton.Config]:
             for s, h, w in ((8, 4, 4), (16, 2, 4), (16, 4, 4), (32, 2, 4), (32, 4, 8), (64, 1, 4))]
 
 
-@triton.autotune(configs=_configs(), key=["RD2", "TAIL", "INTERLEAVED", "IS_VARLEN", "PER_TOKEN"],
-                 restore_value=["OUT"])  # tuning runs the kernel repeatedly, in place too
 @triton.jit
-def _rotary_kernel(X, OUT, COS, SIN, CU_SEQLENS, OFFSETS,
-                   seqlen, nheads, seqlen_ro, seqlen_offset, nseq, search_steps,
-                   stride_xb, stride_xh, stride_xs, stride_ob, stride_oh, stride_os, stride_cb, stride_cs,
-                   RD2: tl.constexpr, TAIL: tl.constexpr, INTERLEAVED: tl.constexpr,
-                   CONJUGATE: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_OFFSETS: tl.constexpr,
-                   PER_TOKEN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TAIL: tl.constexpr,
-                   BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr):
-    pid_b = tl.program_id(1).to(tl.int64)
-    s = tl.program_id(0).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
-    h = tl.program_id(2).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
+def _rotate_heads(X, OUT, h, nheads, stride_xb, stride_xh, stride_xs, stride_ob, stride_oh, stride_os,
+                  pid_b, s, in_range, cos, sin, RD2: tl.constexpr, TAIL: tl.constexpr,
+                  INTERLEAVED: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TAIL: tl.constexpr,
+                  BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Rotate heads h (BLOCK_H,) of tokens s (BLOCK_S,) of X into OUT; cos/sin (1, BLOCK_S, BLOCK_K)."""
+    xrow = X + pid_b * stride_xb + h[:, None, None] * stride_xh + s[None, :, None] * stride_xs
+    orow = OUT + pid_b * stride_ob + h[:, None, None] * stride_oh + s[None, :, None] * stride_os
+    tile = (h < nheads)[:, None, None] & in_range[None, :, None]
+    k = tl.arange(0, BLOCK_K)
+    if INTERLEAVED:
+        j = tl.arange(0, 2 * BLOCK_K)
+        mask = tile & (j < 2 * RD2)[None, None, :]
+        xx = tl.load(xrow + j[None, None, :], mask=mask, other=0.0).to(tl.float32)
+        x1, x2 = tl.split(tl.reshape(xx, [BLOCK_H, BLOCK_S, BLOCK_K, 2]))
+        o = tl.reshape(tl.join(x1 * cos - x2 * sin, x1 * sin + x2 * cos), [BLOCK_H, BLOCK_S, 2 * BLOCK_K])
+        tl.store(orow + j[None, None, :], o.to(OUT.dtype.element_ty), mask=mask)
+    else:
+        kk = k[None, None, :]
+        mask = tile & (kk < RD2)
+        x1 = tl.load(xrow + kk, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(xrow + RD2 + kk, mask=mask, other=0.0).to(tl.float32)
+        tl.store(orow + kk, (x1 * cos - x2 * sin).to(OUT.dtype.element_ty), mask=mask)
+        tl.store(orow + RD2 + kk, (x1 * sin + x2 * cos).to(OUT.dtype.element_ty), mask=mask)
+    if TAIL > 0:  # out of place: dims past the rotary dim pass through
+        t = 2 * RD2 + tl.arange(0, BLOCK_TAIL)[None, None, :]
+        mask = tile & (t < 2 * RD2 + TAIL)
+        tl.store(orow + t, tl.load(xrow + t, mask=mask), mask=mask)
+
+
+@triton.jit
+def _tables(COS, SIN, CU_SEQLENS, OFFSETS, pid_b, s, seqlen, seqlen_ro, seqlen_offset, nseq, search_steps,
+            stride_cb, stride_cs, RD2: tl.constexpr, CONJUGATE: tl.constexpr, IS_VARLEN: tl.constexpr,
+            HAS_OFFSETS: tl.constexpr, PER_TOKEN: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(cos, sin, in_range): fp32 cos/sin (1, BLOCK_S, BLOCK_K) of tokens s (BLOCK_S,) of
+    sequence pid_b (of the packed tokens s when IS_VARLEN), and which tokens exist."""
     in_range = s < seqlen
     if IS_VARLEN:
         # s indexes the packed tokens; sequence b holds [cu[b], cu[b + 1])
-        lo = tl.zeros([BLOCK_S], dtype=tl.int32)
-        hi = tl.zeros([BLOCK_S], dtype=tl.int32) + nseq
+        lo = tl.zeros([s.shape[0]], dtype=tl.int32)
+        hi = tl.zeros([s.shape[0]], dtype=tl.int32) + nseq
         for _ in range(search_steps):
             mid = (lo + hi) // 2
             right = tl.load(CU_SEQLENS + mid) <= s
@@ -76,28 +102,60 @@ def _rotary_kernel(X, OUT, COS, SIN, CU_SEQLENS, OFFSETS,
     sin = tl.load(SIN + cs[:, None] + k[None, :], mask=cs_mask, other=0.0).to(tl.float32)[None, :, :]
     if CONJUGATE:
         sin = -sin
+    return cos, sin, in_range
 
-    xrow = X + pid_b * stride_xb + h[:, None, None] * stride_xh + s[None, :, None] * stride_xs
-    orow = OUT + pid_b * stride_ob + h[:, None, None] * stride_oh + s[None, :, None] * stride_os
-    tile = (h < nheads)[:, None, None] & in_range[None, :, None]
-    if INTERLEAVED:
-        j = tl.arange(0, 2 * BLOCK_K)
-        mask = tile & (j < 2 * RD2)[None, None, :]
-        xx = tl.load(xrow + j[None, None, :], mask=mask, other=0.0).to(tl.float32)
-        x1, x2 = tl.split(tl.reshape(xx, [BLOCK_H, BLOCK_S, BLOCK_K, 2]))
-        o = tl.reshape(tl.join(x1 * cos - x2 * sin, x1 * sin + x2 * cos), [BLOCK_H, BLOCK_S, 2 * BLOCK_K])
-        tl.store(orow + j[None, None, :], o.to(OUT.dtype.element_ty), mask=mask)
+
+_KEY = ["RD2", "TAIL", "INTERLEAVED", "IS_VARLEN", "PER_TOKEN"]
+
+
+@triton.autotune(configs=_configs(), key=_KEY, restore_value=["OUT"])  # tuning reruns it, in place too
+@triton.jit
+def _rotary_kernel(X, OUT, COS, SIN, CU_SEQLENS, OFFSETS,
+                   seqlen, nheads, seqlen_ro, seqlen_offset, nseq, search_steps,
+                   stride_xb, stride_xh, stride_xs, stride_ob, stride_oh, stride_os, stride_cb, stride_cs,
+                   RD2: tl.constexpr, TAIL: tl.constexpr, INTERLEAVED: tl.constexpr,
+                   CONJUGATE: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+                   PER_TOKEN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TAIL: tl.constexpr,
+                   BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr):
+    pid_b = tl.program_id(1).to(tl.int64)
+    s = tl.program_id(0).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
+    cos, sin, in_range = _tables(COS, SIN, CU_SEQLENS, OFFSETS, pid_b, s, seqlen, seqlen_ro, seqlen_offset, nseq,
+                                 search_steps, stride_cb, stride_cs, RD2, CONJUGATE, IS_VARLEN, HAS_OFFSETS,
+                                 PER_TOKEN, BLOCK_K)
+    _rotate_heads(X, OUT, tl.program_id(2).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H), nheads,
+                  stride_xb, stride_xh, stride_xs, stride_ob, stride_oh, stride_os,
+                  pid_b, s, in_range, cos, sin, RD2, TAIL, INTERLEAVED, BLOCK_K, BLOCK_TAIL, BLOCK_S, BLOCK_H)
+
+
+# A kernel of its own rather than _rotary_kernel with k optional: an autotuned kernel cannot
+# restore a None argument on triton 3.6, and passing q again for k would alias two written
+# arguments, which functionalization (torch.compile) copies back one after the other.
+@triton.autotune(configs=_configs(), key=_KEY, restore_value=["QOUT", "KOUT"])
+@triton.jit
+def _rotary_qk_kernel(Q, QOUT, K, KOUT, COS, SIN, CU_SEQLENS, OFFSETS,
+                      seqlen, nheads_q, nheads_k, seqlen_ro, seqlen_offset, nseq, search_steps,
+                      stride_qb, stride_qh, stride_qs, stride_qob, stride_qoh, stride_qos,
+                      stride_kb, stride_kh, stride_ks, stride_kob, stride_koh, stride_kos, stride_cb, stride_cs,
+                      RD2: tl.constexpr, TAIL: tl.constexpr, INTERLEAVED: tl.constexpr,
+                      CONJUGATE: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+                      PER_TOKEN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TAIL: tl.constexpr,
+                      BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr):
+    pid_b = tl.program_id(1).to(tl.int64)
+    s = tl.program_id(0).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
+    cos, sin, in_range = _tables(COS, SIN, CU_SEQLENS, OFFSETS, pid_b, s, seqlen, seqlen_ro, seqlen_offset, nseq,
+                                 search_steps, stride_cb, stride_cs, RD2, CONJUGATE, IS_VARLEN, HAS_OFFSETS,
+                                 PER_TOKEN, BLOCK_K)
+    # axis 2 enumerates the head blocks of q, then those of k
+    pid_h = tl.program_id(2)
+    q_blocks = tl.cdiv(nheads_q, BLOCK_H)
+    if pid_h < q_blocks:
+        _rotate_heads(Q, QOUT, pid_h.to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H), nheads_q,
+                      stride_qb, stride_qh, stride_qs, stride_qob, stride_qoh, stride_qos,
+                      pid_b, s, in_range, cos, sin, RD2, TAIL, INTERLEAVED, BLOCK_K, BLOCK_TAIL, BLOCK_S, BLOCK_H)
     else:
-        kk = k[None, None, :]
-        mask = tile & (kk < RD2)
-        x1 = tl.load(xrow + kk, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(xrow + RD2 + kk, mask=mask, other=0.0).to(tl.float32)
-        tl.store(orow + kk, (x1 * cos - x2 * sin).to(OUT.dtype.element_ty), mask=mask)
-        tl.store(orow + RD2 + kk, (x1 * sin + x2 * cos).to(OUT.dtype.element_ty), mask=mask)
-    if TAIL > 0:  # out of place: dims past the rotary dim pass through
-        t = 2 * RD2 + tl.arange(0, BLOCK_TAIL)[None, None, :]
-        mask = tile & (t < 2 * RD2 + TAIL)
-        tl.store(orow + t, tl.load(xrow + t, mask=mask), mask=mask)
+        _rotate_heads(K, KOUT, (pid_h - q_blocks).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H), nheads_k,
+                      stride_kb, stride_kh, stride_ks, stride_kob, stride_koh, stride_kos,
+                      pid_b, s, in_range, cos, sin, RD2, TAIL, INTERLEAVED, BLOCK_K, BLOCK_TAIL, BLOCK_S, BLOCK_H)
 
 
 def rotary_supports(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -114,34 +172,56 @@ def rotary_apply(x, cos, sin, *, interleaved, seqlen_offset, seqlen_offsets, cu_
     rotates in place; any out must have x's shape and a contiguous last dim). seqlen_offset:
     int; seqlen_offsets: (B,) int tensor or None (tables only, not per-token cos/sin).
     Returns out."""
-    if out is None:
-        out = torch.empty_like(x)
-    if x.numel() == 0:
-        return out
+    out = torch.empty_like(x) if out is None else out
+    _launch(((x, out),), cos, sin, interleaved, seqlen_offset, seqlen_offsets, cu_seqlens, conjugate)
+    return out
+
+
+def rotary_apply_qk(q, k, cos, sin, *, interleaved, seqlen_offset, seqlen_offsets, cu_seqlens, conjugate,
+                    q_out=None, k_out=None):
+    """rotary_apply of q and k in one launch: k has q's shape and dtype but its own head count
+    (dim 1). q_out/k_out: new if None, or q and k themselves (in place, both or neither).
+    Returns (q_out, k_out)."""
+    q_out = torch.empty_like(q) if q_out is None else q_out
+    k_out = torch.empty_like(k) if k_out is None else k_out
+    if (q_out is q) != (k_out is k):
+        raise ValueError("rotary_apply_qk: rotate q and k both in place or both out of place")
+    _launch(((q, q_out), (k, k_out)), cos, sin, interleaved, seqlen_offset, seqlen_offsets, cu_seqlens, conjugate)
+    return q_out, k_out
+
+
+def _launch(pairs, cos, sin, interleaved, seqlen_offset, seqlen_offsets, cu_seqlens, conjugate) -> None:
+    """pairs: ((x, out),) for _rotary_kernel or ((q, q_out), (k, k_out)) for _rotary_qk_kernel,
+    whose arguments run in the same order."""
+    if all(x.numel() == 0 for x, _ in pairs):
+        return
     # cos and sin share one set of strides in the kernel; tables are small
     cos, sin = cos.contiguous(), sin.contiguous()
     per_token = cos.dim() == 3
-    if cu_seqlens is not None:
-        seqlen, nheads, d = x.shape
+    packed = cu_seqlens is not None
+    x = pairs[0][0]
+    if packed:
+        seqlen, d = x.shape[0], x.shape[-1]
         nbatch, nseq = 1, cu_seqlens.shape[0] - 1
-        xs = (0, x.stride(1), x.stride(0))
-        os_ = (0, out.stride(1), out.stride(0))
     else:
-        nbatch, nheads, seqlen, d = x.shape
+        nbatch, _, seqlen, d = x.shape
         nseq = nbatch
-        xs = (x.stride(0), x.stride(1), x.stride(2))
-        os_ = (out.stride(0), out.stride(1), out.stride(2))
+    heads = [x.shape[1] for x, _ in pairs]
     rd2 = cos.shape[-1]
-    tail = 0 if out is x else d - 2 * rd2
+    tail = 0 if pairs[0][1] is x else d - 2 * rd2
+
+    def strides(t):  # (batch, head, token); a packed tensor has no batch dim
+        return (0, t.stride(1), t.stride(0)) if packed else (t.stride(0), t.stride(1), t.stride(2))
 
     def grid(meta):
-        return triton.cdiv(seqlen, meta["BLOCK_S"]), nbatch, triton.cdiv(nheads, meta["BLOCK_H"])
+        return triton.cdiv(seqlen, meta["BLOCK_S"]), nbatch, sum(triton.cdiv(h, meta["BLOCK_H"]) for h in heads)
 
-    torch.library.wrap_triton(_rotary_kernel)[grid](
-        x, out, cos, sin, cu_seqlens, seqlen_offsets,
-        seqlen, nheads, cos.shape[-2], seqlen_offset, nseq, max(nseq - 1, 0).bit_length(),
-        *xs, *os_, cos.stride(0) if per_token and cos.shape[0] > 1 else 0, cos.stride(-2),
-        RD2=rd2, TAIL=tail, INTERLEAVED=interleaved, CONJUGATE=conjugate, IS_VARLEN=cu_seqlens is not None,
+    kernel = _rotary_kernel if len(pairs) == 1 else _rotary_qk_kernel
+    torch.library.wrap_triton(kernel)[grid](
+        *(t for pair in pairs for t in pair), cos, sin, cu_seqlens, seqlen_offsets,
+        seqlen, *heads, cos.shape[-2], seqlen_offset, nseq, max(nseq - 1, 0).bit_length(),
+        *(st for pair in pairs for t in pair for st in strides(t)),
+        cos.stride(0) if per_token and cos.shape[0] > 1 else 0, cos.stride(-2),
+        RD2=rd2, TAIL=tail, INTERLEAVED=interleaved, CONJUGATE=conjugate, IS_VARLEN=packed,
         HAS_OFFSETS=seqlen_offsets is not None, PER_TOKEN=per_token, BLOCK_K=triton.next_power_of_2(rd2),
         BLOCK_TAIL=triton.next_power_of_2(max(tail, 1)))
-    return out
