@@ -40,16 +40,21 @@ def _predispatch(gm: fx.GraphModule) -> fx.GraphModule:
     return pgm
 
 
-def _rewrite_dynamo_graph(gm: fx.GraphModule, families) -> tuple[fx.GraphModule, Report]:
+def _rewrite_dynamo_graph(gm: fx.GraphModule, families,
+                          into: Report | None = None) -> tuple[fx.GraphModule, Report]:
     pgm = _predispatch(gm)
     report = rewrite_graph(pgm, families)
     COUNTERS.update(report.counters())
+    if into is not None:
+        into.extend(report)
     return pgm, report
 
 
-def backend(ops: Iterable[str] | None = None, inner: Callable | None = None) -> Callable:
+def backend(ops: Iterable[str] | None = None, inner: Callable | None = None,
+            report: Report | None = None) -> Callable:
     """A Dynamo backend that rewrites into flash ops, then compiles with `inner`
     (Inductor's compile_fx by default). ops: families to use (default all: see FAMILIES).
+    report: collects the sites of every graph it compiles (what explain() shows).
 
         torch.compile(model, backend=torch_flash.backend(ops=["attention"]))
     """
@@ -61,7 +66,7 @@ def backend(ops: Iterable[str] | None = None, inner: Callable | None = None) -> 
     def compile_flash(gm: fx.GraphModule, example_inputs):
         compiler = inner or _compile_fx_predispatch
         try:
-            pgm, _ = _rewrite_dynamo_graph(gm, families)
+            pgm, _ = _rewrite_dynamo_graph(gm, families, report)
             return compiler(pgm, example_inputs)
         except torch._dynamo.exc.RestartAnalysis:
             raise  # Dynamo retraces (e.g. with float inputs specialised): not a failure

@@ -132,8 +132,8 @@ def same_meta(a: Any, b: Any) -> bool:
 def normalize(gm: fx.GraphModule) -> None:
     """Remove nodes that hide patterns without computing anything: aliases, `.to(dtype)` to
     the dtype a tensor already has (aten.to returns its input then, so aliasing is
-    unchanged), metadata asserts that torch.export puts beside .to(), and eval-mode
-    dropout (the identity)."""
+    unchanged), metadata asserts that torch.export puts beside .to(), and dropout in eval
+    mode or with p=0 (HF models training with dropout 0): aten.dropout returns its input."""
     g = gm.graph
     for n in list(g.nodes):
         noop_to = (is_op(n, A.to.dtype) and len(n.args) == 2 and not n.kwargs
@@ -143,6 +143,8 @@ def normalize(gm: fx.GraphModule) -> None:
             g.erase_node(n)
         elif is_op(n, A._assert_tensor_metadata.default) and not n.users:
             g.erase_node(n)
-        elif is_op(n, A.dropout.default) and (n.args[2] if len(n.args) > 2 else n.kwargs.get("train")) is False:
+        elif is_op(n, A.dropout.default) and (
+                (n.args[2] if len(n.args) > 2 else n.kwargs.get("train")) is False
+                or number(n.args[1] if len(n.args) > 1 else n.kwargs.get("p")) == 0.0):
             n.replace_all_uses_with(n.args[0])
             g.erase_node(n)

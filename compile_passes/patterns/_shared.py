@@ -43,7 +43,8 @@ def same_value(a: Any, b: Any, depth: int = 4) -> bool:
             and all(same_value(a.kwargs[k], b.kwargs[k], depth - 1) for k in a.kwargs))
 
 
-ROW_RESHAPES = (A.view.default, A.reshape.default, A._unsafe_view.default, A.expand.default)
+RESHAPES = (A.view.default, A.reshape.default, A._unsafe_view.default)
+ROW_RESHAPES = (*RESHAPES, A.expand.default)
 
 
 def keeps_rows(n: Any) -> bool:
@@ -96,25 +97,36 @@ def replace(graph: fx.Graph, old: fx.Node, new: fx.Node, op_name: str) -> str:
 
 def fuse_residual(gm: fx.GraphModule, norm: fx.Node, fused_op) -> bool:
     """norm = op(a + b, *rest, **kw) -> fused_op(a, b, *rest, **kw) returning (y, a + b): y
-    replaces norm and the second output replaces the sum for its other users."""
-    s = norm.args[0]
-    if not is_op(s, A.add.Tensor) or len(s.args) != 2 or s.kwargs.get("alpha", 1) != 1:
+    replaces norm and the second output replaces the sum for its other users. The sum may
+    reach the norm through reshapes that nothing else reads (OPT flattens the tokens:
+    norm((a + b).view(-1, d))); a and b are then reshaped alike, as the sum is elementwise."""
+    top = norm.args[0]  # the value the residual output replaces
+    s, shapes = top, []
+    while is_op(s, *RESHAPES) and (s is top or len(s.users) == 1):
+        shapes.append(s.args[1])
+        s = s.args[0]
+    if (not is_op(s, A.add.Tensor) or len(s.args) != 2 or s.kwargs.get("alpha", 1) != 1
+            or s is not top and len(s.users) != 1):
         return False
     a, b = s.args
     if not (isinstance(a, fx.Node) and isinstance(b, fx.Node) and same_meta(val(a), val(b))):
         return False
     # users of the sum may sit between it and the norm, so the fused op goes right after the
-    # sum: the norm's other arguments (weight, bias) must already exist there
+    # value it replaces: the norm's other arguments (weight, bias) must already exist there
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    if any(order[r] > order[s] for r in norm.all_input_nodes):
+    if any(order[r] > order[top] for r in norm.all_input_nodes):
         return False
+    new = []
+    for shape in reversed(shapes):
+        a, b = (insert_call(gm.graph, norm, A.reshape.default, (t, shape)) for t in (a, b))
+        new += [a, b]
     fused = insert_call(gm.graph, norm, fused_op, (a, b, *norm.args[1:]), dict(norm.kwargs))
     y, res = getitem(gm.graph, fused, 0), getitem(gm.graph, fused, 1)
     norm.replace_all_uses_with(y)
-    s.replace_all_uses_with(res)
+    top.replace_all_uses_with(res)
     gm.graph.erase_node(norm)
-    anchor = s
-    for node in (fused, y, res):
+    anchor = top
+    for node in (*new, fused, y, res):
         anchor.append(node)
         anchor = node
     return True

@@ -2,9 +2,10 @@
 
 Anchors: `rsqrt(mean(x^2, -1, keepdim=True) + eps)` (hand-written: LLaMA, Gemma, T5,
 Mistral, Qwen2 ...) and `aten.rms_norm` (F.rms_norm, nn.RMSNorm). From the rsqrt the
-walk goes down through `x * rsqrt`, optional casts and the weight product, deciding the
-dtype rule (cast before the weight: LLaMA; product in fp32: Gemma) and the weight offset
-((1 + w): Gemma). Then a norm whose input is `a + b` of equal shapes and dtypes becomes
+walk goes down through `x * rsqrt` (T5: the statistics of x.float() scale the half x),
+optional casts and the weight product, deciding the dtype rule (cast before the weight:
+LLaMA, T5; product in fp32: Gemma) and the weight offset ((1 + w): Gemma). Then a norm
+whose input is `a + b` of equal shapes and dtypes (or a reshape of it) becomes
 add_rms_norm, the sum's other users reading its residual output.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch.fx as fx
 from ..graph import (A, cast_dtype, dtype_of, is_op, last_dim, number, only_user, other_operand,
                      split_const, strip_casts, val)
 from ..report import Report
-from ._shared import rewrite_norms
+from ._shared import rewrite_norms, same_value
 
 FLASH = torch.ops.flash
 HALF = (torch.float16, torch.bfloat16)
@@ -66,12 +67,14 @@ def _match(rsqrt: fx.Node) -> Match | str:
         return "the mean is not over x^2"
     if not keepdim or not last_dim(mean.args[1], val(xs).dim()):
         return "the mean is not over the last dimension with keepdim=True"
+    upcast = cast_dtype(xs) == torch.float32 and dtype_of(xs.args[0]) in HALF
     norm = only_user(rsqrt)
-    if not is_op(norm, A.mul.Tensor) or other_operand(norm, rsqrt) is not xs:
+    scaled = other_operand(norm, rsqrt) if is_op(norm, A.mul.Tensor) else None
+    # T5 takes the statistics of x.float() but scales the half x itself (promoted to fp32:
+    # the same product)
+    if not (same_value(scaled, xs) or upcast and scaled is xs.args[0]):
         return "rsqrt(...) is not multiplied by the same x (or is used elsewhere)"
-    x = xs
-    if cast_dtype(xs) == torch.float32 and dtype_of(xs.args[0]) in HALF:
-        x = xs.args[0]  # the op computes half inputs in fp32 itself
+    x = xs.args[0] if upcast else xs  # the op computes half inputs in fp32 itself
     x_dtype = dtype_of(x)
 
     out, weight, offset, cast_before = norm, None, 0.0, True

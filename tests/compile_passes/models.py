@@ -242,3 +242,22 @@ def check_training(model, *args, atol=1e-5, rtol=1e-4, **compile_kwargs):
     for name, g in ref_grads.items():
         torch.testing.assert_close(grads[name], g, atol=atol, rtol=rtol, msg=name)
     return compiled
+
+
+class TokenFlatBlock(nn.Module):
+    """A pre-norm block that runs its second half on (tokens, d), as OPT does: the residual sum
+    reaches the second norm through a reshape. keep_sum also returns the sum itself, so the
+    reshape is not its only reader. Branches end in dropout with p=0 (the identity, also in
+    training), as HF models configured without dropout."""
+
+    def __init__(self, d=32, norm=nn.LayerNorm, keep_sum=False):
+        super().__init__()
+        self.n1, self.n2 = norm(d), norm(d)
+        self.fc1, self.fc2 = nn.Linear(d, d), nn.Linear(d, d)
+        self.drop, self.keep_sum = nn.Dropout(0.0), keep_sum
+
+    def forward(self, x):
+        s = x + self.drop(self.fc1(self.n1(x)))
+        flat = s.view(-1, s.shape[-1])
+        out = (flat + self.drop(self.fc2(self.n2(flat)))).view(x.shape)
+        return (out, s) if self.keep_sum else out

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_flash
-from models import HandLayerNorm, LlamaRMSNorm, PreLNBlock, check_training
+from models import HandLayerNorm, LlamaRMSNorm, PreLNBlock, TokenFlatBlock, check_training
 
 # the backend falls back to the unrewritten graph with a warning: here that is a failure
 pytestmark = pytest.mark.filterwarnings("error:torch_flash")
@@ -69,6 +69,26 @@ def test_export_rewrite_upcast_aten_layer_norm(tmp_path):
     torch.export.save(ep, tmp_path / "ln.pt2")
     out = torch.export.load(tmp_path / "ln.pt2").module()(x)
     torch.testing.assert_close(out, model(x), atol=1e-2, rtol=1e-2)
+
+
+def test_train_residual_through_reshape():
+    """OPT's spelling: the sum is flattened to (tokens, d) before the norm, and the branch ends
+    in dropout with p=0 in training mode (the identity, removed before matching)."""
+    torch.manual_seed(0)
+    check_training(TokenFlatBlock().train(), torch.randn(2, 5, 32))
+    assert torch_flash.counters == {"flash.layer_norm": 1, "flash.add_layer_norm": 1}
+
+
+def test_export_residual_read_elsewhere():
+    """A sum that is also read directly (not only through the reshape) stays as it is: the
+    norm alone is rewritten."""
+    torch.manual_seed(0)
+    model = TokenFlatBlock(keep_sum=True)
+    x = torch.randn(2, 5, 32)
+    ep = torch_flash.rewrite(torch.export.export(model, (x,)))
+    assert _flash_ops(ep.graph_module) == ["flash.layer_norm.default", "flash.layer_norm.default"]
+    for out, ref in zip(ep.module()(x), model(x)):
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_explain_reasons():
