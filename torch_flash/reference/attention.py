@@ -142,9 +142,22 @@ def bias_4d(attn_bias: Tensor) -> Tensor:
     return attn_bias.reshape((1,) * (4 - attn_bias.dim()) + tuple(attn_bias.shape))
 
 
+# A float bias at or below MASK_FILL, but not -inf, is a mask fill (HF builds masks with
+# finfo.min): an fp32 softmax rounds score + fill to the fill, so a row masked that way
+# averages v. Such a key scores MASK_SCORE instead: nothing next to any visible key, the same
+# average over a fully masked row, and small enough in magnitude that lse = max + log(sum)
+# keeps its log(sum) in fp32 (at -3e38 it rounds away, and exp(s - lse) in the backward would
+# give every key of the row weight 1 instead of 1/Sk).
+MASK_FILL = -1e9
+MASK_SCORE = -1e4
+
+
 def _mask_scores(s: Tensor, bias: Tensor | None, vis: Tensor | None) -> Tensor:
-    if bias is not None:
-        s = s.masked_fill(~bias, -math.inf) if bias.dtype == torch.bool else s + bias.to(s.dtype)
+    if bias is not None and bias.dtype == torch.bool:
+        s = s.masked_fill(~bias, -math.inf)
+    elif bias is not None:
+        bias = bias.to(s.dtype)
+        s = torch.where((bias <= MASK_FILL) & (bias != -math.inf), MASK_SCORE, s + bias)
     if vis is not None:
         s = s.masked_fill(~vis, -math.inf)
     return s

@@ -29,9 +29,13 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from ...reference import attention as ref
 from .scalars import fp32
 
 _LOG2E = tl.constexpr(1.4426950408889634)
+_MASK_FILL = tl.constexpr(ref.MASK_FILL)
+_MASK_SCORE = tl.constexpr(ref.MASK_SCORE)
 _LN2 = tl.constexpr(0.6931471805599453)
 # A window side of -1 (unbounded) becomes this many positions: far past any sequence, small
 # enough that i + diag +/- window stays inside int32.
@@ -154,10 +158,9 @@ def _scores(qk, i, j, seq_q, seq_k, diag, window_left, window_right, bias_base, 
         inside = (i < seq_q) & (j < seq_k)
         if BIAS_KIND == 1:
             bias = tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
-            # keep finfo.min masks (HF) finite after the log2(e) scaling, as an fp32 softmax
-            # sees them (a row masked that way averages v); -inf still hides the key
-            bias = tl.where(bias == float("-inf"), bias, tl.maximum(bias, -1e30))
-            s += bias * _LOG2E
+            # a finite mask fill (HF's finfo.min) scores MASK_SCORE: see reference/attention.py
+            fill = (bias <= _MASK_FILL) & (bias != float("-inf"))
+            s = tl.where(fill, _MASK_SCORE * _LOG2E, s + bias * _LOG2E)
         else:
             s = tl.where(tl.load(ptrs, mask=inside, other=0) != 0, s, float("-inf"))
     if MASKED:
