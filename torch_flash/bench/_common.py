@@ -37,10 +37,15 @@ def env_info() -> dict:
     return info
 
 
-def median_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float:
-    """Median time of fn in milliseconds (triton.testing.do_bench on GPU, wall clock on CPU)."""
+def median_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100, graph: bool = False) -> float:
+    """Median time of fn in milliseconds (triton.testing.do_bench on GPU, wall clock on CPU).
+    graph=True replays fn captured in a CUDA graph (do_bench_cudagraph), as serving runs a
+    decoding step: the kernels' time without the host's per-launch cost."""
     if torch.cuda.is_available():
-        from triton.testing import do_bench
+        from triton.testing import do_bench, do_bench_cudagraph
+        if graph:
+            fn()  # compile and autotune outside the capture
+            return float(do_bench_cudagraph(fn, rep=rep, return_mode="median"))
         return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
     import statistics
     import time

@@ -13,6 +13,8 @@ Implementations on the same tensors in one process:
   (B, Hkv, S, D) tensor, no mask: every slot holds a key), the q heads of a kv head folded
   into the query length (B, Hkv, Hq / Hkv, D) so that GQA needs no repeated k/v. SDPA does
   not append: it does strictly less work than ours.
+Every implementation is timed as CUDA-graph replays (serving runs decoding steps that way,
+and at batch 1 the Python launch cost of three kernels would otherwise exceed their time).
 Effective bandwidth = K and V cache bytes read / time, set against a device copy of the same
 byte count timed in the same run. Targets: ours >= 0.95 of copy at B=32/32k, >= 0.8 at B=1/128k.
 Rows: {op, shape: [batch, cache length], heads, head_dim, num_splits (the automatic choice),
@@ -87,7 +89,7 @@ def run(args) -> list[dict]:
             "sdpa-cudnn": _sdpa("CUDNN_ATTENTION", q, kc, vc),
         }
         nbytes = 2 * kc.numel() * kc.element_size()  # K and V caches read once
-        time_impls(rows, impls, nbytes, device, op="decode", shape=[batch, seqlen], heads=[hq, hkv],
+        time_impls(rows, impls, nbytes, device, graph=device == "cuda", op="decode", shape=[batch, seqlen], heads=[hq, hkv],
                    head_dim=d, num_splits=splits)
         del kc, vc, kp, vp
         if device == "cuda":

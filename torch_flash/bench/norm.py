@@ -22,13 +22,14 @@ EPS = 1e-6
 
 
 def time_impls(rows: list[dict], impls: dict[str, Callable[[], object] | None], nbytes: int, device: str,
-               **labels) -> None:
-    """Time each impl (None: not available), append one row per impl plus the copy ceiling."""
+               graph: bool = False, **labels) -> None:
+    """Time each impl (None: not available), append one row per impl plus the copy ceiling;
+    graph: replay CUDA graphs (median_ms)."""
     ceiling = copy_bandwidth(nbytes, device)
     where = " ".join(str(v) for v in labels.values())
     print(f"{where}: copy {ceiling / 1e9:.0f} GB/s for {nbytes / 1e6:.1f} MB")
     for impl, fn in impls.items():
-        ms = None if fn is None else try_time(impl, fn)
+        ms = None if fn is None else try_time(impl, fn, graph=graph)
         gbps = None if ms is None else nbytes / (ms * 1e-3) / 1e9
         rows.append({**labels, "impl": impl, "ms": ms, "gbps": gbps,
                      "frac_of_copy": None if gbps is None else gbps * 1e9 / ceiling})
