@@ -27,3 +27,19 @@ def pytest_collection_modifyitems(config, items):
 def _seed(request):
     # fresh inputs per test, reproducible per test name
     torch.manual_seed(hash(request.node.nodeid) % (2**31))
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Names the Triton rotary kernels launched, one entry a launch (the one-launch tests of
+    rotary_qk in tests/ops and tests/kernels)."""
+    from torch_flash.kernels.triton import rotary as K
+    calls = []
+    for name in ("_rotary_kernel", "_rotary_qk_kernel"):
+        kernel = getattr(K, name)
+
+        def run(*args, run=kernel.run, name=name, **kwargs):
+            calls.append(name)
+            return run(*args, **kwargs)
+        monkeypatch.setattr(kernel, "run", run)
+    return calls

@@ -158,20 +158,6 @@ def _apply_qk(q, k, cos, sin, interleaved=False, seqlen_offset=0, seqlen_offsets
                              q_out=q_out, k_out=k_out)
 
 
-@pytest.fixture
-def launches(monkeypatch):
-    """Names the rotary kernels launched, one entry a launch."""
-    calls = []
-    for name in ("_rotary_kernel", "_rotary_qk_kernel"):
-        kernel = getattr(K, name)
-
-        def run(*args, run=kernel.run, name=name, **kwargs):
-            calls.append(name)
-            return run(*args, **kwargs)
-        monkeypatch.setattr(kernel, "run", run)
-    return calls
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("heads", [(4, 1), (2, 3), (3, 3)], ids=["mqa", "k_more", "mha"])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])

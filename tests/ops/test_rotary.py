@@ -325,21 +325,6 @@ def backend(request, monkeypatch):
     return "cuda" if request.param == "triton" and torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture
-def launches(monkeypatch):
-    """Names the Triton rotary kernels launched, one entry a launch."""
-    from torch_flash.kernels.triton import rotary as K
-    calls = []
-    for name in ("_rotary_kernel", "_rotary_qk_kernel"):
-        kernel = getattr(K, name)
-
-        def run(*args, run=kernel.run, name=name, **kwargs):
-            calls.append(name)
-            return run(*args, **kwargs)
-        monkeypatch.setattr(kernel, "run", run)
-    return calls
-
-
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_qk_gradcheck(interleaved):
     c, s = _tables(9, 4, torch.float64)
