@@ -345,6 +345,10 @@ def main(argv=None) -> list[float]:
     if log:
         log.close()
     if dist.is_initialized():
+        # leave together: one CI run (FSDP2 over gloo, a loaded machine) aborted a rank at exit
+        # ("terminate called without an active exception") when it tore its connections down
+        # while the other rank was still finishing
+        dist.barrier()
         dist.destroy_process_group()
     return [loss.item() for loss in losses]
 
