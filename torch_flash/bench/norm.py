@@ -58,7 +58,7 @@ def plot_bars(data: dict, path: str, panel_keys: tuple[str, ...]) -> None:
             ax.bar([j + i * width for j in range(len(shapes))], [vals.get(s, 0.0) for s in shapes], width,
                    label=impl)
         ax.axhline(1.0, color="k", lw=0.8, ls="--")
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], shapes, fontsize=8)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], shapes, fontsize=8, rotation=30, ha="right")
         ax.set_title(" ".join(map(str, panel)))
         ax.set_ylabel("fraction of copy bandwidth")
     axes[0][0].legend(fontsize=8)
