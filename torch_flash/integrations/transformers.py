@@ -29,7 +29,8 @@ max_seqlen_q/k), unpads padded batches and calls the varlen op (left or right pa
 cache decoding with a padding mask), passes causal/scale/softcap/sliding window/dropout from
 the model's config, and uses the dense op when nothing is padded.
 
-Not covered: paged attention / continuous batching (no `flash_attn_with_kvcache`), attention
+Not covered: paged attention / continuous batching (the kvcache slot stays empty: not wired to
+`compat.flash_attn_with_kvcache` nor tested through transformers), attention
 sinks (`s_aux`), models that list their own `_compatible_flash_implementations` (transformers
 swaps any flash name for theirs), and models that build 4D masks themselves instead of using
 the mask interface (a clear error, never silently wrong results).
