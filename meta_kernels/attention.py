@@ -1,7 +1,8 @@
-"""Fakes for flash.attention, flash.attention_with_lse and flash.attention_backward."""
+"""Fakes for flash.attention, flash.attention_with_lse, flash.attention_backward and the
+Hopper forward flash.attention_fwd_sm90."""
 import torch
 
-from torch_flash.ops.attention import check_args, out_shapes
+from torch_flash.ops.attention import check_args, check_sm90_args, out_shapes
 
 
 def _forward(op, q, k, v, attn_bias, softcap, dropout_p, dropout_seed, window_left, window_right):
@@ -30,3 +31,10 @@ def attention_backward(grad_out, grad_lse, q, k, v, attn_bias, out, lse, scale, 
                        bias_requires_grad):
     dbias = attn_bias.new_empty(attn_bias.shape) if bias_requires_grad else q.new_empty(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+
+
+@torch.library.register_fake("flash::attention_fwd_sm90")
+def attention_fwd_sm90(q, k, v, scale, causal):
+    check_sm90_args("attention_fwd_sm90", q, k, v, causal)
+    out, lse, lse_dtype = out_shapes(q, v)
+    return q.new_empty(out), q.new_empty(lse, dtype=lse_dtype)

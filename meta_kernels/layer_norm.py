@@ -1,11 +1,16 @@
-"""Fakes for flash.layer_norm, flash.add_layer_norm and their backward ops."""
+"""Fakes for flash.layer_norm, flash.add_layer_norm, their _with_stats forms and backward ops."""
 import torch
 
-from torch_flash.ops.layer_norm import check_args
+from torch_flash.ops.layer_norm import check_args, check_stats
 
 
 def _param_grad(param, like):
     return like.new_empty(0) if param is None else torch.empty_like(param)
+
+
+def _stats(x):
+    """Each row's fp32 mean and rstd."""
+    return tuple(x.new_empty(x.shape[:-1], dtype=torch.float32) for _ in range(2))
 
 
 @torch.library.register_fake("flash::layer_norm")
@@ -14,18 +19,37 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5, *, weight_offset=0.0):
     return torch.empty_like(x)
 
 
+@torch.library.register_fake("flash::layer_norm_with_stats")
+def layer_norm_with_stats(x, weight=None, bias=None, eps=1e-5, *, weight_offset=0.0):
+    check_args("layer_norm_with_stats", x, weight, bias, eps)
+    return torch.empty_like(x), *_stats(x)
+
+
 @torch.library.register_fake("flash::layer_norm_backward")
-def layer_norm_backward(grad_y, x, weight, bias, eps, weight_offset):
+def layer_norm_backward(grad_y, x, weight, bias, eps, weight_offset, mean=None, rstd=None):
+    check_stats("layer_norm_backward", x, mean, rstd)
     return torch.empty_like(x), _param_grad(weight, x), _param_grad(bias, x)
+
+
+def _add_outputs(op, x, residual, weight, bias, eps, residual_in_fp32):
+    check_args(op, x, weight, bias, eps, residual)
+    return torch.empty_like(x), torch.empty_like(x, dtype=torch.float32 if residual_in_fp32 else x.dtype)
 
 
 @torch.library.register_fake("flash::add_layer_norm")
 def add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5, *, weight_offset=0.0,
                    residual_in_fp32=False):
-    check_args("add_layer_norm", x, weight, bias, eps, residual)
-    return torch.empty_like(x), torch.empty_like(x, dtype=torch.float32 if residual_in_fp32 else x.dtype)
+    return _add_outputs("add_layer_norm", x, residual, weight, bias, eps, residual_in_fp32)
+
+
+@torch.library.register_fake("flash::add_layer_norm_with_stats")
+def add_layer_norm_with_stats(x, residual, weight=None, bias=None, eps=1e-5, *, weight_offset=0.0,
+                              residual_in_fp32=False):
+    return *_add_outputs("add_layer_norm_with_stats", x, residual, weight, bias, eps, residual_in_fp32), *_stats(x)
 
 
 @torch.library.register_fake("flash::add_layer_norm_backward")
-def add_layer_norm_backward(grad_y, grad_residual_out, residual_out, weight, bias, eps, weight_offset):
+def add_layer_norm_backward(grad_y, grad_residual_out, residual_out, weight, bias, eps, weight_offset,
+                            mean=None, rstd=None):
+    check_stats("add_layer_norm_backward", residual_out, mean, rstd)
     return torch.empty_like(residual_out), _param_grad(weight, residual_out), _param_grad(bias, residual_out)

@@ -34,3 +34,8 @@ __all__ = [
     "attention", "attention_with_lse", "attention_varlen", "attention_decode", "rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm",
     "cross_entropy", "linear_cross_entropy", "rotary", "rotary_cos_sin", "rotary_qk", "compat", "data", "nn",
 ]
+
+# last: its CUDA kernels register for the op schemas defined above
+from . import _extension  # noqa: E402
+
+_extension.load()

@@ -1,9 +1,10 @@
-"""python -m torch_flash info | demo"""
+"""python -m torch_flash info | build | demo"""
 from __future__ import annotations
 
 import argparse
 import os
 import platform
+import sys
 
 
 def info() -> None:
@@ -31,8 +32,7 @@ def info() -> None:
          "no (" + ("no CUDA GPU" if not cuda else "triton not installed") + ")"),
         ("Triton interpreter", "on (TRITON_INTERPRET=1: Triton kernels run on CPU tensors)"
          if _dispatch.triton_interpret() else "off (set TRITON_INTERPRET=1 to run Triton kernels on CPU)"),
-        ("CUDA extension torch_flash._C", "loaded" if _dispatch.extension_loaded() else
-         "not built (pure-Python install: Triton and reference paths)"),
+        *_extension_rows(),
         ("TORCH_FLASH_BACKEND", os.environ.get("TORCH_FLASH_BACKEND") or "unset (per-call choice)"),
     ]
     width = max(len(k) for k, _ in rows)
@@ -45,6 +45,62 @@ def info() -> None:
         print(f"  {e.name:<22} {e.family:<9} {back}{mut}")
 
 
+def _extension_rows() -> list[tuple[str, str]]:
+    from torch_flash import _build, _extension
+
+    name = "CUDA extension torch_flash._C"
+    if _extension.loaded():
+        bi = _extension.build_info()
+        return [
+            (name, f"loaded ({_extension.path()})"),
+            ("  archs", ", ".join(bi.get("archs", [])) or "?"),
+            ("  head dims", ", ".join(map(str, bi.get("hdims", []))) or "none"),
+            ("  CUDA / CUTLASS", f"{bi.get('cuda_version', '?')} / {bi.get('cutlass_version', '?')}"),
+            ("  ops with CUDA kernels", ", ".join(bi.get("ops", [])) or "none"),
+        ]
+    if _extension.error():
+        return [(name, f"failed to load: {_extension.error()}"),
+                ("", "rebuild it for this torch: python -m torch_flash build")]
+    if os.environ.get("TORCH_FLASH_EXTENSION") == "0":
+        return [(name, "not loaded (TORCH_FLASH_EXTENSION=0)")]
+    reason = _build.why_not()
+    return [(name, f"not built ({reason}): Triton and reference paths" if reason else
+             "not built: run python -m torch_flash build")]
+
+
+def build(hdims: str | None, jobs: int | None) -> int:
+    """Compile torch_flash._C in place (editable or installed package); 1 when it cannot be built."""
+    import subprocess
+
+    from torch_flash import _build
+
+    reason = _build.why_not()
+    try:
+        if reason:
+            raise _build.BuildError(reason)
+        spec = _build.spec(hdims, origin="--hdims" if hdims else "FLASH_HDIMS")
+    except (_build.BuildError, ValueError) as e:
+        print(f"python -m torch_flash build: cannot build the CUDA extension here: {e}", file=sys.stderr)
+        return 1
+    print(spec.describe())
+    print(f"  build dir {_build.build_dir(spec)}" + (f", {jobs} jobs" if jobs else ""), flush=True)
+    try:
+        target = _build.build(spec, jobs)
+    except Exception as e:  # the compiler's own output is above
+        print(f"python -m torch_flash build: failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    # load it in a fresh process: this one may already hold the previous build
+    probe = ("import torch_flash, torch_flash._extension as e; "
+             "print(e.build_info() if e.loaded() else 'failed to load: ' + str(e.error()))")
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_FLASH_EXTENSION"}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env)
+    ok = out.returncode == 0 and not out.stdout.startswith("failed")
+    # a kernel whose signature does not match its op's schema aborts the import: show why
+    result = out.stdout.strip() if out.returncode == 0 else "\n".join(out.stderr.splitlines()[:8])
+    print(f"built {target}\n{result}")
+    return 0 if ok else 1
+
+
 SIZE_FLAGS = ("batch", "seq", "layers", "dim")  # demo model sizes a user may override
 
 
@@ -52,6 +108,10 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m torch_flash")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("info", help="what is available: extension, Triton, interpreter, versions, ops")
+    b = sub.add_parser("build", help="compile the CUDA extension torch_flash._C in place "
+                       "(needs a CUDA build of torch, nvcc and nvidia-cutlass)")
+    b.add_argument("--hdims", help="comma list of head dims to build (overrides FLASH_HDIMS; default 64,128,256)")
+    b.add_argument("--jobs", type=int, help="parallel compile jobs (MAX_JOBS; default: all cores)")
     d = sub.add_parser("demo", help="a LLaMA-style model compiled with the flash backend: explain report, "
                        "numerics against eager, training step time against torch.compile")
     d.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -64,6 +124,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.cmd == "info":
         info()
+    elif args.cmd == "build":
+        raise SystemExit(build(args.hdims, args.jobs))
     else:
         from torch_flash._demo import main as demo
         sizes = {f: getattr(args, f) for f in SIZE_FLAGS if getattr(args, f)}

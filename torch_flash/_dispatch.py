@@ -15,6 +15,8 @@ from typing import Literal
 
 import torch
 
+from . import _extension
+
 Backend = Literal["cuda", "triton", "reference"]
 BACKENDS = ("cuda", "triton", "reference")
 
@@ -37,13 +39,8 @@ def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-@functools.cache
 def extension_loaded() -> bool:
-    try:
-        from torch_flash import _C  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return _extension.loaded()
 
 
 def triton_can_run(device: torch.device) -> bool:

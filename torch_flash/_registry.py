@@ -24,12 +24,17 @@ class OpEntry:
 OPS: tuple[OpEntry, ...] = (
     OpEntry("attention", "attention", "attention", "attention_backward"),
     OpEntry("attention_with_lse", "attention", "attention", "attention_backward"),
+    # the Hopper forward kernel (csrc/attention) that flash.attention calls where it serves
+    OpEntry("attention_fwd_sm90", "attention", "attention", None, public=False),
     OpEntry("attention_varlen", "attention_varlen", "attention", "attention_varlen_backward"),
     OpEntry("attention_decode", "attention_decode", "attention", None, ("k_cache", "v_cache")),
     OpEntry("rms_norm", "rms_norm", "norm", "rms_norm_backward"),
     OpEntry("add_rms_norm", "rms_norm", "norm", "add_rms_norm_backward"),
     OpEntry("layer_norm", "layer_norm", "norm", "layer_norm_backward"),
     OpEntry("add_layer_norm", "layer_norm", "norm", "add_layer_norm_backward"),
+    # the autograd forwards of layer_norm / add_layer_norm: also each row's mean and rstd
+    OpEntry("layer_norm_with_stats", "layer_norm", "norm", None, public=False),
+    OpEntry("add_layer_norm_with_stats", "layer_norm", "norm", None, public=False),
     OpEntry("cross_entropy", "cross_entropy", "loss", "cross_entropy_backward"),
     # the autograd forward of cross_entropy: the loss and the row log-sum-exps its backward reuses
     OpEntry("cross_entropy_with_lse", "cross_entropy", "loss", None, public=False),

@@ -3,6 +3,7 @@ numerics against float64 and SDPA, dropout, memory of the chunked CPU path, bad 
 import math
 import os
 import subprocess
+import itertools
 import sys
 
 import pytest
@@ -96,7 +97,20 @@ def _samples_bwd():
                bkind == "float"), {}
 
 
+def _samples_fwd_sm90():
+    """The Hopper kernel's cases (on CPU the op's reference body runs): GQA, transposed
+    layouts, causal, Sk not a multiple of the key tile; CUDA tensors too where there is a GPU."""
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device, (dtype, hq, hkv, sq, sk, d, causal, bshd) in itertools.product(devices, (
+            (torch.bfloat16, 2, 2, 8, 24, 64, False, False),
+            (torch.float16, 4, 2, 16, 16, 64, True, True),
+            (torch.bfloat16, 4, 1, 136, 200, 128, False, True))):
+        q, k, v = (t.to(device) for t in _qkv(b=2, hq=hq, hkv=hkv, sq=sq, sk=sk, d=d, dtype=dtype, bshd=bshd))
+        yield (q, k, v, 0.3, causal), {}
+
+
 OPCHECK_SAMPLES = {
+    "attention_fwd_sm90": _samples_fwd_sm90,
     "attention": _samples_fwd,
     "attention_with_lse": _samples_fwd,
     "attention_backward": _samples_bwd,

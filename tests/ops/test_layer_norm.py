@@ -1,13 +1,16 @@
-"""flash.layer_norm / flash.add_layer_norm: opcheck, gradcheck, numerics, bad inputs."""
+"""flash.layer_norm / flash.add_layer_norm (and their _with_stats forms): opcheck, gradcheck,
+numerics, the backward from the forward's saved mean/rstd, bad inputs."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 import torch_flash  # noqa: F401  (registers the ops)
+from torch_flash.kernels.triton import norm as K
 from torch_flash.ops.layer_norm import add_layer_norm, layer_norm
 from _utils import TOL, assert_rel_close, randn_rows, rel_err, to64
 
 SHAPES = [(2, 8, 64), (1, 3, 16), (5, 32), (7, 1, 96)]
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # tests of the Triton path (CPU: the interpreter)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -28,11 +31,26 @@ def _samples_ln():
     yield (randn_rows((3, 16), torch.float32, True).t(), _p(3, torch.float32, True), _p(3, torch.float32), 1e-5), {}
 
 
+def _stats(x, eps=1e-5):
+    """The forward's (mean, rstd) of x, as the autograd forward saves them."""
+    return torch.ops.flash.layer_norm_with_stats(x.detach(), None, None, eps)[1:]
+
+
+def _samples_ln_with_stats():
+    for i, ((x, w, b, eps), kw) in enumerate(_samples_ln()):
+        if i % 3 == 0:
+            yield tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in (x, w, b, eps)), kw
+
+
 def _samples_ln_bwd():
     for shape in SHAPES[:2]:
         for dtype in DTYPES:
             x, n = randn_rows(shape, dtype), shape[-1]
             yield (torch.randn_like(x), x, _p(n, dtype), _p(n, dtype), 1e-5, 0.0), {}
+            yield (torch.randn_like(x), x, _p(n, dtype), _p(n, dtype), 1e-5, 0.0, *_stats(x)), {}
+    x = randn_rows((2, 3, 32), torch.float32, noncontig=True)
+    mean, rstd = _stats(x)  # as keywords, rstd column-major
+    yield (torch.randn_like(x), x, None, _p(32, torch.float32), 1e-5, 0.0), {"mean": mean, "rstd": rstd.t().contiguous().t()}
     x = randn_rows((4, 32), torch.float32)
     yield (torch.randn_like(x), x, None, None, 1e-5, 0.0), {}
     yield (torch.randn_like(x), x, _p(32, torch.float32), None, 1e-5, 1.0), {}
@@ -49,19 +67,31 @@ def _samples_add():
     yield (randn_rows((3, 16), torch.float32, True), randn_rows((3, 16), torch.float32, True), None, None, 1e-5), {}
 
 
+def _samples_add_with_stats():
+    for i, ((x, r, w, b, eps), kw) in enumerate(_samples_add()):
+        if i % 3 == 0:
+            yield tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in (x, r, w, b, eps)), kw
+
+
 def _samples_add_bwd():
     for dtype in DTYPES:
         s = randn_rows((3, 5, 32), torch.float32)
         yield ((torch.randn_like(s, dtype=dtype), torch.randn_like(s), s, _p(32, dtype), _p(32, dtype),
                 1e-5, 0.0), {})
+        yield ((torch.randn_like(s, dtype=dtype), torch.randn_like(s), s, _p(32, dtype), _p(32, dtype),
+                1e-5, 0.0, *_stats(s)), {})
     yield (torch.randn(4, 16), None, randn_rows((4, 16), torch.float32), None, None, 1e-5, 1.0), {}
     yield (torch.randn(4, 16), None, randn_rows((4, 16), torch.float32), _p(16, torch.float32), None, 1e-5, 0.0), {}
+    s = randn_rows((4, 16), torch.bfloat16)
+    yield (torch.randn_like(s), None, s, None, None, 1e-5, 0.0), dict(zip(("mean", "rstd"), _stats(s)))
 
 
 OPCHECK_SAMPLES = {
     "layer_norm": _samples_ln,
+    "layer_norm_with_stats": _samples_ln_with_stats,
     "layer_norm_backward": _samples_ln_bwd,
     "add_layer_norm": _samples_add,
+    "add_layer_norm_with_stats": _samples_add_with_stats,
     "add_layer_norm_backward": _samples_add_bwd,
 }
 
@@ -174,13 +204,18 @@ def test_bad_inputs(bad, match):
         bad()
 
 
-def test_empty_batch():
-    x = torch.randn(0, 5, 32, requires_grad=True)
-    w, b = torch.ones(32, requires_grad=True), torch.zeros(32, requires_grad=True)
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_empty_batch(monkeypatch, backend):
+    monkeypatch.setenv("TORCH_FLASH_BACKEND", backend)
+    x = torch.randn(0, 5, 32, device=DEV, requires_grad=True)
+    w = torch.ones(32, device=DEV, requires_grad=True)
+    b = torch.zeros(32, device=DEV, requires_grad=True)
     y = layer_norm(x, w, b)
     assert y.shape == x.shape
     y.sum().backward()
     assert x.grad.shape == x.shape and w.grad.shape == w.shape and b.grad.shape == b.shape
+    _, mean, rstd = torch.ops.flash.layer_norm_with_stats(x.detach(), w.detach(), b.detach())
+    assert mean.shape == rstd.shape == (0, 5) and mean.dtype == rstd.dtype == torch.float32
 
 
 def test_inputs_untouched():
@@ -201,3 +236,110 @@ def test_compile_fullgraph():
     x.grad = None
     layer_norm(x, w, b).sum().backward()
     torch.testing.assert_close(g, x.grad)
+
+
+# --------------------------------------------------------------------------------------
+# The backward from the forward's saved mean and rstd
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("add", [False, True], ids=["ln", "add-ln"])
+@pytest.mark.parametrize("block", [None, 16], ids=["one-block", "column-loop"])
+def test_saved_stats_triton(monkeypatch, block, add, dtype):
+    """Triton kernels: the _with_stats ops' mean/rstd are each row's statistics, the ones the
+    kernel normalised with; the backward ops from them match float64 and the recomputing
+    backward (same fp32 arithmetic). block 16: rows of three column blocks, a partial one."""
+    monkeypatch.setenv("TORCH_FLASH_BACKEND", "triton")
+    if block:
+        monkeypatch.setattr(K, "FWD_MAX_BLOCK", block)
+        monkeypatch.setattr(K, "BWD_MAX_BLOCK", block)
+    monkeypatch.setattr(K, "TILE", 2 * (block or 64))  # two-row tiles: several per backward program
+    x = (torch.randn(3, 5, 40, device=DEV) * 2 + 0.5).to(dtype)
+    w, b = torch.randn(40, device=DEV, dtype=dtype), torch.randn(40, device=DEV, dtype=dtype)
+    if add:
+        r = torch.randn_like(x)
+        y, s, mean, rstd = torch.ops.flash.add_layer_norm_with_stats(x, r, w, b, 1e-5, residual_in_fp32=True)
+        assert torch.equal(y, add_layer_norm(x, r, w, b, 1e-5, residual_in_fp32=True)[0])
+    else:
+        (y, mean, rstd), s = torch.ops.flash.layer_norm_with_stats(x, w, b, 1e-5), x
+        assert torch.equal(y, layer_norm(x, w, b, 1e-5))
+    assert mean.shape == rstd.shape == x.shape[:-1] and mean.dtype == rstd.dtype == torch.float32
+    s64 = s.double()
+    assert_rel_close(mean, s64.mean(-1), TOL[torch.float32], what="mean")
+    assert_rel_close(rstd, torch.rsqrt(s64.var(-1, unbiased=False) + 1e-5), TOL[torch.float32], what="rstd")
+    y_from_stats = ((s.float() - mean[..., None]) * rstd[..., None] * w.float() + b.float()).to(dtype)
+    assert rel_err(y, y_from_stats) <= (1e-6 if dtype == torch.float32 else TOL[dtype])
+
+    g = torch.randn_like(y)
+    gs = torch.randn_like(s) if add else None
+    if add:
+        bwd = lambda *stats: torch.ops.flash.add_layer_norm_backward(g, gs, s, w, b, 1e-5, 0.0, *stats)  # noqa: E731
+    else:
+        bwd = lambda *stats: torch.ops.flash.layer_norm_backward(g, s, w, b, 1e-5, 0.0, *stats)  # noqa: E731
+    saved, recomputed = bwd(mean, rstd), bwd()
+    leaves64 = [t.double().requires_grad_() for t in (s, w, b)]
+    _mean_var_ln(*leaves64, 1e-5).backward(g.double())
+    exact = [leaves64[0].grad + (0 if gs is None else gs.double()), leaves64[1].grad, leaves64[2].grad]
+    for got, again, e, name in zip(saved, recomputed, exact, ("dx", "dweight", "dbias")):
+        assert got.dtype == again.dtype and got.shape == again.shape
+        assert rel_err(got, again) <= (1e-6 if dtype == torch.float32 else 0.1 * TOL[dtype]), name
+        assert_rel_close(got, e, 2 * TOL[dtype], what=name)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_autograd_saves_stats(monkeypatch, backend):
+    """With a gradient needed, the forward runs the _with_stats op and the backward op gets its
+    mean and rstd (the Triton backward then skips recomputing them); without, neither. The
+    gradients of a pre-norm block (add_layer_norm, then layer_norm of the sum) match float64."""
+    monkeypatch.setenv("TORCH_FLASH_BACKEND", backend)
+    calls = []
+    for name, flag in (("norm_fwd", "stats"), ("norm_bwd", "rstd")):
+        def spy(*args, fn=getattr(K, name), flag=flag, **kwargs):
+            calls.append((fn.__name__, kwargs.get(flag) is True or isinstance(kwargs.get(flag), torch.Tensor)))
+            return fn(*args, **kwargs)
+        monkeypatch.setattr(K, name, spy)
+    x, r = torch.randn(4, 48, device=DEV), torch.randn(4, 48, device=DEV)
+    w, b = torch.randn(48, device=DEV), torch.randn(48, device=DEV)
+    torch_flash._dispatch.LAST.clear()
+    with torch.no_grad():
+        layer_norm(x, w, b)
+    assert set(torch_flash._dispatch.LAST) == {"layer_norm"}
+    leaves = [t.clone().requires_grad_() for t in (x, r, w, b)]
+    y, s = add_layer_norm(*leaves, 1e-5)
+    y2 = layer_norm(s, leaves[2], leaves[3], 1e-5)
+    seeds = torch.randn_like(y), torch.randn_like(y2)
+    torch.autograd.backward((y, y2), seeds)
+    assert set(torch_flash._dispatch.LAST) == {"layer_norm", "add_layer_norm_with_stats", "layer_norm_with_stats",
+                                               "layer_norm_backward", "add_layer_norm_backward"}
+    if backend == "triton":
+        assert calls == [("norm_fwd", False), ("norm_fwd", True), ("norm_fwd", True),
+                         ("norm_bwd", True), ("norm_bwd", True)]
+    leaves64 = [t.double().requires_grad_() for t in (x, r, w, b)]
+    s64 = leaves64[0] + leaves64[1]
+    ys64 = [_mean_var_ln(src, leaves64[2], leaves64[3], 1e-5) for src in (s64, s64)]
+    torch.autograd.backward(ys64, [t.double() for t in seeds])
+    for a, e, name in zip(leaves, leaves64, ("dx", "dresidual", "dweight", "dbias")):
+        assert_rel_close(a.grad, e.grad, 2 * TOL[torch.float32], what=name)
+
+
+STATS_ERRORS = [
+    (lambda m, r: (m, None), "mean and rstd must be given together"),
+    (lambda m, r: (None, r), "mean and rstd must be given together"),
+    (lambda m, r: (m[:3], r), r"mean has shape \(3,\), expected x's shape without the last dim \(4,\)"),
+    (lambda m, r: (m, r.reshape(2, 2)), r"rstd has shape \(2, 2\)"),
+    (lambda m, r: (m.double(), r), "mean has dtype torch.float64"),
+    (lambda m, r: (m, r.bfloat16()), "rstd has dtype torch.bfloat16"),
+    (lambda m, r: (m, r.to("meta")), "all tensors must be on one device"),
+]
+
+
+@pytest.mark.parametrize("make,match", STATS_ERRORS)
+@pytest.mark.parametrize("add", [False, True], ids=["ln", "add-ln"])
+def test_bad_stats(make, match, add):
+    x, g = torch.randn(4, 8), torch.randn(4, 8)
+    mean, rstd = make(torch.zeros(4), torch.ones(4))
+    op = "add_layer_norm_backward" if add else "layer_norm_backward"
+    with pytest.raises(ValueError, match=f"flash.{op}: {match}"):
+        if add:
+            torch.ops.flash.add_layer_norm_backward(g, None, x, None, None, 1e-5, 0.0, mean, rstd)
+        else:
+            torch.ops.flash.layer_norm_backward(g, x, None, None, 1e-5, 0.0, mean=mean, rstd=rstd)

@@ -1,4 +1,6 @@
-"""Attention benchmark: our Triton kernels vs SDPA's flash, cuDNN and efficient backends.
+"""Attention benchmark: our Triton kernels and, where torch_flash._C is built, the Hopper
+forward of csrc/attention, vs SDPA's flash, cuDNN and efficient backends (flash-op is
+flash.attention as dispatched: the CUDA forward where it serves, Triton otherwise).
 
 Grid (DESIGN.md): bf16, 32k tokens per batch, hidden 2048 (H = 2048 / D), D in {64, 128},
 S in {1k, 4k, 16k} (B = 32k / S), causal and not. Inputs are (B, S, H, D) buffers viewed as
@@ -13,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from .. import _extension
 from ._common import try_time
 
 TOKENS, HIDDEN = 32 * 1024, 2048
@@ -63,6 +66,9 @@ def _time_point(d: int, s: int, b: int, causal: bool) -> list[dict]:
     timings: dict[tuple[str, str], float | None] = {}
 
     timings["triton", "fwd"] = try_time("triton fwd", lambda: tk.attention_fwd(q, k, v, None, **flags))
+    if _extension.loaded():  # the Hopper kernel of csrc/attention (forward only)
+        timings["cuda-sm90", "fwd"] = try_time("cuda-sm90 fwd", lambda: torch.ops.flash.attention_fwd_sm90(
+            q, k, v, d ** -0.5, causal))
     out, lse = tk.attention_fwd(q, k, v, None, **flags)
     for impl, det in (("triton", False), ("triton-det", True)):
         timings[impl, "bwd"] = try_time(f"{impl} bwd", lambda det=det, out=out, lse=lse: tk.attention_bwd(

@@ -131,8 +131,11 @@ def run(args) -> list[dict]:
             pairs = {"eager": autograd_pair(eager, [x, w, b], g),
                      "compile": autograd_pair(compiled, [x, w, b], g),
                      "liger": None if liger is None else autograd_pair(liger, [x, w, b], g)}
+            # the backward as autograd runs it: LayerNorm's reads the forward's saved mean/rstd
+            stats = {} if is_rms else dict(zip(("mean", "rstd"), norm_fwd(
+                x, w, b, None, residual_in_fp32=False, stats=True, **kw)[2:]))
             ours = (lambda: norm_fwd(x, w, b, None, residual_in_fp32=False, **kw),
-                    lambda: norm_bwd(g, None, x, w, b, out_dtype=x.dtype, **kw))
+                    lambda: norm_bwd(g, None, x, w, b, out_dtype=x.dtype, **stats, **kw))
             params = 1 if is_rms else 2  # weight (and bias) vectors
             e = x.element_size()
             fwd_bytes = 2 * m * n * e + params * n * e  # x, params in; y out

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from torch.library import triton_op
 
-from .. import _dispatch
+from .. import _dispatch, _extension
 from ..reference import attention as ref
 from ..reference._common import compute_dtype
 from ._autograd import grad_or_empty, register_autograd_via
@@ -85,11 +85,51 @@ def spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p,
 def use_triton(op: str, q: Tensor, k: Tensor, v: Tensor, attn_bias, dropout_p: float) -> bool:
     """Whether this call runs the Triton kernels (torch_flash/kernels/triton/attention.py):
     select() decides, told whether they support these inputs."""
-    triton = _dispatch.triton_can_run(q.device)
-    if triton:
-        from ..kernels.triton.attention import supports
-        triton = supports(q, k, v, attn_bias, dropout_p)
-    return _dispatch.select(op, q.device, triton=triton) == "triton"
+    return _dispatch.select(op, q.device, triton=_triton_serves(q, k, v, attn_bias, dropout_p)) == "triton"
+
+
+def _triton_serves(q: Tensor, k: Tensor, v: Tensor, attn_bias, dropout_p: float) -> bool:
+    if not _dispatch.triton_can_run(q.device):
+        return False
+    from ..kernels.triton.attention import supports
+    return supports(q, k, v, attn_bias, dropout_p)
+
+
+def check_sm90_args(op: str, q, k, v, causal: bool) -> None:
+    """flash.attention_fwd_sm90's contract: fp16/bf16 (B, H, S, D) tensors with one head dim,
+    Sq a multiple of 8 (the kernel's TMA loads), causal only with Sq == Sk (its mask is
+    top-left aligned, flash.attention's bottom-right one, the same only then)."""
+    check_args(op, q, k, v, None, 0.0, 0.0, None, -1, -1)
+    check(q.dtype in (torch.float16, torch.bfloat16), op, f"q, k, v must be float16 or bfloat16, got {q.dtype}")
+    check(v.shape[-1] == q.shape[-1], op, f"v has head dim {v.shape[-1]} but q has {q.shape[-1]}")
+    check(q.shape[2] % 8 == 0, op, f"seqlen_q must be a multiple of 8, got {q.shape[2]}")
+    check(q.shape[2] > 0 and k.shape[2] > 0, op, f"empty sequences: Sq {q.shape[2]}, Sk {k.shape[2]}")
+    check(not causal or q.shape[2] == k.shape[2], op,
+          f"causal needs seqlen_q == seqlen_k, got {q.shape[2]} and {k.shape[2]}")
+
+
+def _sm90_serves(q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: ref.Spec) -> bool:
+    """Whether the Hopper kernel of csrc/attention (flash.attention_fwd_sm90) serves this call:
+    built for this head dim, an sm_90 GPU, no bias/window/softcap/dropout, and the layout its
+    TMA descriptors need (16-byte aligned, strides within 32 bits). Works on fake tensors."""
+    info = _extension.build_info()
+    if (info is None or "flash::attention_fwd_sm90" not in info["ops"] or q.device.type != "cuda"
+            or torch.cuda.get_device_capability(q.device) != (9, 0)):
+        return False
+    b, hq, sq, d = q.shape
+    sk = k.shape[2]
+    if (q.dtype not in (torch.float16, torch.bfloat16) or d not in info["hdims"] or v.shape[-1] != d
+            or attn_bias is not None or spec.dropout_p > 0 or spec.softcap > 0
+            or spec.window_left >= 0 or spec.window_right >= 0 or sq == 0 or sk == 0 or sq % 8
+            or (spec.causal and sq != sk)):
+        return False
+    group = hq // k.shape[1]
+    # in elements: a multiple of 8 is 16 bytes; tensors come from 512-byte aligned allocations
+    for t in (q, k, v):
+        strides = (t.storage_offset(), *t.stride()[:3])
+        if any(s % 8 for s in strides) or max(t.stride()[:3]) * group >= 2**31:
+            return False
+    return True
 
 
 def kernel_flags(spec: ref.Spec) -> dict:
@@ -103,7 +143,11 @@ def _forward(op: str, q, k, v, attn_bias, scale, causal, window_left, window_rig
              dropout_p, dropout_seed) -> tuple[Tensor, Tensor]:
     check_args(op, q, k, v, attn_bias, softcap, dropout_p, dropout_seed, window_left, window_right)
     spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
-    if use_triton(op, q, k, v, attn_bias, dropout_p):
+    backend = _dispatch.select(op, q.device, triton=_triton_serves(q, k, v, attn_bias, dropout_p),
+                               cuda=_sm90_serves(q, k, v, attn_bias, spec))
+    if backend == "cuda":
+        return torch.ops.flash.attention_fwd_sm90(q, k, v, spec.scale, spec.causal)
+    if backend == "triton":
         from ..kernels.triton.attention import attention_fwd
         return attention_fwd(q, k, v, attn_bias, **kernel_flags(spec))
     return ref.forward(q, k, v, attn_bias, spec)
@@ -146,6 +190,16 @@ def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
         dq, dk, dv, dbias = ref.backward(grad_out, grad_lse, q, k, v, attn_bias, out, lse, spec,
                                          bias_requires_grad)
     return dq, dk, dv, grad_or_empty(dbias, q)
+
+
+@torch.library.custom_op("flash::attention_fwd_sm90", mutates_args=())
+def _attention_fwd_sm90(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    """(out, lse) of flash.attention_with_lse for the calls the Hopper kernel serves (see
+    check_sm90_args). torch_flash._C registers that kernel for CUDA tensors; this body, the
+    reference, runs elsewhere (CPU tensors, or no extension). No autograd of its own: it is
+    the forward inside flash.attention's, whose backward reads its lse."""
+    check_sm90_args("attention_fwd_sm90", q, k, v, causal)
+    return ref.forward(q, k, v, None, ref.Spec(scale, causal))
 
 
 _SCALARS = ("causal", "window_left", "window_right", "softcap", "dropout_p")

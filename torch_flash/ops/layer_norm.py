@@ -1,8 +1,11 @@
 """flash.layer_norm and flash.add_layer_norm: schemas, dispatch, autograd, public functions.
 
 Shapes: x (..., N), weight and bias (N,) or None, residual like x. Statistics and affine
-in fp32, y in x's dtype (torch_flash/reference/layer_norm.py has the formula). As for
-rms_norm, the backward recomputes mean and rstd from x instead of saving them.
+in fp32, y in x's dtype (torch_flash/reference/layer_norm.py has the formula). With a
+gradient needed, the forward runs the internal flash.(add_)layer_norm_with_stats, which also
+returns each row's fp32 mean and rstd (M floats each), and the backward ops take them, so
+that the Triton backward needs one cross-warp reduction round per row tile instead of two
+(the mean's, then the row sums'). Without them the backward ops recompute the statistics.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from torch import Tensor
 from torch.library import triton_op
 
 from ..reference import layer_norm as ref
-from ._autograd import grad_or_empty
+from ._autograd import grad_or_empty, register_autograd_via
 from ._checks import check, check_same_device, check_tensor
 from .rms_norm import triton_backward, triton_forward
 from .rms_norm import check_args as _check_x_weight_residual
@@ -28,25 +31,67 @@ def check_args(op: str, x, weight, bias, eps, residual=None) -> None:
         check_same_device(op, x=x, bias=bias)
 
 
+def check_stats(op: str, x, mean, rstd) -> None:
+    """mean and rstd (the forward's, for the backward): both or neither, fp32, x.shape[:-1]."""
+    check((mean is None) == (rstd is None), op, "mean and rstd must be given together or not at all")
+    if rstd is None:
+        return
+    for name, t in (("mean", mean), ("rstd", rstd)):
+        check_tensor(op, name, t, dtypes=(torch.float32,))
+        check(t.shape == x.shape[:-1], op,
+              f"{name} has shape {tuple(t.shape)}, expected x's shape without the last dim {tuple(x.shape[:-1])}")
+    check_same_device(op, x=x, mean=mean, rstd=rstd)
+
+
+def _forward(op: str, x, residual, weight, bias, eps, weight_offset, residual_in_fp32, stats: bool):
+    """(y, residual_out or None), plus (mean, rstd) with stats, on the path select() picks."""
+    check_args(op, x, weight, bias, eps, residual)
+    fused = triton_forward(op, x, weight, bias, residual, eps=eps, is_rms=False, weight_offset=weight_offset,
+                           cast_before_weight=False, residual_in_fp32=residual_in_fp32, stats=stats)
+    if fused is not None:
+        return fused
+    if residual is None:
+        y, *rest = ref.layer_norm_with_stats(x, weight, bias, eps, weight_offset)
+        return (y, None, *rest) if stats else (y, None)
+    y, ro, *rest = ref.add_layer_norm_with_stats(x, residual, weight, bias, eps, weight_offset, residual_in_fp32)
+    return (y, ro, *rest) if stats else (y, ro)
+
+
 @triton_op("flash::layer_norm", mutates_args=())
 def _layer_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None,
                 eps: float = 1e-5, *, weight_offset: float = 0.0) -> Tensor:
-    check_args("layer_norm", x, weight, bias, eps)
-    fused = triton_forward("layer_norm", x, weight, bias, None, eps=eps, is_rms=False,
-                           weight_offset=weight_offset, cast_before_weight=False, residual_in_fp32=False)
-    if fused is not None:
-        return fused[0]
-    return ref.layer_norm(x, weight, bias, eps, weight_offset)
+    return _forward("layer_norm", x, None, weight, bias, eps, weight_offset, False, False)[0]
+
+
+@triton_op("flash::layer_norm_with_stats", mutates_args=())
+def _layer_norm_with_stats(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None,
+                           eps: float = 1e-5, *, weight_offset: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+    """(y, mean, rstd): flash.layer_norm and each row's fp32 statistics (x.shape[:-1]) as the
+    forward used them, for flash.layer_norm_backward (the autograd forward of flash.layer_norm)."""
+    y, _, mean, rstd = _forward("layer_norm_with_stats", x, None, weight, bias, eps, weight_offset, False, True)
+    return y, mean, rstd
+
+
+def _backward(op: str, grad_y, grad_residual_out, x, weight, bias, eps, weight_offset, mean, rstd):
+    """(dx + grad_residual_out, dweight or None, dbias or None), dx in the compute dtype or x's.
+    The reference recomputes the statistics (exact in fp64, where fp32 stats would not be)."""
+    check_stats(op, x, mean, rstd)
+    grads = triton_backward(op, grad_y, grad_residual_out, x, weight, bias, eps=eps, is_rms=False,
+                            weight_offset=weight_offset, cast_before_weight=False, out_dtype=x.dtype,
+                            mean=mean, rstd=rstd)
+    if grads is not None:
+        return grads
+    dx, dw, db = ref.layer_norm_backward(grad_y, x, weight, bias, eps, weight_offset)
+    return (dx if grad_residual_out is None else dx + grad_residual_out), dw, db
 
 
 @triton_op("flash::layer_norm_backward", mutates_args=())
 def _layer_norm_backward(grad_y: Tensor, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
-                         eps: float, weight_offset: float) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns (dx, dweight, dbias); dweight/dbias are empty where weight/bias is None."""
-    grads = triton_backward("layer_norm_backward", grad_y, None, x, weight, bias, eps=eps, is_rms=False,
-                            weight_offset=weight_offset, cast_before_weight=False, out_dtype=x.dtype)
-    dx, dw, db = grads if grads is not None else ref.layer_norm_backward(grad_y, x, weight, bias, eps,
-                                                                         weight_offset)
+                         eps: float, weight_offset: float, mean: Optional[Tensor] = None,
+                         rstd: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns (dx, dweight, dbias); dweight/dbias are empty where weight/bias is None. mean and
+    rstd: flash.layer_norm_with_stats's, or None to recompute them from x."""
+    dx, dw, db = _backward("layer_norm_backward", grad_y, None, x, weight, bias, eps, weight_offset, mean, rstd)
     return dx.to(x.dtype), grad_or_empty(dw, x), grad_or_empty(db, x)
 
 
@@ -54,30 +99,28 @@ def _layer_norm_backward(grad_y: Tensor, x: Tensor, weight: Optional[Tensor], bi
 def _add_layer_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor] = None,
                     bias: Optional[Tensor] = None, eps: float = 1e-5, *, weight_offset: float = 0.0,
                     residual_in_fp32: bool = False) -> tuple[Tensor, Tensor]:
-    check_args("add_layer_norm", x, weight, bias, eps, residual)
-    fused = triton_forward("add_layer_norm", x, weight, bias, residual, eps=eps, is_rms=False,
-                           weight_offset=weight_offset, cast_before_weight=False,
-                           residual_in_fp32=residual_in_fp32)
-    if fused is not None:
-        return fused
-    return ref.add_layer_norm(x, residual, weight, bias, eps, weight_offset, residual_in_fp32)
+    return _forward("add_layer_norm", x, residual, weight, bias, eps, weight_offset, residual_in_fp32, False)
+
+
+@triton_op("flash::add_layer_norm_with_stats", mutates_args=())
+def _add_layer_norm_with_stats(x: Tensor, residual: Tensor, weight: Optional[Tensor] = None,
+                               bias: Optional[Tensor] = None, eps: float = 1e-5, *, weight_offset: float = 0.0,
+                               residual_in_fp32: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(y, residual_out, mean, rstd): flash.add_layer_norm and the fp32 statistics of each row of
+    residual_out (x.shape[:-1]), for flash.add_layer_norm_backward."""
+    return _forward("add_layer_norm_with_stats", x, residual, weight, bias, eps, weight_offset,
+                    residual_in_fp32, True)
 
 
 @triton_op("flash::add_layer_norm_backward", mutates_args=())
 def _add_layer_norm_backward(grad_y: Tensor, grad_residual_out: Optional[Tensor], residual_out: Tensor,
                              weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
-                             weight_offset: float) -> tuple[Tensor, Tensor, Tensor]:
+                             weight_offset: float, mean: Optional[Tensor] = None,
+                             rstd: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """Returns (d(x + residual), dweight, dbias); the caller casts the first to x's and
-    residual's dtypes."""
-    grads = triton_backward("add_layer_norm_backward", grad_y, grad_residual_out, residual_out, weight,
-                            bias, eps=eps, is_rms=False, weight_offset=weight_offset,
-                            cast_before_weight=False, out_dtype=grad_y.dtype)
-    if grads is not None:
-        dsum, dw, db = grads
-    else:
-        dsum, dw, db = ref.layer_norm_backward(grad_y, residual_out, weight, bias, eps, weight_offset)
-        if grad_residual_out is not None:
-            dsum = dsum + grad_residual_out
+    residual's dtypes. mean and rstd: flash.add_layer_norm_with_stats's, or None."""
+    dsum, dw, db = _backward("add_layer_norm_backward", grad_y, grad_residual_out, residual_out, weight, bias,
+                             eps, weight_offset, mean, rstd)
     return dsum.to(residual_out.dtype), grad_or_empty(dw, residual_out), grad_or_empty(db, residual_out)
 
 
@@ -85,38 +128,45 @@ def _present(grad: Tensor, param: Optional[Tensor]) -> Optional[Tensor]:
     return None if param is None else grad
 
 
-def _ln_setup(ctx, inputs, keyword_only_inputs, output):
-    x, weight, bias, eps = inputs
-    ctx.save_for_backward(x, weight, bias)
-    ctx.eps = eps
-    ctx.weight_offset = keyword_only_inputs["weight_offset"]
+def _ln_forward(**inputs):
+    y, mean, rstd = torch.ops.flash.layer_norm_with_stats(**inputs)
+    return y, (mean, rstd)
+
+
+def _ln_setup(ctx, inputs, y, stats):
+    ctx.save_for_backward(inputs["x"], inputs["weight"], inputs["bias"], *stats)
+    ctx.eps, ctx.weight_offset = inputs["eps"], inputs["weight_offset"]
 
 
 def _ln_backward(ctx, grad_y):
-    x, weight, bias = ctx.saved_tensors
-    dx, dw, db = torch.ops.flash.layer_norm_backward(grad_y, x, weight, bias, ctx.eps, ctx.weight_offset)
-    return dx, _present(dw, weight), _present(db, bias), None
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    dx, dw, db = torch.ops.flash.layer_norm_backward(grad_y, x, weight, bias, ctx.eps, ctx.weight_offset,
+                                                     mean, rstd)
+    return {"x": dx, "weight": _present(dw, weight), "bias": _present(db, bias)}
 
 
-def _add_ln_setup(ctx, inputs, keyword_only_inputs, output):
-    x, residual, weight, bias, eps = inputs
-    _, residual_out = output
-    ctx.save_for_backward(residual_out, weight, bias)
-    ctx.eps = eps
-    ctx.weight_offset = keyword_only_inputs["weight_offset"]
-    ctx.x_dtype, ctx.residual_dtype = x.dtype, residual.dtype
+def _add_ln_forward(**inputs):
+    y, residual_out, mean, rstd = torch.ops.flash.add_layer_norm_with_stats(**inputs)
+    return (y, residual_out), (residual_out, mean, rstd)
+
+
+def _add_ln_setup(ctx, inputs, output, state):
+    ctx.save_for_backward(*state, inputs["weight"], inputs["bias"])
+    ctx.eps, ctx.weight_offset = inputs["eps"], inputs["weight_offset"]
+    ctx.x_dtype, ctx.residual_dtype = inputs["x"].dtype, inputs["residual"].dtype
 
 
 def _add_ln_backward(ctx, grad_y, grad_residual_out):
-    residual_out, weight, bias = ctx.saved_tensors
+    residual_out, mean, rstd, weight, bias = ctx.saved_tensors
     dsum, dw, db = torch.ops.flash.add_layer_norm_backward(
-        grad_y, grad_residual_out, residual_out, weight, bias, ctx.eps, ctx.weight_offset)
-    return (dsum.to(ctx.x_dtype), dsum.to(ctx.residual_dtype), _present(dw, weight), _present(db, bias),
-            None)
+        grad_y, grad_residual_out, residual_out, weight, bias, ctx.eps, ctx.weight_offset, mean, rstd)
+    return {"x": dsum.to(ctx.x_dtype), "residual": dsum.to(ctx.residual_dtype),
+            "weight": _present(dw, weight), "bias": _present(db, bias)}
 
 
-_layer_norm.register_autograd(_ln_backward, setup_context=_ln_setup)
-_add_layer_norm.register_autograd(_add_ln_backward, setup_context=_add_ln_setup)
+register_autograd_via(_layer_norm, forward=_ln_forward, setup_context=_ln_setup, backward=_ln_backward)
+register_autograd_via(_add_layer_norm, forward=_add_ln_forward, setup_context=_add_ln_setup,
+                      backward=_add_ln_backward)
 
 
 def layer_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None,

@@ -51,8 +51,9 @@ def _use_triton(op: str, x: Tensor, weight) -> bool:
 
 def triton_forward(op: str, x, weight, bias, residual, **flags):
     """(y, residual_out or None) from torch_flash/kernels/triton/norm.py when it serves this
-    call, else None. flags: eps, is_rms, weight_offset, cast_before_weight, residual_in_fp32.
-    Serves the RMSNorm and LayerNorm ops alike."""
+    call, else None. flags: eps, is_rms, weight_offset, cast_before_weight, residual_in_fp32,
+    and optionally stats=True (then also each row's (mean, rstd)). Serves the RMSNorm and
+    LayerNorm ops alike."""
     if not _use_triton(op, x, weight):
         return None
     from ..kernels.triton.norm import norm_fwd
@@ -61,7 +62,8 @@ def triton_forward(op: str, x, weight, bias, residual, **flags):
 
 def triton_backward(op: str, grad_y, grad_residual_out, x, weight, bias, **flags):
     """(dx, dweight or None, dbias or None) from the Triton kernel, or None when it does not
-    serve this call. flags: eps, is_rms, weight_offset, cast_before_weight, out_dtype."""
+    serve this call. flags: eps, is_rms, weight_offset, cast_before_weight, out_dtype, and
+    optionally the forward's mean and rstd (else recomputed)."""
     if not _use_triton(op, x, weight):
         return None
     from ..kernels.triton.norm import norm_bwd

@@ -199,6 +199,12 @@ def attention(q, k, v, attn_bias=None, **kwargs):
     return attention_with_lse(q, k, v, attn_bias, **kwargs)[0]
 
 
+def attention_fwd_sm90(q, k, v, scale, causal):
+    """flash.attention_fwd_sm90 by the formula: (out, lse) of `attention_with_lse` (the op
+    takes causal only with Sq == Sk, where top-left and bottom-right alignment agree)."""
+    return attention_with_lse(q, k, v, scale=scale, causal=causal)
+
+
 # ---------------------------------------------------------------------------- CPU path
 
 _CPU_FLASH_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

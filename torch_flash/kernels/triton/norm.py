@@ -9,9 +9,12 @@ Statistics are fp32. Dtype rules follow torch_flash/reference/rms_norm.py and la
   affine is fp32 and y is x's dtype. LayerNorm callers pass cast_before_weight=False.
 * With a residual: residual_out = x + residual, stored in fp32 or x's dtype, and y is computed
   from residual_out as stored (y still in the dtype above, xhat still rounded to x's dtype).
-* The backward recomputes mean/rstd from x (or residual_out). dW/dB: each program sums
-  g * xhat over its own range of rows into one row of an fp32 (programs, N) buffer, then
-  torch.sum over the programs: no atomics, bitwise reproducible.
+* The forward can also store each row's fp32 mean and rstd (stats=True); the backward then
+  reads them (LayerNorm: one cross-warp reduction round per row tile instead of two, and the
+  column loop skips its statistics pass), else recomputes them from x (or residual_out) with
+  the forward's arithmetic. dW/dB: each program sums g * xhat over its own range of rows into
+  one row of an fp32 (programs, N) buffer, then torch.sum over the programs: no atomics,
+  bitwise reproducible.
 
 A row that fits one block (N <= BLOCK_N) is read once and kept in registers. Longer rows loop
 over column blocks: statistics first (Chan's merge of per-block mean and M2, so no cancellation
@@ -122,11 +125,12 @@ def _normalize_store(x, mean, rstd, W, B, Y, rows, cols, mask, col_mask, stride_
 
 @triton.autotune(configs=_configs((4, 8, 16)), key=["N", "BLOCK_N", "ROWS"])
 @triton.jit
-def _norm_fwd_kernel(X, R, W, B, Y, RO, M, N, stride_x, stride_r, stride_y, stride_ro,
+def _norm_fwd_kernel(X, R, W, B, Y, RO, MEAN, RSTD, M, N, stride_x, stride_r, stride_y, stride_ro,
                      eps, weight_offset,
                      IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr,
                      HAS_B: tl.constexpr, CAST_BEFORE_W: tl.constexpr, ROUND: tl.constexpr,
-                     ONE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+                     STORE_STATS: tl.constexpr, ONE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+                     ROWS: tl.constexpr):
     eps, weight_offset = fp32(eps), fp32(weight_offset)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < M
@@ -160,6 +164,20 @@ def _norm_fwd_kernel(X, R, W, B, Y, RO, M, N, stride_x, stride_r, stride_y, stri
                 x = _tile(X, rows, cols, mask, stride_x)
             _normalize_store(x, mean, rstd, W, B, Y, rows, cols, mask, col_mask, stride_y, weight_offset,
                              IS_RMS, HAS_W, HAS_B, CAST_BEFORE_W, ROUND)
+    if STORE_STATS:  # for the backward (MEAN, RSTD: M fp32 each, indexed by row)
+        tl.store(MEAN + rows, mean, mask=row_mask)
+        tl.store(RSTD + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _saved_stats(MEAN, RSTD, rows, row_mask, HAS_STATS: tl.constexpr):
+    """The forward's (mean, rstd) of these rows, or zeros (unused) when the backward recomputes them."""
+    mean = tl.zeros(rows.shape, dtype=tl.float32)
+    rstd = mean
+    if HAS_STATS:
+        mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+    return mean, rstd
 
 
 @triton.jit
@@ -214,24 +232,32 @@ def _add3(a0, b0, c0, a1, b1, c1):
 
 
 @triton.jit
-def _row_sums(x, g, wo, mask, N, eps, IS_RMS: tl.constexpr):
+def _row_sums(x, g, wo, mask, N, eps, mean, rstd, IS_RMS: tl.constexpr, HAS_STATS: tl.constexpr):
     """Statistics and the backward's row sums of whole rows held in registers: (mean, rstd, c1,
-    c2, xhat, dxhat) with c1 = mean(dxhat * xhat), c2 = mean(dxhat). Since xhat = (x - mean) *
-    rstd, c1 = rstd * mean(dxhat * (x - mean)): the sums that need rstd are taken in the same
-    multi-operand reduction as sum((x - mean)^2), one cross-warp round (LayerNorm: after the
-    mean's) where computing rstd first would take two more."""
-    dxhat = g * wo
-    if IS_RMS:
-        mean = tl.zeros([x.shape[0]], dtype=tl.float32)
-        d = x
-        m2, s1 = tl.reduce((x * x, dxhat * x), 1, _add2)
-        s2 = mean
+    c2, xhat, dxhat) with c1 = mean(dxhat * xhat), c2 = mean(dxhat). With HAS_STATS, mean and
+    rstd are the forward's and both sums take one cross-warp round. Without, they are
+    recomputed: since xhat = (x - mean) * rstd, c1 = rstd * mean(dxhat * (x - mean)), so the
+    sums that need rstd are taken in the same multi-operand reduction as sum((x - mean)^2), one
+    round (LayerNorm: after the mean's) where computing rstd first would take two more."""
+    if HAS_STATS:
+        xhat, dxhat = _grad_tile(x, g, wo, mean, rstd, mask, IS_RMS)
+        c1, c2 = tl.reduce((dxhat * xhat, dxhat), 1, _add2)
+        c1, c2 = c1 / N, c2 / N
     else:
-        mean = tl.sum(x, axis=1) / N
-        d = tl.where(mask, x - mean[:, None], 0.0)
-        m2, s1, s2 = tl.reduce((d * d, dxhat * d, dxhat), 1, _add3)
-    rstd = tl.rsqrt(m2 / N + eps)
-    return mean, rstd, s1 * rstd / N, s2 / N, tl.where(mask, d * rstd[:, None], 0.0), dxhat
+        dxhat = g * wo
+        if IS_RMS:
+            mean = tl.zeros([x.shape[0]], dtype=tl.float32)
+            d = x
+            m2, s1 = tl.reduce((x * x, dxhat * x), 1, _add2)
+            s2 = mean
+        else:
+            mean = tl.sum(x, axis=1) / N
+            d = tl.where(mask, x - mean[:, None], 0.0)
+            m2, s1, s2 = tl.reduce((d * d, dxhat * d, dxhat), 1, _add3)
+        rstd = tl.rsqrt(m2 / N + eps)
+        c1, c2 = s1 * rstd / N, s2 / N
+        xhat = tl.where(mask, d * rstd[:, None], 0.0)
+    return mean, rstd, c1, c2, xhat, dxhat
 
 
 @triton.jit
@@ -246,12 +272,12 @@ def _param_grads(g, xhat, mask, CAST_BEFORE_W: tl.constexpr, ROUND: tl.constexpr
 
 @triton.autotune(configs=_configs((4, 8, 16, 32)), key=["N", "BLOCK_N", "ROWS"])
 @triton.jit
-def _norm_bwd_kernel(G, GR, X, W, DX, DWP, DBP, M, N, stride_g, stride_gr, stride_x, stride_dx,
-                     eps, weight_offset,
+def _norm_bwd_kernel(G, GR, X, W, MEAN, RSTD, DX, DWP, DBP, M, N, stride_g, stride_gr, stride_x,
+                     stride_dx, eps, weight_offset,
                      IS_RMS: tl.constexpr, HAS_GRES: tl.constexpr, HAS_W: tl.constexpr,
                      HAS_DW: tl.constexpr, HAS_DB: tl.constexpr, CAST_BEFORE_W: tl.constexpr,
-                     ROUND: tl.constexpr, ONE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-                     ROWS: tl.constexpr):
+                     ROUND: tl.constexpr, HAS_STATS: tl.constexpr, ONE_BLOCK: tl.constexpr,
+                     BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
     eps, weight_offset = fp32(eps), fp32(weight_offset)
     # Program p owns rows [p*M//P, (p+1)*M//P) (at least one, as P <= M) and row p of the partials.
     pid = tl.program_id(0).to(tl.int64)
@@ -268,18 +294,21 @@ def _norm_bwd_kernel(G, GR, X, W, DX, DWP, DBP, M, N, stride_g, stride_gr, strid
         mask = (rows < row_end)[:, None] & col_mask[None, :]
         x_next = tl.load(_ptrs(X, rows, cols, stride_x), mask=mask, other=0.0)
         g_next = tl.load(_ptrs(G, rows, cols, stride_g), mask=mask, other=0.0)
+        mean_next, rstd_next = _saved_stats(MEAN, RSTD, rows, rows < row_end, HAS_STATS)
         for r0 in range(row_start, row_end, ROWS):
             rows = r0 + tl.arange(0, ROWS)
             mask = (rows < row_end)[:, None] & col_mask[None, :]
             x = x_next.to(tl.float32)
             g = g_next.to(tl.float32)
+            mean, rstd = mean_next, rstd_next
             gr = _residual_grad(GR, rows, cols, mask, stride_gr, HAS_GRES)
             # Prefetch the next tile (Triton does not pipeline these loads itself): one program
             # per SM is all the registers allow, so its loads must overlap its own math.
             next_mask = (rows + ROWS < row_end)[:, None] & col_mask[None, :]
             x_next = tl.load(_ptrs(X, rows + ROWS, cols, stride_x), mask=next_mask, other=0.0)
             g_next = tl.load(_ptrs(G, rows + ROWS, cols, stride_g), mask=next_mask, other=0.0)
-            mean, rstd, c1, c2, xhat, dxhat = _row_sums(x, g, wo, mask, N, eps, IS_RMS)
+            mean_next, rstd_next = _saved_stats(MEAN, RSTD, rows + ROWS, rows + ROWS < row_end, HAS_STATS)
+            mean, rstd, c1, c2, xhat, dxhat = _row_sums(x, g, wo, mask, N, eps, mean, rstd, IS_RMS, HAS_STATS)
             _dx_store(xhat, dxhat, c1, c2, rstd, gr, DX, rows, cols, mask, stride_dx, IS_RMS, HAS_GRES)
             dw_t, db_t = _param_grads(g, xhat, mask, CAST_BEFORE_W, ROUND)
             dw += dw_t
@@ -288,17 +317,20 @@ def _norm_bwd_kernel(G, GR, X, W, DX, DWP, DBP, M, N, stride_g, stride_gr, strid
             tl.store(DWP + pid * N + cols, dw, mask=col_mask)
         if HAS_DB:
             tl.store(DBP + pid * N + cols, db, mask=col_mask)
-    else:  # three passes per row tile: statistics, the two row sums, then dx and the partials
+    else:  # per row tile: statistics (unless saved), the two row sums, then dx and the partials
         for r0 in range(row_start, row_end, ROWS):
             rows = r0 + tl.arange(0, ROWS)
             row_mask = rows < row_end
-            mean, m2 = zero, zero
-            for off in range(0, N, BLOCK_N):
-                cols = off + tl.arange(0, BLOCK_N)
-                mask = row_mask[:, None] & (cols < N)[None, :]
-                x = _tile(X, rows, cols, mask, stride_x)
-                mean, m2 = _stats_update(x, mask, off, N, mean, m2, IS_RMS, BLOCK_N)
-            rstd = tl.rsqrt(m2 / N + eps)
+            if HAS_STATS:
+                mean, rstd = _saved_stats(MEAN, RSTD, rows, row_mask, HAS_STATS)
+            else:
+                mean, m2 = zero, zero
+                for off in range(0, N, BLOCK_N):
+                    cols = off + tl.arange(0, BLOCK_N)
+                    mask = row_mask[:, None] & (cols < N)[None, :]
+                    x = _tile(X, rows, cols, mask, stride_x)
+                    mean, m2 = _stats_update(x, mask, off, N, mean, m2, IS_RMS, BLOCK_N)
+                rstd = tl.rsqrt(m2 / N + eps)
             c1, c2 = zero, zero
             for off in range(0, N, BLOCK_N):
                 cols = off + tl.arange(0, BLOCK_N)
@@ -374,7 +406,8 @@ def _finish(out: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def _vector(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.contiguous()  # the kernels index weight and bias densely
+    # the kernels index weight, bias and the row statistics densely (rows in x's row order)
+    return None if t is None else t.contiguous()
 
 
 def _blocks(n: int, cap: int, block_n: int | None) -> tuple[int, int]:
@@ -398,8 +431,10 @@ def norm_supports(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
 
 
 def norm_fwd(x, weight, bias, residual, *, eps, is_rms, weight_offset, cast_before_weight,
-             residual_in_fp32, block_n=None):
-    """y = norm(x [+ residual]) over the last dim of x (..., N); returns (y, residual_out or None).
+             residual_in_fp32, stats=False, block_n=None):
+    """y = norm(x [+ residual]) over the last dim of x (..., N); returns (y, residual_out or None),
+    and with stats=True also (mean, rstd): each row's statistics as this kernel used them, fp32,
+    shaped x.shape[:-1] (RMSNorm's mean is 0), for norm_bwd.
 
     weight, bias: (N,) or None (RMSNorm takes no bias). block_n forces the column block (a
     power of 2; tests use a small one so that the multi-block loop runs).
@@ -411,32 +446,38 @@ def norm_fwd(x, weight, bias, residual, *, eps, is_rms, weight_offset, cast_befo
     ro = ro_rows = None
     if residual is not None:
         ro, ro_rows = _out(x, n, torch.float32 if residual_in_fp32 else x.dtype)
+    mean = rstd = None
+    if stats:
+        mean, rstd = (torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device) for _ in range(2))
+    out = (y, ro, mean, rstd) if stats else (y, ro)
     m = x.numel() // n
     if m == 0:
-        return y, ro
+        return out
     x_rows, r_rows = _in_rows(x, n), _in_rows(residual, n)
     block, rows_per_tile = _blocks(n, FWD_MAX_BLOCK, block_n)
     torch.library.wrap_triton(_norm_fwd_kernel)[(triton.cdiv(m, rows_per_tile),)](
-        x_rows, r_rows, _vector(weight), _vector(bias), y_rows, ro_rows, m, n,
+        x_rows, r_rows, _vector(weight), _vector(bias), y_rows, ro_rows, mean, rstd, m, n,
         x_rows.stride(0), 0 if r_rows is None else r_rows.stride(0), y_rows.stride(0),
         0 if ro_rows is None else ro_rows.stride(0), eps, weight_offset,
         IS_RMS=is_rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
-        CAST_BEFORE_W=cast_before_weight, ROUND=_ROUND_CODE[x.dtype], ONE_BLOCK=block >= n,
-        BLOCK_N=block, ROWS=rows_per_tile)
+        CAST_BEFORE_W=cast_before_weight, ROUND=_ROUND_CODE[x.dtype], STORE_STATS=stats,
+        ONE_BLOCK=block >= n, BLOCK_N=block, ROWS=rows_per_tile)
     _finish(y, y_rows)
     if ro is not None:
         _finish(ro, ro_rows)
-    return y, ro
+    return out
 
 
 def norm_bwd(grad_y, grad_residual_out, x_or_residual_out, weight, bias, *, eps, is_rms, weight_offset,
-             cast_before_weight, out_dtype, block_n=None):
+             cast_before_weight, out_dtype, mean=None, rstd=None, block_n=None):
     """Gradients of norm_fwd: (dx, dweight or None, dbias or None).
 
     x_or_residual_out is the tensor that was normalised (x, or residual_out of the add variant);
     dx is its gradient in its dtype, plus grad_residual_out when given (the add variant's
     d(x + residual)). out_dtype is the dtype xhat was rounded to before the weight product
     (x's dtype; with cast_before_weight it enters dweight). dweight/dbias in their parameter's dtype.
+    mean, rstd: norm_fwd(stats=True)'s statistics (fp32, x.shape[:-1]), both or neither;
+    without them the kernel recomputes them from x.
     """
     x = x_or_residual_out
     n = x.shape[-1]
@@ -451,12 +492,13 @@ def norm_bwd(grad_y, grad_residual_out, x_or_residual_out, weight, bias, *, eps,
     dwp = torch.empty(programs, n, dtype=torch.float32, device=x.device) if weight is not None else None
     dbp = torch.empty(programs, n, dtype=torch.float32, device=x.device) if bias is not None else None
     torch.library.wrap_triton(_norm_bwd_kernel)[(programs,)](
-        g_rows, gr_rows, x_rows, _vector(weight), dx_rows, dwp, dbp, m, n,
+        g_rows, gr_rows, x_rows, _vector(weight), _vector(mean), _vector(rstd), dx_rows, dwp, dbp, m, n,
         g_rows.stride(0), 0 if gr_rows is None else gr_rows.stride(0), x_rows.stride(0), dx_rows.stride(0),
         eps, weight_offset,
         IS_RMS=is_rms, HAS_GRES=grad_residual_out is not None, HAS_W=weight is not None,
         HAS_DW=dwp is not None, HAS_DB=dbp is not None, CAST_BEFORE_W=cast_before_weight,
-        ROUND=_ROUND_CODE.get(out_dtype, 0), ONE_BLOCK=block >= n, BLOCK_N=block, ROWS=rows_per_tile)
+        ROUND=_ROUND_CODE.get(out_dtype, 0), HAS_STATS=rstd is not None, ONE_BLOCK=block >= n,
+        BLOCK_N=block, ROWS=rows_per_tile)
     dw = None if dwp is None else dwp.sum(0).to(weight.dtype)
     db = None if dbp is None else dbp.sum(0).to(bias.dtype)
     return _finish(dx, dx_rows), dw, db

@@ -1,0 +1,174 @@
+"""The Hopper attention forward of csrc/attention (flash.attention_fwd_sm90, from torch_flash._C)
+against a float64 reference and SDPA, and its place in flash.attention's dispatch.
+Needs an sm_90 GPU and the built extension; on other machines the op's reference body is
+covered by the opcheck samples in tests/ops/test_attention.py."""
+import pytest
+import torch
+
+import torch_flash
+from torch_flash import _dispatch, _extension
+from _utils import rel_err
+
+pytestmark = pytest.mark.cuda
+
+if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+        and _extension.loaded()):
+    pytest.skip("needs an sm_90 GPU and torch_flash._C (python -m torch_flash build)",
+                allow_module_level=True)
+
+HDIMS = _extension.build_info()["hdims"]
+
+
+def rand(b, h, s, d, dtype=torch.bfloat16, transposed=True):
+    """Fresh inputs; transposed: a (B, S, H, D) buffer viewed as (B, H, S, D), as models do."""
+    if transposed:
+        return torch.randn(b, s, h, d, dtype=dtype, device="cuda").transpose(1, 2)
+    return torch.randn(b, h, s, d, dtype=dtype, device="cuda")
+
+
+def reference(q, k, v, scale, causal):
+    """(out, lse) in float64; causal bottom-right aligned (flash.attention's contract)."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = q @ k.transpose(-1, -2) * scale
+    if causal:
+        sq, sk = s.shape[-2:]
+        i = torch.arange(sq, device=q.device)[:, None] + sk - sq
+        s = s.masked_fill(torch.arange(sk, device=q.device)[None, :] > i, float("-inf"))
+    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+
+def sdpa(q, k, v, scale, causal):
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+
+def check_forward(q, k, v, scale, causal):
+    before = [t.clone() for t in (q, k, v)]
+    out, lse = torch.ops.flash.attention_fwd_sm90(q, k, v, scale, causal)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v))), "inputs modified"
+    ref_out, ref_lse = reference(q, k, v, scale, causal)
+    assert out.shape == ref_out.shape and out.dtype == q.dtype and out.is_contiguous()
+    assert lse.shape == ref_lse.shape and lse.dtype == torch.float32
+    assert not torch.isnan(out).any() and torch.isfinite(lse).all()
+    err, base = rel_err(out, ref_out), rel_err(sdpa(q, k, v, scale, causal), ref_out)
+    assert err <= 1e-2 and err <= 1.25 * base + 1e-4, f"out: {err:.2e} (SDPA {base:.2e})"
+    assert rel_err(lse, ref_lse) <= 1e-5, f"lse: {rel_err(lse, ref_lse):.2e}"
+
+
+@pytest.mark.parametrize("d", HDIMS)
+@pytest.mark.parametrize("s", [128, 1000, 2048])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_grid_vs_fp64_and_sdpa(d, s, causal, dtype):
+    q, k, v = (rand(2, 4, s, d, dtype) for _ in range(3))
+    check_forward(q, k, v, d ** -0.5, causal)
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (8, 1), (6, 3)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_gqa_layouts_and_scale(hq, hkv, transposed):
+    d = HDIMS[0]
+    q = rand(2, hq, 264, d, transposed=transposed)
+    k, v = (rand(2, hkv, 264, d, transposed=transposed) for _ in range(2))
+    check_forward(q, k, v, 0.37, True)
+
+
+@pytest.mark.parametrize("sq,sk", [(8, 8), (16, 200), (200, 16), (136, 1000)])
+def test_ragged_lengths(sq, sk):
+    """Sq and Sk that are not multiples of the tiles (non-causal: any Sk, Sq % 8 == 0)."""
+    d = HDIMS[-1]
+    q, k, v = rand(3, 2, sq, d), rand(3, 2, sk, d), rand(3, 2, sk, d)
+    check_forward(q, k, v, d ** -0.5, False)
+
+
+def test_flash_attention_dispatch_and_backward():
+    """flash.attention runs this kernel where it serves the call (Triton elsewhere) and its
+    backward (Triton) consumes the lse written here."""
+    d = HDIMS[0]
+    q, k, v = (rand(2, 4, 512, d) for _ in range(3))
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = torch_flash.attention(*leaves, causal=True)
+    assert _dispatch.LAST["attention_with_lse"] == "cuda"
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = reference(*ref_leaves, d ** -0.5, True)
+    ref_grads = torch.autograd.grad(ref_out, ref_leaves, dout.double())
+    assert rel_err(out, ref_out) <= 1e-2
+    for name, g, r in zip("qkv", grads, ref_grads):
+        assert rel_err(g, r) <= 1e-2, f"d{name}: {rel_err(g, r):.2e}"
+
+
+@pytest.mark.parametrize("case", ["bias", "window", "softcap", "causal_sq_ne_sk", "sq_not_8", "fp32", "dv"])
+def test_dispatch_falls_back_to_triton(case):
+    d = HDIMS[0]
+    sq, sk, dtype, dv = 512, 512, torch.bfloat16, d
+    kw = {}
+    if case == "causal_sq_ne_sk":
+        sq, kw = 256, dict(causal=True)
+    elif case == "sq_not_8":
+        sq = 509
+    elif case == "fp32":
+        dtype = torch.float32
+    elif case == "dv":
+        dv = d // 2
+    q, k, v = rand(1, 2, sq, d, dtype), rand(1, 2, sk, d, dtype), rand(1, 2, sk, dv, dtype)
+    if case == "bias":
+        kw = dict(attn_bias=torch.randn(sq, sk, device="cuda", dtype=dtype))
+    elif case == "window":
+        kw = dict(window=(64, 0))
+    elif case == "softcap":
+        kw = dict(softcap=20.0)
+    torch_flash.attention(q, k, v, **kw)
+    assert _dispatch.LAST["attention"] == "triton"
+
+
+def test_dispatch_picks_the_kernel():
+    q, k, v = (rand(1, 2, 512, HDIMS[0]) for _ in range(3))
+    torch_flash.attention(q, k, v)
+    assert _dispatch.LAST["attention"] == "cuda"
+
+
+def test_compile_fullgraph_uses_the_kernel():
+    d = HDIMS[0]
+    q, k, v = (rand(2, 4, 256, d) for _ in range(3))
+    fn = torch.compile(lambda q, k, v: torch_flash.attention(q, k, v, causal=True), fullgraph=True)
+    eager = torch_flash.attention(q, k, v, causal=True)
+    assert _dispatch.LAST["attention"] == "cuda"
+    torch.testing.assert_close(fn(q, k, v), eager, rtol=0, atol=0)
+
+
+def test_cuda_graph_capture():
+    d = HDIMS[0]
+    q, k, v = (rand(2, 4, 256, d) for _ in range(3))
+    expected = torch.ops.flash.attention_fwd_sm90(q, k, v, 0.125, False)[0]
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.ops.flash.attention_fwd_sm90(q, k, v, 0.125, False)  # warm up off the capture
+        with torch.cuda.graph(graph, stream=stream):
+            out = torch.ops.flash.attention_fwd_sm90(q, k, v, 0.125, False)[0]
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda q, k, v: (q.float(), k.float(), v.float()), "float16 or bfloat16"),
+    (lambda q, k, v: (q[:, :, :-3], k, v), "multiple of 8"),
+    (lambda q, k, v: (q, k[:, :, 1:], v), "differ in heads or keys"),
+    (lambda q, k, v: (q.cpu(), k, v), "CUDA tensor"),
+    (lambda q, k, v: (q, k[..., :32], v), "head dims differ"),
+    (lambda q, k, v: (torch.empty(q.numel() + 4, dtype=q.dtype, device="cuda")[4:].view(q.shape), k, v),
+     "16-byte aligned"),
+])
+def test_bad_inputs_raise(bad, match):
+    """Called directly, the C++ kernel checks its inputs: an error naming the op, never a crash."""
+    q, k, v = (rand(1, 2, 64, HDIMS[0], transposed=False) for _ in range(3))
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.flash.attention_fwd_sm90(*bad(q, k, v), 0.125, False)
+    torch.cuda.synchronize()  # and the device is still fine

@@ -1,0 +1,279 @@
+"""Build spec of the optional CUDA extension `torch_flash._C` (DESIGN.md "Dispatch").
+
+The one place that knows its sources, flags, macros and include dirs, and whether it can be
+built here. Used by setup.py (which loads this file by path: pip's build isolation has no
+torch, so torch is only imported inside functions), by `python -m torch_flash build` and
+by scripts/check_csrc.sh (`python torch_flash/_build.py --check-commands DIR`).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import shlex
+import shutil
+import sys
+
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+NAME = "torch_flash._C"
+ARCHS = ("sm_90a",)
+DEFAULT_HDIMS = (64, 128, 256)
+SOURCE_SUFFIXES = (".cpp", ".cu")
+# relative to the cutlass_library package of the nvidia-cutlass wheel; examples/ for 88_hopper_fmha
+CUTLASS_INCLUDE_SUBDIRS = ("source/include", "source/tools/util/include", "source/examples")
+
+_HDIM = re.compile(r"_hdim(\d+)(?!\d)")
+
+# C++20 for the .cpp files, which include torch's headers: torch's own standard, and
+# cpp_extension's default. The .cu files include only CUDA and CUTLASS headers, which compile
+# as C++17 without C++20's deprecation warnings.
+CXX_FLAGS = ("-O3", "-std=c++20")
+NVCC_FLAGS = (
+    "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
+    "--expt-relaxed-constexpr", "--expt-extended-lambda", "--use_fast_math", "-DNDEBUG", "-lineinfo",
+    "--threads", "2",
+    # torch defines these to keep ATen's own half arithmetic unambiguous; CUTLASS needs the operators
+    *(f"-U__CUDA_NO_{m}__" for m in (
+        "HALF_OPERATORS", "HALF_CONVERSIONS", "HALF2_OPERATORS", "BFLOAT16_OPERATORS",
+        "BFLOAT16_CONVERSIONS", "BFLOAT162_OPERATORS", "BFLOAT162_CONVERSIONS")),
+)
+
+
+class BuildError(RuntimeError):
+    """The extension cannot be built here; the message says why."""
+
+
+def find_csrc() -> str | None:
+    """csrc/ shipped inside the installed package, else the checkout's top-level csrc/."""
+    for path in (os.path.join(PACKAGE_DIR, "csrc"), os.path.join(os.path.dirname(PACKAGE_DIR), "csrc")):
+        if _sources_under(path):
+            return path
+    return None
+
+
+def _sources_under(csrc: str) -> list[str]:
+    found = []
+    for dirpath, dirnames, filenames in os.walk(csrc):
+        dirnames.sort()
+        found += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(SOURCE_SUFFIXES)]
+    return found
+
+
+def _hdim_of(path: str) -> int | None:
+    match = _HDIM.search(os.path.basename(path))
+    return int(match.group(1)) if match else None
+
+
+def select_hdims(value: str | None, available: list[int], origin: str = "FLASH_HDIMS") -> list[int]:
+    """Head dims to build: `value` ("64,128") or, when unset, the defaults that have sources."""
+    if value is None or not value.strip():
+        return [d for d in DEFAULT_HDIMS if d in available]
+    try:
+        hdims = sorted({int(v) for v in value.split(",") if v.strip()})
+    except ValueError:
+        raise ValueError(f"{origin}={value}: expected a comma list of head dims, e.g. 64,128,256") from None
+    missing = [d for d in hdims if d not in available]
+    if missing:
+        valid = ", ".join(map(str, available)) or "none (no *_hdim<D> sources in csrc/)"
+        raise ValueError(f"{origin}={value}: no kernel source for head dim "
+                         f"{', '.join(map(str, missing))}; valid: {valid}")
+    return hdims
+
+
+def find_cutlass() -> tuple[str, str] | None:
+    """(directory of the cutlass_library package, nvidia-cutlass version), located without importing it."""
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    try:
+        version = importlib.metadata.version("nvidia-cutlass")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    return spec.submodule_search_locations[0], version
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """Everything a compiler needs; flags carry the macros and are argv words (torch's BuildExtension
+    quotes them for ninja's shell)."""
+    csrc: str
+    hdims: tuple[int, ...]
+    sources: tuple[str, ...]
+    include_dirs: tuple[str, ...]
+    cxx_flags: tuple[str, ...]
+    nvcc_flags: tuple[str, ...]
+    cutlass_version: str | None
+
+    def describe(self) -> str:
+        """What gets built, for people: sources, head dims, flags, include dirs."""
+        lines = [f"{NAME}: {len(self.sources)} sources from {self.csrc} "
+                 f"(head dims {', '.join(map(str, self.hdims)) or 'none'}; {', '.join(ARCHS)}; "
+                 f"CUTLASS {self.cutlass_version or 'not installed'})"]
+        lines += [f"  {os.path.relpath(s, self.csrc)}" for s in self.sources]
+        lines += [f"  nvcc {shlex.join(self.nvcc_flags)}", f"  cxx  {shlex.join(self.cxx_flags)}"]
+        lines += [f"  -I {d}" for d in self.include_dirs]
+        return "\n".join(lines)
+
+
+def spec(hdims: str | None = None, csrc: str | None = None, origin: str = "FLASH_HDIMS") -> Spec:
+    """The build of `csrc` (default: find_csrc()) for head dims `hdims` (default: $FLASH_HDIMS)."""
+    csrc = csrc or find_csrc()
+    if csrc is None:
+        raise BuildError(_no_sources())
+    csrc = os.path.abspath(csrc)
+    all_sources = _sources_under(csrc)
+    available = sorted({d for d in map(_hdim_of, all_sources) if d is not None})
+    chosen = select_hdims(os.environ.get("FLASH_HDIMS") if hdims is None else hdims, available, origin)
+    sources = [s for s in all_sources if _hdim_of(s) in (None, *chosen)]
+    cutlass = find_cutlass()
+    include_dirs = [csrc] + ([os.path.join(cutlass[0], d) for d in CUTLASS_INCLUDE_SUBDIRS] if cutlass else [])
+    version = cutlass[1] if cutlass else None
+    macros = [f"-DFLASH_HDIM_{d}" for d in chosen] + [f'-DFLASH_CUTLASS_VERSION="{version or "none"}"']
+    return Spec(csrc, tuple(chosen), tuple(sources), tuple(include_dirs),
+                CXX_FLAGS + tuple(macros), NVCC_FLAGS + tuple(macros), version)
+
+
+def _no_sources() -> str:
+    return (f"no C++/CUDA sources in {os.path.join(PACKAGE_DIR, 'csrc')} "
+            f"or {os.path.join(os.path.dirname(PACKAGE_DIR), 'csrc')}")
+
+
+def why_not() -> str | None:
+    """Why the extension cannot be built here (torch without CUDA, no nvcc, no CUTLASS headers,
+    no sources), or None when it can."""
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError as e:
+        return f"torch is not importable ({e}); pip's build isolation hides it: use --no-build-isolation"
+    if not torch.version.cuda:
+        return f"torch {torch.__version__} has no CUDA"
+    cuda_home = cpp_extension.CUDA_HOME
+    if not cuda_home or not os.path.exists(os.path.join(cuda_home, "bin", "nvcc")):
+        return "nvcc not found (set CUDA_HOME or put nvcc on PATH)"
+    if find_cutlass() is None:
+        return "the CUTLASS/CuTe headers are missing: pip install nvidia-cutlass"
+    if find_csrc() is None:
+        return _no_sources()
+    return None
+
+
+def extension(s: Spec, relative_to: str | None = None):
+    """The setuptools CUDAExtension of `s` (sources relative to `relative_to`, as setup.py wants)."""
+    from torch.utils.cpp_extension import CUDAExtension
+
+    sources = [os.path.relpath(p, relative_to) if relative_to else p for p in s.sources]
+    return CUDAExtension(name=NAME, sources=sources, include_dirs=list(s.include_dirs),
+                         extra_compile_args={"cxx": list(s.cxx_flags), "nvcc": list(s.nvcc_flags)})
+
+
+def build_dir(s: Spec) -> str:
+    """A cache directory per (spec, torch, CUDA, Python), so rebuilds are incremental under ninja."""
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    key = json.dumps([dataclasses.asdict(s), torch.__version__, torch.version.cuda, CUDA_HOME, sys.version])
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "torch_flash", "build-" + hashlib.sha256(key.encode()).hexdigest()[:16])
+
+
+def build(s: Spec, jobs: int | None = None, dest: str = PACKAGE_DIR) -> str:
+    """Compile `s` in build_dir(s) and install the library into `dest` atomically (a running
+    process may have the old one mapped); returns its path."""
+    from setuptools import Distribution
+    from torch.utils.cpp_extension import BuildExtension
+
+    ext = extension(s)
+    dist = Distribution({"name": "torch-flash", "ext_modules": [ext], "cmdclass": {"build_ext": BuildExtension}})
+    cmd = dist.get_command_obj("build_ext")
+    root = build_dir(s)
+    cmd.build_temp, cmd.build_lib = os.path.join(root, "temp"), os.path.join(root, "lib")
+    if jobs:
+        os.environ["MAX_JOBS"] = str(jobs)  # read by torch's ninja backend
+    dist.run_command("build_ext")
+    built = cmd.get_ext_fullpath(ext.name)
+    target = os.path.join(dest, os.path.basename(built))
+    shutil.copyfile(built, target + ".tmp")
+    os.replace(target + ".tmp", target)
+    return target
+
+
+def _cuda_home() -> str | None:
+    """The CUDA toolkit for compile checks; a CPU build of torch does not look for one."""
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    nvcc = shutil.which("nvcc")
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), CUDA_HOME, "/usr/local/cuda",
+                 nvcc and os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))):
+        if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
+            return home
+    return None
+
+
+def check_commands(s: Spec, out_dir: str, files: list[str] | None = None) -> list[tuple[str, list[str]]]:
+    """(source, argv) pairs that compile each `.cu` with nvcc and syntax-check each `.cpp` with
+    the host compiler, with the flags of the real build, on a machine without a GPU."""
+    import sysconfig
+
+    import torch
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS, include_paths
+
+    cuda = _cuda_home()
+    if cuda is None:
+        raise BuildError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
+    system = [*include_paths(), sysconfig.get_path("include"), os.path.join(cuda, "include")]
+    # generated only in CUDA builds of torch; c10/cuda headers need it to parse
+    if not any(os.path.exists(os.path.join(d, "c10/cuda/impl/cuda_cmake_macros.h")) for d in system):
+        stub = os.path.join(out_dir, "stub")
+        os.makedirs(os.path.join(stub, "c10/cuda/impl"), exist_ok=True)
+        with open(os.path.join(stub, "c10/cuda/impl/cuda_cmake_macros.h"), "w") as f:
+            f.write("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+        system.append(stub)
+    common = ["-DTORCH_EXTENSION_NAME=_C", "-DTORCH_API_INCLUDE_EXTENSION_H",
+              f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+              *(f"-I{d}" for d in s.include_dirs)]
+    for d in system:
+        common += ["-isystem", d]
+    chosen = [os.path.abspath(f) for f in files] if files else list(s.sources)
+    commands = []
+    for i, src in enumerate(chosen):
+        if src.endswith(".cu"):
+            obj = os.path.join(out_dir, f"{i}_{os.path.basename(src)}.o")
+            argv = [os.path.join(cuda, "bin", "nvcc"), "-c", src, "-o", obj, *common, *COMMON_NVCC_FLAGS,
+                    "-Xcompiler", "-fPIC", *s.nvcc_flags]
+        else:
+            argv = [os.environ.get("CXX", "c++"), "-fsyntax-only", src, *common, "-fPIC", *s.cxx_flags]
+        commands.append((src, argv))
+    return commands
+
+
+def _main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python torch_flash/_build.py",
+                                description="print the build spec, or the compile-check commands")
+    p.add_argument("--check-commands", metavar="DIR", help="print 'source<TAB>command' lines that "
+                   "compile-check the sources, objects and helper headers going to DIR")
+    p.add_argument("--csrc", help="sources root (default: the package's or the checkout's csrc/)")
+    p.add_argument("--hdims", help="comma list of head dims (default: $FLASH_HDIMS, else 64,128,256)")
+    p.add_argument("files", nargs="*", help="check only these sources")
+    args = p.parse_args(argv)
+    try:
+        s = spec(args.hdims, args.csrc, origin="--hdims" if args.hdims else "FLASH_HDIMS")
+        if not args.check_commands:
+            print(s.describe())
+            return 0
+        print(s.describe(), file=sys.stderr)
+        for src, cmd in check_commands(s, args.check_commands, args.files):
+            print(f"{src}\t{shlex.join(cmd)}")
+    except (BuildError, ValueError) as e:
+        print(f"torch_flash._build: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
