@@ -95,35 +95,44 @@ def _triton_serves(q: Tensor, k: Tensor, v: Tensor, attn_bias, dropout_p: float)
     return supports(q, k, v, attn_bias, dropout_p)
 
 
+def sm90_unsupported(q, k, v, causal: bool) -> str | None:
+    """Why flash.attention_fwd_sm90's contract excludes these inputs, or None: fp16/bf16 with
+    one head dim, non-empty sequences, Sq a multiple of 8 (the kernel's TMA loads), causal only
+    with Sq == Sk (its mask is top-left aligned, flash.attention's bottom-right one, the same
+    only then). Works on fake tensors."""
+    sq, sk = q.shape[2], k.shape[2]
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"q, k, v must be float16 or bfloat16, got {q.dtype}"
+    if v.shape[-1] != q.shape[-1]:
+        return f"v has head dim {v.shape[-1]} but q has {q.shape[-1]}"
+    if sq == 0 or sk == 0:
+        return f"empty sequences: Sq {sq}, Sk {sk}"
+    if sq % 8:
+        return f"seqlen_q must be a multiple of 8, got {sq}"
+    if causal and sq != sk:
+        return f"causal needs seqlen_q == seqlen_k, got {sq} and {sk}"
+    return None
+
+
 def check_sm90_args(op: str, q, k, v, causal: bool) -> None:
-    """flash.attention_fwd_sm90's contract: fp16/bf16 (B, H, S, D) tensors with one head dim,
-    Sq a multiple of 8 (the kernel's TMA loads), causal only with Sq == Sk (its mask is
-    top-left aligned, flash.attention's bottom-right one, the same only then)."""
     check_args(op, q, k, v, None, 0.0, 0.0, None, -1, -1)
-    check(q.dtype in (torch.float16, torch.bfloat16), op, f"q, k, v must be float16 or bfloat16, got {q.dtype}")
-    check(v.shape[-1] == q.shape[-1], op, f"v has head dim {v.shape[-1]} but q has {q.shape[-1]}")
-    check(q.shape[2] % 8 == 0, op, f"seqlen_q must be a multiple of 8, got {q.shape[2]}")
-    check(q.shape[2] > 0 and k.shape[2] > 0, op, f"empty sequences: Sq {q.shape[2]}, Sk {k.shape[2]}")
-    check(not causal or q.shape[2] == k.shape[2], op,
-          f"causal needs seqlen_q == seqlen_k, got {q.shape[2]} and {k.shape[2]}")
+    reason = sm90_unsupported(q, k, v, causal)
+    check(reason is None, op, reason)
 
 
 def _sm90_serves(q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: ref.Spec) -> bool:
     """Whether the Hopper kernel of csrc/attention (flash.attention_fwd_sm90) serves this call:
-    built for this head dim, an sm_90 GPU, no bias/window/softcap/dropout, and the layout its
-    TMA descriptors need (16-byte aligned, strides within 32 bits). Works on fake tensors."""
+    built for this head dim, an sm_90 GPU, within the op's contract, no bias/window/softcap/
+    dropout, and the layout its TMA descriptors need (16-byte aligned, strides within 32 bits)."""
     info = _extension.build_info()
     if (info is None or "flash::attention_fwd_sm90" not in info["ops"] or q.device.type != "cuda"
             or torch.cuda.get_device_capability(q.device) != (9, 0)):
         return False
-    b, hq, sq, d = q.shape
-    sk = k.shape[2]
-    if (q.dtype not in (torch.float16, torch.bfloat16) or d not in info["hdims"] or v.shape[-1] != d
+    if (q.shape[-1] not in info["hdims"] or sm90_unsupported(q, k, v, spec.causal) is not None
             or attn_bias is not None or spec.dropout_p > 0 or spec.softcap > 0
-            or spec.window_left >= 0 or spec.window_right >= 0 or sq == 0 or sk == 0 or sq % 8
-            or (spec.causal and sq != sk)):
+            or spec.window_left >= 0 or spec.window_right >= 0):
         return False
-    group = hq // k.shape[1]
+    group = q.shape[1] // k.shape[1]
     # in elements: a multiple of 8 is 16 bytes; tensors come from 512-byte aligned allocations
     for t in (q, k, v):
         strides = (t.storage_offset(), *t.stride()[:3])
