@@ -13,15 +13,15 @@ from torch_flash.kernels.triton import attention as A
 
 
 def compiled_kernels(tuned):
-    """The CompiledKernel objects of a wrap_triton(autotune(jit)) kernel."""
-    fn = tuned.kernel.fn
+    """The CompiledKernel objects of an autotune(jit) kernel."""
+    fn = tuned.fn
     for cache in getattr(fn, "device_caches", {}).values():
         table = cache[0] if isinstance(cache, tuple) else cache
         yield from table.values()
 
 
 def describe(name, tuned):
-    best = tuned.kernel.best_config
+    best = tuned.best_config
     print(f"{name}: best config {best}")
     for k in compiled_kernels(tuned):
         ptx = k.asm.get("ptx", "")

@@ -19,7 +19,7 @@ SPLITS = (0, 8, 16, 33, 66, 132, 256)
 def main(path):
     rows = []
     tuned = K._DECODE["narrow"]
-    configs = list(tuned.kernel.configs)
+    configs = list(tuned.configs)
     flags = dict(scale=None, causal=True, window_left=-1, window_right=-1, softcap=0.0,
                  rotary_interleaved=False)
     for b, s in POINTS:
@@ -29,8 +29,8 @@ def main(path):
         nbytes = 2 * kc.numel() * 2
         ceiling = copy_bandwidth(nbytes)
         for cfg in configs:
-            tuned.kernel.configs = [cfg]
-            tuned.kernel.cache.clear()
+            tuned.configs = [cfg]
+            tuned.cache.clear()
             for splits in SPLITS:
                 ms = median_ms(lambda: K.decode_fwd(q, kc, vc, cs, None, None, None, None, None,
                                                     num_splits=splits, **flags))
@@ -39,7 +39,7 @@ def main(path):
                 print(rows[-1], flush=True)
         del kc, vc
         torch.cuda.empty_cache()
-    tuned.kernel.configs = configs
+    tuned.configs = configs
     with open(path, "w") as f:
         json.dump({"env": env_info(), "rows": rows}, f, indent=1)
 

@@ -15,6 +15,7 @@ if (_os.path.isfile(_os.path.join(_root, "meta_kernels", "__init__.py"))
 
 from . import ops  # noqa: E402  (registers the ops)
 from . import meta_kernels  # noqa: E402  (registers their fakes)
+from . import _inductor_fixes  # noqa: E402
 from ._registry import OPS  # noqa: E402
 from .compile_passes.backend import COUNTERS as counters  # noqa: E402
 from .compile_passes.backend import backend, disable, enable, explain, rewrite  # noqa: E402
@@ -34,6 +35,8 @@ __all__ = [
     "attention", "attention_with_lse", "attention_varlen", "attention_decode", "rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm",
     "cross_entropy", "linear_cross_entropy", "rotary", "rotary_cos_sin", "rotary_qk", "compat", "data", "nn",
 ]
+
+_inductor_fixes.apply()  # AOTInductor packages of the flash ops build on torch 2.11-2.14
 
 # last: its CUDA kernels register for the op schemas defined above
 from . import _extension  # noqa: E402

@@ -52,21 +52,35 @@ struct MainloopWithScale : Base {
   }
 };
 
-struct Cooperative {};  // one CTA per (query tile, batch, head)
-struct Pingpong {};     // persistent CTAs, Q loaded by its own producer warp
+// Schedules: which CTAs exist and in which order they take (query tile, batch, head).
+template <class Scheduler_, bool kPersistent_>
+struct Schedule {
+  using Scheduler = Scheduler_;
+  static constexpr bool kPersistent = kPersistent_;  // persistent CTAs also load Q from a warp of its own
+};
+using Cooperative = Schedule<cutlass::fmha::kernel::IndividualTileScheduler, false>;  // a CTA per tile
+using Pingpong = Schedule<cutlass::fmha::kernel::PersistentTileScheduler, true>;  // one CTA per SM
 
-template <class Element, class TileShape, class Fusion, class Schedule>
-struct FwdKernel {
-  static constexpr bool kPersistent = std::is_same_v<Schedule, Pingpong>;
+// One kernel configuration: tile (query rows per CTA, keys per step, head dim), schedule and
+// 88_hopper_fmha options (Option<Tag::kStagesKV, _4>, Option<Tag::kNumMmaWarpGroups, _3>, ...).
+template <class TileShape_, class Schedule_, class... Options_>
+struct Config {
+  using TileShape = TileShape_;
+  using Schedule = Schedule_;
+};
+
+template <class Element, class Fusion, class Config>
+struct FwdKernel;
+
+template <class Element, class Fusion, class TileShape, class Schedule, class... Options>
+struct FwdKernel<Element, Fusion, Config<TileShape, Schedule, Options...>> {
+  using Persistent = Option<Tag::kIsPersistent, cute::bool_constant<Schedule::kPersistent>>;
   using Mainloop = MainloopWithScale<cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
-      Element, float, float, TileShape, Stride, Stride, Stride, Fusion,
-      Option<Tag::kIsPersistent, cute::bool_constant<kPersistent>>>>;
+      Element, float, float, TileShape, Stride, Stride, Stride, Fusion, Persistent, Options...>>;
   using Epilogue = cutlass::fmha::collective::FmhaFwdEpilogue<Element, float, typename Mainloop::TileShapePV>;
-  using Scheduler = std::conditional_t<kPersistent, cutlass::fmha::kernel::PersistentTileScheduler,
-                                       cutlass::fmha::kernel::IndividualTileScheduler>;
   using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
-      Mainloop, Epilogue, Scheduler, Option<Tag::kIsPersistent, cute::bool_constant<kPersistent>>,
-      Option<Tag::kLoadsQSeparately, cute::bool_constant<kPersistent>>>;
+      Mainloop, Epilogue, typename Schedule::Scheduler, Persistent,
+      Option<Tag::kLoadsQSeparately, cute::bool_constant<Schedule::kPersistent>>, Options...>;
 };
 
 inline void check_cuda(cudaError_t err, const char* what) {
@@ -89,10 +103,10 @@ void allow_shared_memory(int device) {
   });
 }
 
-template <class Element, class TileShape, class Fusion, class Schedule>
+template <class Element, class Fusion, class Config>
 void launch(const AttentionFwdSm90Params& p, cudaStream_t stream) {
-  using Kernel = typename FwdKernel<Element, TileShape, Fusion, Schedule>::Kernel;
-  using Mainloop = typename FwdKernel<Element, TileShape, Fusion, Schedule>::Mainloop;
+  using Kernel = typename FwdKernel<Element, Fusion, Config>::Kernel;
+  using Mainloop = typename FwdKernel<Element, Fusion, Config>::Mainloop;
   cutlass::KernelHardwareInfo hw;
   hw.device_id = p.device;
   hw.sm_count = p.sm_count;
@@ -117,20 +131,26 @@ void launch(const AttentionFwdSm90Params& p, cudaStream_t stream) {
   check_cuda(cudaGetLastError(), "kernel launch");
 }
 
-// Every dtype x mask variant of one tile configuration. Measured on an H200 (2026-11-21, bf16,
-// 32k tokens): ping-pong leads without a mask (D=128, S=16k: 619 vs 535 TFLOP/s), cooperative
-// with the causal one (564 vs 500), whose per-tile trip counts differ between query tiles.
-template <class TileShape, class NonCausalSchedule>
+// Keys from which a head dim's long-sequence configuration runs without a mask (D=64's three
+// warpgroups lead from 2k keys: scripts/sweep_attention_sm90.py).
+constexpr int kLongKeys = 2048;
+
+// Every dtype x mask variant of one head dim: without a mask (ResidualFusion masks the keys
+// past Sk in the last key tile, and only there) one configuration for short and one for long
+// key sequences (the same type builds once), and one with the causal mask.
+template <class FullConfig, class LongFullConfig, class CausalConfig>
 void dispatch(const AttentionFwdSm90Params& p, cudaStream_t stream) {
   using cutlass::fmha::collective::CausalFusion;
-  // ResidualFusion masks the keys past Sk in the last key tile (and only there)
   using cutlass::fmha::collective::ResidualFusion;
+  const bool long_keys = p.seqlen_k >= kLongKeys;
   if (p.bf16) {
-    if (p.causal) launch<cutlass::bfloat16_t, TileShape, CausalFusion, Cooperative>(p, stream);
-    else launch<cutlass::bfloat16_t, TileShape, ResidualFusion, NonCausalSchedule>(p, stream);
+    if (p.causal) launch<cutlass::bfloat16_t, CausalFusion, CausalConfig>(p, stream);
+    else if (long_keys) launch<cutlass::bfloat16_t, ResidualFusion, LongFullConfig>(p, stream);
+    else launch<cutlass::bfloat16_t, ResidualFusion, FullConfig>(p, stream);
   } else {
-    if (p.causal) launch<cutlass::half_t, TileShape, CausalFusion, Cooperative>(p, stream);
-    else launch<cutlass::half_t, TileShape, ResidualFusion, NonCausalSchedule>(p, stream);
+    if (p.causal) launch<cutlass::half_t, CausalFusion, CausalConfig>(p, stream);
+    else if (long_keys) launch<cutlass::half_t, ResidualFusion, LongFullConfig>(p, stream);
+    else launch<cutlass::half_t, ResidualFusion, FullConfig>(p, stream);
   }
 }
 

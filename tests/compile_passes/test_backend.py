@@ -1,4 +1,5 @@
 """The flash backend, enable()/disable(), rewrite() of exported programs, explain()."""
+import itertools
 import subprocess
 import sys
 
@@ -173,15 +174,7 @@ print("package ran and matched eager")
 """
 
 
-# torch 2.11's AOTInductor C++ wrapper references int_array_N arrays it never declared when a
-# reinterpreted view feeds a user-defined Triton kernel (seen on the H100, 2026-11-21:
-# "'int_array_6' was not declared in this scope"); fixed upstream by pytorch/pytorch#193621 /
-# #193628. CPU packages build and run on 2.11 and 2.13.
-AOTI_CUDA_INT_ARRAY = pytest.mark.xfail(
-    torch.__version__ < "2.12", strict=True, reason="torch 2.11 AOTI wrapper codegen: undeclared int_array")
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, AOTI_CUDA_INT_ARRAY])])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_aot_inductor_package(tmp_path, device):
     """A rewritten exported program compiles with AOTInductor; the package loads and runs
     with the flash ops inside (their kernels on GPU, the reference path on CPU). Loading runs
@@ -197,4 +190,38 @@ def test_aot_inductor_package(tmp_path, device):
         torch.save((x, mask, model(x, mask)), tmp_path / "io.pt")
     run = subprocess.run([sys.executable, "-c", _AOTI_RUN, path, str(tmp_path / "io.pt")],
                          capture_output=True, text=True, timeout=600)
+    if run.returncode != 0 and not _plain_package_loads(tmp_path, device):
+        # seen on the GPU image (torch 2.11, 2026-11-21): aoti_load_package crashes (SIGSEGV)
+        # for any package there, the flash ops' compiled fine
+        pytest.xfail(f"this torch's AOTInductor loader fails on a package without flash ops too "
+                     f"(flash package: exit {run.returncode})")
     assert run.returncode == 0, f"exit {run.returncode}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+
+
+def _plain_package_loads(tmp_path, device) -> bool:
+    """Whether this torch's AOTInductor can package, load and run a model with no flash op."""
+    class Plain(torch.nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.rms_norm(x, x.shape[-1:]) * 2
+
+    x = torch.randn(4, 32, device=device)
+    path = torch._inductor.aoti_compile_and_package(torch.export.export(Plain(), (x,)),
+                                                    package_path=str(tmp_path / "plain.pt2"))
+    code = (f"import sys, torch\nx = torch.randn(4, 32, device={device!r})\n"
+            "torch._inductor.aoti_load_package(sys.argv[1])(x)")
+    return subprocess.run([sys.executable, "-c", code, path], capture_output=True, timeout=600).returncode == 0
+
+
+def test_aot_inductor_int_array_declared_per_buffer():
+    """torch_flash._inductor_fixes: every buffer that asks the C++ wrapper for a size/stride
+    array gets that array's declaration, also when an earlier short-lived buffer asked for the
+    same values (the cache hit that left AOTInductor packages with undeclared int_array_N)."""
+    from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
+    from torch._inductor.utils import IndentedBuffer
+    wrapper = CppWrapperCpu.__new__(CppWrapperCpu)  # only the array-naming state is needed
+    wrapper.int_array_id, wrapper.declared_int_array_vars = itertools.count(), set()
+    wrapper.codegen_int_array_var_cache = {}
+    for _ in range(4):
+        buffer = IndentedBuffer()  # freed each round, so CPython may hand out its address again
+        var = wrapper.codegen_int_array_var("{2L, 3L}", buffer.writeline)
+        assert f"{var}[] = {{2L, 3L}};" in buffer.getvalue()

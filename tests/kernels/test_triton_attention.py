@@ -366,16 +366,16 @@ def test_gpu_every_config():
     """Each autotune config of the d128 class (the main H100 target), run alone, against the
     reference: autotuning may pick any of them."""
     kernels = A._KERNELS["d128"]
-    saved = [k.kernel.configs for k in kernels]
+    saved = [k.configs for k in kernels]
     try:
         for which, kernel in enumerate(kernels):
             for config in A._CONFIGS["d128"][which]:
-                kernel.kernel.configs = [config]
+                kernel.configs = [config]
                 run_case(rand(2, 4, 300, 128, dtype=torch.bfloat16, transposed=True),
                          rand(2, 2, 333, 128, dtype=torch.bfloat16, transposed=True),
                          rand(2, 2, 333, 128, dtype=torch.bfloat16, transposed=True),
                          causal=True, deterministic=which == 2)
-            kernel.kernel.configs = saved[which]
+            kernel.configs = saved[which]
     finally:
         for k, configs in zip(kernels, saved):
-            k.kernel.configs = configs
+            k.configs = configs

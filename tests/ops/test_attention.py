@@ -504,6 +504,37 @@ def test_compile_fullgraph_forward_backward(device):
         assert_rel_close(g, e, tol)
 
 
+_EAGER_THEN_COMPILE = """
+import torch, torch_flash
+q, k, v = (torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+           for _ in range(3))
+step = lambda q, k, v: torch_flash.attention(q, k, v, causal=True).float().square().sum()
+step(q, k, v).backward()  # the first launch imports the kernels inside the op's eager body
+eager = [t.grad.clone() for t in (q, k, v)]
+for t in (q, k, v):
+    t.grad = None
+torch.compile(step, fullgraph=True)(q, k, v).backward()
+for t, e in zip((q, k, v), eager):
+    torch.testing.assert_close(t.grad, e, atol=2e-2, rtol=2e-2)
+cache = torch.randn(2, 2, 512, 64, device="cuda", dtype=torch.bfloat16)
+lens = torch.full((2,), 300, dtype=torch.int32, device="cuda")
+decode = lambda q: torch_flash.attention_decode(q, cache, cache, lens)[0]
+q1 = torch.randn(2, 4, 1, 64, device="cuda", dtype=torch.bfloat16)
+torch.testing.assert_close(torch.compile(decode, fullgraph=True)(q1), decode(q1))
+print("ok")
+"""
+
+
+@pytest.mark.cuda
+def test_compile_after_first_eager_call():
+    """A fresh process whose first attention call is eager, then compiled (fullgraph, forward and
+    backward, and decoding): the compiled graph must trace the kernels, not launch them on fake
+    tensors (a wrapper made while the kernels were first imported inside an op stayed bare)."""
+    run = subprocess.run([sys.executable, "-c", _EAGER_THEN_COMPILE], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+
+
 @pytest.mark.cuda
 def test_cuda_graphs_reduce_overhead():
     """mode="reduce-overhead" replays a CUDA graph: no host sync inside the op, and replays

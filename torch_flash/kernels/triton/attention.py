@@ -582,15 +582,16 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Bias, Seed, CuQ, CuK,
 # --------------------------------------------------------------------------------------
 def _tuned(fn, configs, **kw):
     configs = configs if _AUTOTUNE else configs[:1]
-    return torch.library.wrap_triton(triton.autotune(configs=configs, key=_KEY, **kw)(fn))
+    return triton.autotune(configs=configs, key=_KEY, **kw)(fn)
 
 
 # class -> (forward, dK/dV, dQ) kernels; the autotuner zeroes the atomic dQ accumulator
-# before each timed run of dK/dV
+# before each timed run of dK/dV. Kept unwrapped: wrap_triton returns the bare kernel while an
+# op's eager body runs, so a wrapper made at import (which may happen there) would stay bare
+# and compiled graphs would launch it on fake tensors; launches wrap (_launch).
 _KERNELS = {cls: (_tuned(_attn_fwd, fwd), _tuned(_attn_bwd_dkdv, dkdv, reset_to_zero=["DQ"]),
                   _tuned(_attn_bwd_dq, dq))
             for cls, (fwd, dkdv, dq) in _CONFIGS.items()}
-_DELTA_KERNEL = torch.library.wrap_triton(_attn_bwd_delta)
 
 
 def supports(q, k, v, attn_bias=None, dropout_p=0.0) -> bool:
@@ -690,11 +691,13 @@ def _grid(rows: int, programs: int, block: str = "BLOCK_M"):
 
 
 def _kernels(q, args: dict):
-    """(forward, dK/dV, dQ) kernels of the tile class of this call."""
+    """(forward, dK/dV, dQ) launchers of the tile class of this call."""
     if q.dtype == torch.float32:
-        return _KERNELS["fp32"]
-    width = max(args["BLOCK_D"], args["BLOCK_DV"])
-    return _KERNELS["d64" if width <= 64 else "d128" if width <= 128 else "d256"]
+        kernels = _KERNELS["fp32"]
+    else:
+        width = max(args["BLOCK_D"], args["BLOCK_DV"])
+        kernels = _KERNELS["d64" if width <= 64 else "d128" if width <= 128 else "d256"]
+    return tuple(map(torch.library.wrap_triton, kernels))
 
 
 def _forward(q, k, v, attn_bias, cu_q, cu_k, n_batch, seq_q, seq_k, flags):
@@ -729,7 +732,7 @@ def _backward(grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, n_ba
     grad_out, out = _rows(grad_out), _rows(out)
     delta = torch.empty_like(lse)
     lse_strides = _lse_strides(lse)
-    _DELTA_KERNEL[_grid(seq_q, n_batch * heads)](
+    torch.library.wrap_triton(_attn_bwd_delta)[_grid(seq_q, n_batch * heads)](
         Out=out, DO=grad_out,
         GradLse=lse if grad_lse is None else grad_lse.to(torch.float32).expand_as(lse).contiguous(),
         Delta=delta, CuQ=args["CuQ"], **_bhm(out, "o", "m"), **_bhm(grad_out, "do", "m"), **lse_strides,

@@ -267,12 +267,11 @@ def _combine_kernel(OutP, LseP, Out, Lse, NUM_SPLITS, HEAD_DIM_V: tl.constexpr, 
 # --------------------------------------------------------------------------------------
 def _tuned(configs):
     configs = configs if _AUTOTUNE else configs[:1]
-    return torch.library.wrap_triton(triton.autotune(configs=configs, key=_KEY)(_decode_kernel))
+    return triton.autotune(configs=configs, key=_KEY)(_decode_kernel)
 
 
+# Unwrapped, wrapped per launch: see kernels/triton/attention.py _KERNELS.
 _DECODE = {cls: _tuned(configs) for cls, configs in _CONFIGS.items()}
-_APPEND = torch.library.wrap_triton(_append_kernel)
-_COMBINE = torch.library.wrap_triton(_combine_kernel)
 
 
 def _pow2(n: int) -> int:
@@ -331,7 +330,7 @@ def decode_fwd(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, ro
                   PAGED=paged)
     if snew and B * Hkv:
         block_s = min(16, triton.next_power_of_2(snew))
-        _APPEND[(triton.cdiv(snew, block_s), B * Hkv)](
+        torch.library.wrap_triton(_append_kernel)[(triton.cdiv(snew, block_s), B * Hkv)](
             KN=k_new, VN=v_new, KC=k_cache, VC=v_cache, **_strides(k_new, "kn", "b", "h", "s"),
             **_strides(v_new, "vn", "b", "h", "s"), **_strides(k_cache, "kc", "b", "h", "s"),
             **_strides(v_cache, "vc", "b", "h", "s"), **common, HEAD_DIM=D, BLOCK_S=block_s)
@@ -355,7 +354,8 @@ def decode_fwd(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, ro
         out_p, lse_p = lse.new_empty(0), lse.new_empty(0)
     scale = D ** -0.5 if scale is None else scale
     width = (_pow2(D) + _pow2(Dv)) * q.element_size()
-    _DECODE["narrow" if width <= 512 else "wide"][(B * Hkv, num_splits, m_blocks)](
+    kernel = torch.library.wrap_triton(_DECODE["narrow" if width <= 512 else "wide"])
+    kernel[(B * Hkv, num_splits, m_blocks)](
         Q=q, KC=k_cache, VC=v_cache, Out=out, Lse=lse, OutP=out_p, LseP=lse_p,
         **_strides(q, "q", "b", "h", "m"), **_strides(k_cache, "k", "b", "h", "n"),
         **_strides(v_cache, "v", "b", "h", "n"), **common, GROUP=group, SQ=Sq, NUM_SPLITS=num_splits,
@@ -366,9 +366,9 @@ def decode_fwd(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, ro
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", BLOCK_M=block_m)
     if split:
         block_splits = triton.next_power_of_2(num_splits)
-        _COMBINE[(B * Hq * Sq,)](OutP=out_p, LseP=lse_p, Out=out, Lse=lse, NUM_SPLITS=num_splits,
-                                 HEAD_DIM_V=Dv, BLOCK_DV=_pow2(Dv), BLOCK_SPLITS=block_splits,
-                                 SPLIT_CHUNK=min(block_splits, 16))
+        torch.library.wrap_triton(_combine_kernel)[(B * Hq * Sq,)](
+            OutP=out_p, LseP=lse_p, Out=out, Lse=lse, NUM_SPLITS=num_splits, HEAD_DIM_V=Dv, BLOCK_DV=_pow2(Dv),
+            BLOCK_SPLITS=block_splits, SPLIT_CHUNK=min(block_splits, 16))
     return out, lse
 
 
