@@ -11,9 +11,11 @@ against cuDNN's output. The winners go into csrc/attention/attention_fwd_sm90_hd
 
 H100, 2026-11-21 (docs/perf/sweep_attention_sm90_h100.json): two consumer warpgroups of 64 rows
 each with 5 K/V stages lead at D=128 (fewer stages, 176-key tiles, 256-row tiles lose); three
-warpgroups (192 rows) lead at D=64 from 4k keys; causal masks run best with one CTA per tile:
-the persistent schedule's static tile order idles SMs at the end, and handing out the longest
-tiles first gains nothing (persistent with the query tile slowest loses its K/V reuse in L2).
+warpgroups (192 rows) lead at D=64 from 4k keys. Causal masks: of one CTA per tile, persistent
+CTAs taking single tiles in turn (its static order idles SMs at the end) and longest-first
+orders (persistent with the query tile slowest loses its K/V reuse in L2), persistent CTAs
+taking pairs of tiles that add up to the same work (sm90::Paired) lead
+(docs/perf/sweep_attention_sm90_h100_paired.json; a CTA per pair measured the same).
 """
 from __future__ import annotations
 
@@ -60,6 +62,7 @@ VARIANTS = [
     )],
     *[(f"causal-{name}", 128, True, tile, sched, opts) for name, tile, sched, opts in (
         ("coop", (128, 128), "Cooperative", ()),
+        ("pair", (128, 128), "Paired", ()),
         ("coop-lf", (128, 128), "CooperativeLongestFirst", ()),
         ("pp", (128, 128), "Pingpong", ()),
         ("pp-lf", (128, 128), "PingpongLongestFirst", ()),
@@ -84,6 +87,8 @@ VARIANTS = [
         ("pp-lf-m192-wg3", (192, 128), "PingpongLongestFirst", (warpgroups(3),)),
         ("pp-lf-m256", (256, 128), "PingpongLongestFirst", ()),
         ("coop-lf-m256", (256, 128), "CooperativeLongestFirst", ()),
+        ("pair", (128, 128), "Paired", ()),
+        ("pair-m192-wg3", (192, 128), "Paired", (warpgroups(3),)),
     )],
     *[(f"{mask}-{name}", 256, mask == "causal", tile, sched, ()) for mask, name, tile, sched in (
         ("full", "coop", (128, 64), "Cooperative"),

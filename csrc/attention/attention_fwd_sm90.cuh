@@ -5,6 +5,7 @@
 // with the softmax scale as an argument and a launch that follows the caller's stream.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <mutex>
 #include <stdexcept>
@@ -58,8 +59,68 @@ struct Schedule {
   using Scheduler = Scheduler_;
   static constexpr bool kPersistent = kPersistent_;  // persistent CTAs also load Q from a warp of its own
 };
+// Persistent CTAs (one per SM) take units of work in turn; a unit is the query tiles m and
+// M - 1 - m of one (batch, head), the longer first. Under a causal mask tile m reads m + 1 key
+// tiles, so every unit reads M + 1 and equal units keep the SMs evenly busy to the end (CTAs
+// taking single tiles in turn leave some idle: 0.94x cuDNN at D=128, S=16k). Units run pair
+// first, so the CTAs at work share the K/V of a few heads in L2.
+struct PairedTileScheduler {
+  struct Params {
+    int num_units;
+    int m_blocks;
+    cutlass::FastDivmod divmod_pair, divmod_b, divmod_h;
+    cutlass::KernelHardwareInfo hw_info;
+  };
+
+  int unit;
+  bool second = false;  // on the unit's shorter tile
+  Params params;
+
+  CUTLASS_DEVICE explicit PairedTileScheduler(Params const& p) : unit(blockIdx.x), params(p) {}
+
+  template <class ProblemSize, class ClusterShape, class TileShape>
+  static Params to_underlying_arguments(ProblemSize const& problem, cutlass::KernelHardwareInfo hw,
+                                        ClusterShape const& cluster, TileShape const& tile) {
+    int m_blocks = cutlass::round_up(ceil_div(size<2>(problem), size<0>(tile)), size<0>(cluster));
+    int pairs = (m_blocks + 1) / 2;
+    if (hw.sm_count <= 0) hw.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(hw.device_id);
+    return {pairs * int(size<0>(problem)) * int(size<1>(problem)), m_blocks, cutlass::FastDivmod(pairs),
+            cutlass::FastDivmod(size<0>(problem)), cutlass::FastDivmod(size<1>(problem)), hw};
+  }
+
+  static dim3 get_grid_shape(Params const& p) { return dim3(std::min(p.num_units, p.hw_info.sm_count), 1, 1); }
+
+  CUTLASS_DEVICE bool is_valid() const { return unit < params.num_units; }
+
+  CUTLASS_DEVICE int pair() const {
+    int rest, pair;
+    params.divmod_pair(rest, pair, unit);
+    return pair;
+  }
+
+  CUTLASS_DEVICE auto get_block_coord() const {
+    int rest, pair, bidb, bidh;
+    params.divmod_pair(rest, pair, unit);
+    params.divmod_b(rest, bidb, rest);
+    params.divmod_h(rest, bidh, rest);
+    return make_coord(second ? pair : params.m_blocks - 1 - pair, _0{}, make_coord(bidb, bidh));
+  }
+
+  CUTLASS_DEVICE PairedTileScheduler& operator++() {
+    int m = pair();
+    if (!second && params.m_blocks - 1 - m != m) {  // the middle tile of an odd count is its own pair
+      second = true;
+    } else {
+      second = false;
+      unit += gridDim.x;
+    }
+    return *this;
+  }
+};
+
 using Cooperative = Schedule<cutlass::fmha::kernel::IndividualTileScheduler, false>;  // a CTA per tile
 using Pingpong = Schedule<cutlass::fmha::kernel::PersistentTileScheduler, true>;  // one CTA per SM
+using Paired = Schedule<PairedTileScheduler, true>;  // one CTA per SM, causal tiles in pairs
 
 // One kernel configuration: tile (query rows per CTA, keys per step, head dim), schedule and
 // 88_hopper_fmha options (Option<Tag::kStagesKV, _4>, Option<Tag::kNumMmaWarpGroups, _3>, ...).
@@ -131,24 +192,26 @@ void launch(const AttentionFwdSm90Params& p, cudaStream_t stream) {
   check_cuda(cudaGetLastError(), "kernel launch");
 }
 
-// Keys from which a head dim's long-sequence configuration runs without a mask (D=64's three
-// warpgroups lead from 2k keys: scripts/sweep_attention_sm90.py).
+// Keys from which a head dim's long-sequence configurations run (D=64's three warpgroups lead
+// from 2k keys: scripts/sweep_attention_sm90.py).
 constexpr int kLongKeys = 2048;
 
 // Every dtype x mask variant of one head dim: without a mask (ResidualFusion masks the keys
-// past Sk in the last key tile, and only there) one configuration for short and one for long
-// key sequences (the same type builds once), and one with the causal mask.
-template <class FullConfig, class LongFullConfig, class CausalConfig>
+// past Sk in the last key tile, and only there) and with the causal mask, one configuration
+// for short and one for long key sequences each (the same type builds once).
+template <class FullConfig, class LongFullConfig, class CausalConfig, class LongCausalConfig>
 void dispatch(const AttentionFwdSm90Params& p, cudaStream_t stream) {
   using cutlass::fmha::collective::CausalFusion;
   using cutlass::fmha::collective::ResidualFusion;
   const bool long_keys = p.seqlen_k >= kLongKeys;
   if (p.bf16) {
-    if (p.causal) launch<cutlass::bfloat16_t, CausalFusion, CausalConfig>(p, stream);
+    if (p.causal && long_keys) launch<cutlass::bfloat16_t, CausalFusion, LongCausalConfig>(p, stream);
+    else if (p.causal) launch<cutlass::bfloat16_t, CausalFusion, CausalConfig>(p, stream);
     else if (long_keys) launch<cutlass::bfloat16_t, ResidualFusion, LongFullConfig>(p, stream);
     else launch<cutlass::bfloat16_t, ResidualFusion, FullConfig>(p, stream);
   } else {
-    if (p.causal) launch<cutlass::half_t, CausalFusion, CausalConfig>(p, stream);
+    if (p.causal && long_keys) launch<cutlass::half_t, CausalFusion, LongCausalConfig>(p, stream);
+    else if (p.causal) launch<cutlass::half_t, CausalFusion, CausalConfig>(p, stream);
     else if (long_keys) launch<cutlass::half_t, ResidualFusion, LongFullConfig>(p, stream);
     else launch<cutlass::half_t, ResidualFusion, FullConfig>(p, stream);
   }

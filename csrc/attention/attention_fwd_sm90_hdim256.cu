@@ -1,6 +1,6 @@
 // Head dim 256: tiles of 128 query rows x 64 keys (the register and shared-memory budget of
-// two consumer warpgroups), one CTA per tile (ping-pong's separate epilogue buffers do not fit
-// in shared memory). Built when 256 is in FLASH_HDIMS.
+// two consumer warpgroups), one CTA per tile (the persistent schedules' separate epilogue
+// buffers do not fit in shared memory). Built when 256 is in FLASH_HDIMS.
 #include "attention/attention_fwd_sm90.cuh"
 
 namespace torch_flash {
@@ -9,7 +9,8 @@ void attention_fwd_sm90_hdim256(const AttentionFwdSm90Params& p, cudaStream_t st
   using namespace cute;
   using namespace sm90;
   using Tile = Shape<_128, _64, _256>;
-  dispatch<Config<Tile, Cooperative>, Config<Tile, Cooperative>, Config<Tile, Cooperative>>(p, stream);
+  using C = Config<Tile, Cooperative>;
+  dispatch<C, C, C, C>(p, stream);
 }
 
 }  // namespace torch_flash

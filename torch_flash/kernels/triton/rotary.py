@@ -12,10 +12,10 @@ with tensor offsets, which the op validates on the reference path) leaves its to
 rather than reading out of bounds.
 
 A program rotates BLOCK_S tokens of BLOCK_H heads of one sequence, loading cos/sin once for
-all its heads. _rotary_qk_kernel rotates q and k (same shape but for their head counts, GQA)
-in one launch: the head axis of its grid covers q's head blocks, then k's. Packed sequences
-find their sequence by a binary search in cu_seqlens, so the grid needs no max_seqlen and no
-host synchronisation.
+all its heads; grid axis 0 runs over head blocks first, then token blocks. _rotary_qk_kernel
+rotates q and k (same shape but for their head counts, GQA) in one launch: its head blocks
+are q's, then k's. Packed sequences find their sequence by a binary search in cu_seqlens, so
+the grid needs no max_seqlen and no host synchronisation.
 """
 from __future__ import annotations
 
@@ -105,6 +105,15 @@ def _tables(COS, SIN, CU_SEQLENS, OFFSETS, pid_b, s, seqlen, seqlen_ro, seqlen_o
     return cos, sin, in_range
 
 
+@triton.jit
+def _token_and_head_block(head_blocks):
+    """(token block, head block) of this program: axis 0 runs over the head blocks first, so
+    programs launched together cover all heads of the same tokens (one stretch of memory for
+    (B, S, H, D) layouts, one read of the tokens' cos/sin)."""
+    pid = tl.program_id(0).to(tl.int64)
+    return pid // head_blocks, pid % head_blocks
+
+
 _KEY = ["RD2", "TAIL", "INTERLEAVED", "IS_VARLEN", "PER_TOKEN"]
 
 
@@ -118,11 +127,12 @@ def _rotary_kernel(X, OUT, COS, SIN, CU_SEQLENS, OFFSETS,
                    PER_TOKEN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TAIL: tl.constexpr,
                    BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr):
     pid_b = tl.program_id(1).to(tl.int64)
-    s = tl.program_id(0).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
+    pid_s, pid_h = _token_and_head_block(tl.cdiv(nheads, BLOCK_H))
+    s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
     cos, sin, in_range = _tables(COS, SIN, CU_SEQLENS, OFFSETS, pid_b, s, seqlen, seqlen_ro, seqlen_offset, nseq,
                                  search_steps, stride_cb, stride_cs, RD2, CONJUGATE, IS_VARLEN, HAS_OFFSETS,
                                  PER_TOKEN, BLOCK_K)
-    _rotate_heads(X, OUT, tl.program_id(2).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H), nheads,
+    _rotate_heads(X, OUT, pid_h * BLOCK_H + tl.arange(0, BLOCK_H), nheads,
                   stride_xb, stride_xh, stride_xs, stride_ob, stride_oh, stride_os,
                   pid_b, s, in_range, cos, sin, RD2, TAIL, INTERLEAVED, BLOCK_K, BLOCK_TAIL, BLOCK_S, BLOCK_H)
 
@@ -141,19 +151,19 @@ def _rotary_qk_kernel(Q, QOUT, K, KOUT, COS, SIN, CU_SEQLENS, OFFSETS,
                       PER_TOKEN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TAIL: tl.constexpr,
                       BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr):
     pid_b = tl.program_id(1).to(tl.int64)
-    s = tl.program_id(0).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
+    # the head blocks of q, then those of k
+    q_blocks = tl.cdiv(nheads_q, BLOCK_H)
+    pid_s, pid_h = _token_and_head_block(q_blocks + tl.cdiv(nheads_k, BLOCK_H))
+    s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
     cos, sin, in_range = _tables(COS, SIN, CU_SEQLENS, OFFSETS, pid_b, s, seqlen, seqlen_ro, seqlen_offset, nseq,
                                  search_steps, stride_cb, stride_cs, RD2, CONJUGATE, IS_VARLEN, HAS_OFFSETS,
                                  PER_TOKEN, BLOCK_K)
-    # axis 2 enumerates the head blocks of q, then those of k
-    pid_h = tl.program_id(2)
-    q_blocks = tl.cdiv(nheads_q, BLOCK_H)
     if pid_h < q_blocks:
-        _rotate_heads(Q, QOUT, pid_h.to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H), nheads_q,
+        _rotate_heads(Q, QOUT, pid_h * BLOCK_H + tl.arange(0, BLOCK_H), nheads_q,
                       stride_qb, stride_qh, stride_qs, stride_qob, stride_qoh, stride_qos,
                       pid_b, s, in_range, cos, sin, RD2, TAIL, INTERLEAVED, BLOCK_K, BLOCK_TAIL, BLOCK_S, BLOCK_H)
     else:
-        _rotate_heads(K, KOUT, (pid_h - q_blocks).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H), nheads_k,
+        _rotate_heads(K, KOUT, (pid_h - q_blocks) * BLOCK_H + tl.arange(0, BLOCK_H), nheads_k,
                       stride_kb, stride_kh, stride_ks, stride_kob, stride_koh, stride_kos,
                       pid_b, s, in_range, cos, sin, RD2, TAIL, INTERLEAVED, BLOCK_K, BLOCK_TAIL, BLOCK_S, BLOCK_H)
 
@@ -214,7 +224,7 @@ def _launch(pairs, cos, sin, interleaved, seqlen_offset, seqlen_offsets, cu_seql
         return (0, t.stride(1), t.stride(0)) if packed else (t.stride(0), t.stride(1), t.stride(2))
 
     def grid(meta):
-        return triton.cdiv(seqlen, meta["BLOCK_S"]), nbatch, sum(triton.cdiv(h, meta["BLOCK_H"]) for h in heads)
+        return triton.cdiv(seqlen, meta["BLOCK_S"]) * sum(triton.cdiv(h, meta["BLOCK_H"]) for h in heads), nbatch
 
     kernel = _rotary_kernel if len(pairs) == 1 else _rotary_qk_kernel
     torch.library.wrap_triton(kernel)[grid](
