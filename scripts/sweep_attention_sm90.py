@@ -11,11 +11,11 @@ against cuDNN's output. The winners go into csrc/attention/attention_fwd_sm90_hd
 
 H100, 2026-11-21 (docs/perf/sweep_attention_sm90_h100.json): two consumer warpgroups of 64 rows
 each with 5 K/V stages lead at D=128 (fewer stages, 176-key tiles, 256-row tiles lose); three
-warpgroups (192 rows) lead at D=64 from 4k keys. Causal masks: of one CTA per tile, persistent
-CTAs taking single tiles in turn (its static order idles SMs at the end) and longest-first
-orders (persistent with the query tile slowest loses its K/V reuse in L2), persistent CTAs
-taking pairs of tiles that add up to the same work (sm90::Paired) lead
-(docs/perf/sweep_attention_sm90_h100_paired.json; a CTA per pair measured the same).
+warpgroups (192 rows) lead at D=64 from 4k keys. Causal masks run best on persistent CTAs that
+take pairs of query tiles adding up to the same work (sm90::Paired,
+docs/perf/sweep_attention_sm90_h100_paired.json; a CTA per pair measured the same); behind it:
+one CTA per tile, persistent CTAs taking single tiles in turn (the static order idles SMs at the
+end), longest-first orders (persistent with the query tile slowest loses its K/V reuse in L2).
 """
 from __future__ import annotations
 
