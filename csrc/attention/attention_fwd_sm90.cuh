@@ -199,22 +199,21 @@ constexpr int kLongKeys = 2048;
 // Every dtype x mask variant of one head dim: without a mask (ResidualFusion masks the keys
 // past Sk in the last key tile, and only there) and with the causal mask, one configuration
 // for short and one for long key sequences each (the same type builds once).
-template <class FullConfig, class LongFullConfig, class CausalConfig, class LongCausalConfig>
-void dispatch(const AttentionFwdSm90Params& p, cudaStream_t stream) {
+template <class Element, class FullConfig, class LongFullConfig, class CausalConfig, class LongCausalConfig>
+void dispatch_mask(const AttentionFwdSm90Params& p, cudaStream_t stream) {
   using cutlass::fmha::collective::CausalFusion;
   using cutlass::fmha::collective::ResidualFusion;
   const bool long_keys = p.seqlen_k >= kLongKeys;
-  if (p.bf16) {
-    if (p.causal && long_keys) launch<cutlass::bfloat16_t, CausalFusion, LongCausalConfig>(p, stream);
-    else if (p.causal) launch<cutlass::bfloat16_t, CausalFusion, CausalConfig>(p, stream);
-    else if (long_keys) launch<cutlass::bfloat16_t, ResidualFusion, LongFullConfig>(p, stream);
-    else launch<cutlass::bfloat16_t, ResidualFusion, FullConfig>(p, stream);
-  } else {
-    if (p.causal && long_keys) launch<cutlass::half_t, CausalFusion, LongCausalConfig>(p, stream);
-    else if (p.causal) launch<cutlass::half_t, CausalFusion, CausalConfig>(p, stream);
-    else if (long_keys) launch<cutlass::half_t, ResidualFusion, LongFullConfig>(p, stream);
-    else launch<cutlass::half_t, ResidualFusion, FullConfig>(p, stream);
-  }
+  if (p.causal && long_keys) launch<Element, CausalFusion, LongCausalConfig>(p, stream);
+  else if (p.causal) launch<Element, CausalFusion, CausalConfig>(p, stream);
+  else if (long_keys) launch<Element, ResidualFusion, LongFullConfig>(p, stream);
+  else launch<Element, ResidualFusion, FullConfig>(p, stream);
+}
+
+template <class... Configs>  // FullConfig, LongFullConfig, CausalConfig, LongCausalConfig
+void dispatch(const AttentionFwdSm90Params& p, cudaStream_t stream) {
+  if (p.bf16) dispatch_mask<cutlass::bfloat16_t, Configs...>(p, stream);
+  else dispatch_mask<cutlass::half_t, Configs...>(p, stream);
 }
 
 }  // namespace torch_flash::sm90
