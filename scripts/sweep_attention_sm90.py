@@ -16,6 +16,15 @@ take pairs of query tiles adding up to the same work (sm90::Paired,
 docs/perf/sweep_attention_sm90_h100_paired.json; a CTA per pair measured the same); behind it:
 one CTA per tile, persistent CTAs taking single tiles in turn (the static order idles SMs at the
 end), longest-first orders (persistent with the query tile slowest loses its K/V reuse in L2).
+FlashAttention-3's intra-warpgroup overlap (each consumer warpgroup's softmax of S_j under its
+own P_{j-1} V_{j-1}; commit 099fb06, docs/perf/sweep_attention_sm90_h100_overlap.json) ran
+8-15% slower at every point, with or without the warpgroups issuing their GEMMs in turn: at
+64 rows per warpgroup the softmax is shorter than the other warpgroup's GEMMs, so ping-pong
+alone keeps the tensor cores busy and the overlap only adds waits and registers. 176-key
+tiles also lose accuracy (1e-3 against cuDNN, 5e-5 for 128).
+
+Timing: cuDNN and every configuration of a grid point run back to back in ROUNDS rounds, and
+the ratio is the median of the rounds' ratios (single timings drift by 4-10% between runs).
 """
 from __future__ import annotations
 
@@ -39,8 +48,6 @@ from torch_flash.bench._common import env_info, median_ms
 TOKENS, HIDDEN = 32 * 1024, 2048
 T = "Shape<_{}, _{}, _{}>"
 LOCKED = "Option<Tag::kIsMainloopLocked, true_type>"
-OVERLAP = "Overlapped"  # not CUTLASS options: sm90 mainloops other than sm90::Serial
-ORDERED = "OverlappedOrdered"
 ROUNDS = 3  # timing rounds per grid point, cuDNN and every configuration in each
 
 
@@ -63,10 +70,6 @@ VARIANTS = [
         ("pp-n176-s3", (128, 176), "Pingpong", (stages(3),)),
         ("pp-m256-n64", (256, 64), "Pingpong", ()),
         ("coop", (128, 128), "Cooperative", ()),
-        ("pp-ovl", (128, 128), "Pingpong", (OVERLAP,)),
-        ("pp-ord", (128, 128), "Pingpong", (ORDERED,)),
-        ("pp-n176-s3-ovl", (128, 176), "Pingpong", (stages(3), OVERLAP)),
-        ("pp-n176-s3-ord", (128, 176), "Pingpong", (stages(3), ORDERED)),
     )],
     *[(f"causal-{name}", 128, True, tile, sched, opts) for name, tile, sched, opts in (
         ("coop", (128, 128), "Cooperative", ()),
@@ -78,8 +81,6 @@ VARIANTS = [
         ("pp-lf-s4", (128, 128), "PingpongLongestFirst", (stages(4),)),
         ("coop-lf-m192-wg3", (192, 128), "CooperativeLongestFirst", (warpgroups(3),)),
         ("pp-lf-m192-wg3", (192, 128), "PingpongLongestFirst", (warpgroups(3),)),
-        ("pair-ovl", (128, 128), "Paired", (OVERLAP,)),
-        ("pair-ord", (128, 128), "Paired", (ORDERED,)),
     )],
     *[(f"full-{name}", 64, False, tile, sched, opts) for name, tile, sched, opts in (
         ("pp", (128, 128), "Pingpong", ()),
@@ -88,9 +89,6 @@ VARIANTS = [
         ("pp-m256", (256, 128), "Pingpong", ()),
         ("pp-n256", (128, 256), "Pingpong", ()),
         ("pp-n192", (128, 192), "Pingpong", ()),
-        ("pp-ovl", (128, 128), "Pingpong", (OVERLAP,)),
-        ("pp-m192-wg3-ovl", (192, 128), "Pingpong", (warpgroups(3), OVERLAP)),
-        ("pp-m192-wg3-ord", (192, 128), "Pingpong", (warpgroups(3), ORDERED)),
     )],
     *[(f"causal-{name}", 64, True, tile, sched, opts) for name, tile, sched, opts in (
         ("coop", (128, 128), "Cooperative", ()),
@@ -102,18 +100,13 @@ VARIANTS = [
         ("coop-lf-m256", (256, 128), "CooperativeLongestFirst", ()),
         ("pair", (128, 128), "Paired", ()),
         ("pair-m192-wg3", (192, 128), "Paired", (warpgroups(3),)),
-        ("pair-ovl", (128, 128), "Paired", (OVERLAP,)),
-        ("pair-m192-wg3-ovl", (192, 128), "Paired", (warpgroups(3), OVERLAP)),
     )],
-    *[(f"{mask}-{name}", 256, mask == "causal", tile, sched, opts) for mask, name, tile, sched, opts in (
-        ("full", "coop", (128, 64), "Cooperative", ()),
-        ("full", "pp", (128, 64), "Pingpong", ()),
-        ("causal", "coop", (128, 64), "Cooperative", ()),
-        ("causal", "coop-lf", (128, 64), "CooperativeLongestFirst", ()),
-        ("causal", "pp-lf", (128, 64), "PingpongLongestFirst", ()),
-        ("full", "coop-ovl", (128, 64), "Cooperative", (OVERLAP,)),
-        ("causal", "coop-ovl", (128, 64), "Cooperative", (OVERLAP,)),
-        ("full", "coop-ord", (128, 64), "Cooperative", (ORDERED,)),
+    *[(f"{mask}-{name}", 256, mask == "causal", tile, sched, ()) for mask, name, tile, sched in (
+        ("full", "coop", (128, 64), "Cooperative"),
+        ("full", "pp", (128, 64), "Pingpong"),
+        ("causal", "coop", (128, 64), "Cooperative"),
+        ("causal", "coop-lf", (128, 64), "CooperativeLongestFirst"),
+        ("causal", "pp-lf", (128, 64), "PingpongLongestFirst"),
     )],
 ]
 
@@ -151,7 +144,7 @@ using PingpongLongestFirst = Schedule<LongestFirstPersistentScheduler, true>;
 extern "C" const char* run(const torch_flash::AttentionFwdSm90Params* p, cudaStream_t stream) {{
   static std::string error;
   try {{
-    launch<cutlass::bfloat16_t, cutlass::fmha::collective::{fusion}, {mainloop}<{tile}, {schedule}{options}>>(*p, stream);
+    launch<cutlass::bfloat16_t, cutlass::fmha::collective::{fusion}, Config<{tile}, {schedule}{options}>>(*p, stream);
     return nullptr;
   }} catch (const std::exception& e) {{
     error = e.what();
@@ -184,8 +177,7 @@ def compile_all(variants, workdir: str, jobs: int) -> dict[str, str]:
         src = os.path.join(workdir, f"d{d}-{name}.cu")
         with open(src, "w") as f:
             f.write(SOURCE.format(fusion="CausalFusion" if causal else "ResidualFusion", tile=T.format(m, n, d),
-                                  mainloop=next((o for o in opts if o in (OVERLAP, ORDERED)), "Serial"), schedule=sched,
-                                  options="".join(", " + o for o in opts if o not in (OVERLAP, ORDERED))))
+                                  schedule=sched, options="".join(", " + o for o in opts)))
         lib = src[:-3] + ".so"
         argv = [nvcc, "-shared", "-Xcompiler", "-fPIC", src, "-o", lib, *spec.nvcc_flags,
                 *(f"-I{i}" for i in spec.include_dirs)]

@@ -53,175 +53,6 @@ struct MainloopWithScale : Base {
   }
 };
 
-// Softmax of a key tile while the previous tile's P.V product is still in flight: updates each
-// row's running max and (thread-partial) sum and exponentiates S in place, but returns O's rescale
-// factors instead of applying them, since O is being written by that product. kMask applies the
-// Fusion's mask first (the key tiles it can cut into).
-template <bool kMask, class Fusion, class AccQK, class TiledMmaQK, class CountQK, class State, class ProblemShape>
-CUTLASS_DEVICE auto softmax_deferring_rescale(AccQK& acc_qk, TiledMmaQK const& mma_qk, CountQK const& count_qk,
-                                              State& state, float scale_log2, ProblemShape const& problem) {
-  using cutlass::fmha::collective::layout_acc_mn;
-  using cutlass::fmha::collective::reduction_target_n;
-  if constexpr (kMask) Fusion{}.before_softmax(acc_qk, count_qk, problem);
-  Tensor s = make_tensor(acc_qk.data(), layout_acc_mn(mma_qk, acc_qk.layout()));
-  auto reduction = reduction_target_n(mma_qk);
-  auto& row_max = get<0>(state);
-  auto& row_sum = get<1>(state);
-  Tensor rescale = make_fragment_like<float>(row_max);
-  CUTLASS_PRAGMA_UNROLL
-  for (int i = 0; i < size<0>(s); i++) {
-    float m = row_max(i);
-    CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < size<1>(s); j++) m = ::max(m, s(i, j));
-    for_each(make_seq<decltype(rank(reduction))::value>{}, [&](auto r) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int k = 1; k < shape<r>(reduction); k *= 2) {
-        m = ::max(m, __shfl_xor_sync(uint32_t(-1), m, stride<r>(reduction) * k));
-      }
-    });
-    float m_finite = m == -INFINITY ? 0.f : m;  // a row masked so far stays at zero weight
-    rescale(i) = ::exp2f((row_max(i) - m_finite) * scale_log2);
-    row_max(i) = m;
-    float scaled_max = m_finite * scale_log2;
-    float sum = 0.f;
-    CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < size<1>(s); j++) {
-      s(i, j) = ::exp2f(s(i, j) * scale_log2 - scaled_max);
-      sum += s(i, j);
-    }
-    row_sum(i) = row_sum(i) * rescale(i) + sum;
-  }
-  return rescale;
-}
-
-// FlashAttention-3's intra-warpgroup overlap on top of the 88_hopper_fmha mainloop: each
-// consumer warpgroup issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} together, waits for S_j
-// only, and runs the softmax of S_j while the tensor cores still work on P_{j-1} V_{j-1}
-// (the serial mainloop waits for both before its softmax, leaving the overlap to the other
-// warpgroup alone). Costs registers for one more tile of P.
-template <class Base, class Fusion, bool kOrderGemms>
-struct OverlappedMainloop : Base {
-  template <class BlkCoord, class ProblemShape, class MainloopPipelineReducer, class PipelineStateReducer,
-            class MathWgOrderBarrier>
-  CUTLASS_DEVICE auto compute(BlkCoord const& blk_coord, BlkCoord const& wg_coord,
-                              typename Base::Params const& params, ProblemShape const& problem_size,
-                              typename Base::MainloopPipeline& pipeline, typename Base::PipelineState& smem_pipe_read,
-                              typename Base::MainloopPipelineQ& pipeline_q,
-                              typename Base::PipelineStateQ& smem_pipe_read_q, MainloopPipelineReducer&,
-                              PipelineStateReducer&, typename Base::SharedStorage& storage,
-                              MathWgOrderBarrier& math_wg_order_barrier) {
-    using namespace cutlass::fmha::collective;
-    using TileShape = typename Base::TileShape;
-    using TileShapeQK = typename Base::TileShapeQK;
-    using TileShapePV = typename Base::TileShapePV;
-    using TiledMmaPV = typename Base::TiledMmaPV;
-    using Element = typename Base::Element;
-    int thread_idx = int(threadIdx.x);
-
-    typename Base::TiledMmaQK tiled_mma_qk;
-    auto thr_mma_qk = tiled_mma_qk.get_thread_slice(thread_idx);
-    Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), typename Base::SmemLayoutQ{});
-    Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), typename Base::SmemLayoutK{});
-    Tensor tSrQ = thr_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ));
-    Tensor tSrK = thr_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK));
-
-    TiledMmaPV tiled_mma_pv;
-    auto thr_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
-    Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), typename Base::SmemLayoutV{});
-    Tensor tOrV = thr_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sV));
-
-    // key coordinates of the S tile, for the mask
-    Tensor tPcP = thr_mma_qk.partition_C(make_identity_tensor(take<0, 2>(TileShapeQK{})));
-    tPcP.data() = tPcP.data() + E<0>{} * int(get<0>(wg_coord)) * get<0>(TileShapeQK{});
-
-    Tensor acc_pv = partition_fragment_C(tiled_mma_pv, take<0, 2>(TileShapePV{}));
-    CollectiveSoftmax<typename Base::ElementAccumulatorQK, Fusion, typename Base::Params> softmax{params};
-    auto softmax_state = softmax.init(acc_pv, tiled_mma_pv);
-
-    // K_j and V_j take turns in one pipeline; smem_pipe_read stays on the V tile to multiply next
-    auto issue_qk = [&](auto& acc_qk, typename Base::PipelineState const& k_stage) {
-      warpgroup_fence_operand(acc_qk);
-      warpgroup_arrive();
-      gemm_zero_acc(tiled_mma_qk, tSrQ(_, _, _, smem_pipe_read_q.index()), tSrK(_, _, _, k_stage.index()), acc_qk);
-      warpgroup_commit_batch();
-    };
-    auto issue_pv = [&](auto& p, bool first) {
-      pipeline.consumer_wait(smem_pipe_read);
-      warpgroup_fence_operand(acc_pv);
-      warpgroup_fence_operand(p);
-      warpgroup_arrive();
-      if (first) gemm_zero_acc(tiled_mma_pv, p, tOrV(_, _, _, smem_pipe_read.index()), acc_pv);
-      else cute::gemm(tiled_mma_pv, p, tOrV(_, _, _, smem_pipe_read.index()), acc_pv);
-      warpgroup_commit_batch();
-    };
-
-    pipeline_q.consumer_wait(smem_pipe_read_q);
-
-    // first key tile: no P.V in flight yet
-    Tensor acc_qk = partition_fragment_C(tiled_mma_qk, take<0, 2>(TileShapeQK{}));
-    pipeline.consumer_wait(smem_pipe_read);
-    math_wg_order_barrier.wait();  // staggers the consumer warpgroups, which then keep ping-ponging
-    issue_qk(acc_qk, smem_pipe_read);
-    math_wg_order_barrier.arrive();
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc_qk);
-    pipeline.consumer_release(smem_pipe_read);
-    ++smem_pipe_read;
-    softmax.step(acc_qk, tiled_mma_qk, tPcP, softmax_state, problem_size);
-    Tensor tOrP = make_acc_into_op<Element>(acc_qk, typename TiledMmaPV::LayoutA_TV{});
-    tPcP.data() = tPcP.data() + E<1>{} * get<1>(TileShapeQK{});
-
-    bool first_pv = true;
-    auto step = [&](auto mask) {
-      auto k_stage = smem_pipe_read;
-      ++k_stage;
-      Tensor acc_qk = partition_fragment_C(tiled_mma_qk, take<0, 2>(TileShapeQK{}));
-      pipeline.consumer_wait(k_stage);
-      if constexpr (kOrderGemms) math_wg_order_barrier.wait();
-      issue_qk(acc_qk, k_stage);
-      issue_pv(tOrP, first_pv);
-      if constexpr (kOrderGemms) math_wg_order_barrier.arrive();
-      first_pv = false;
-      warpgroup_wait<1>();  // S_j has landed; P_{j-1} V_{j-1} may still run
-      warpgroup_fence_operand(acc_qk);
-      pipeline.consumer_release(k_stage);
-      auto rescale = softmax_deferring_rescale<decltype(mask)::value, Fusion>(
-          acc_qk, tiled_mma_qk, tPcP, softmax_state, params.scale_softmax_log2, problem_size);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_pv);
-      pipeline.consumer_release(smem_pipe_read);
-      Tensor o = make_tensor(acc_pv.data(), layout_acc_mn(tiled_mma_pv, acc_pv.layout()));
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size<0>(o); i++) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < size<1>(o); j++) o(i, j) *= rescale(i);
-      }
-      cute::copy(make_acc_into_op<Element>(acc_qk, typename TiledMmaPV::LayoutA_TV{}), tOrP);
-      smem_pipe_read = k_stage;
-      ++smem_pipe_read;
-      tPcP.data() = tPcP.data() + E<1>{} * get<1>(TileShapeQK{});
-    };
-
-    // the first tile came out of the unmasked count, as in the serial mainloop
-    int unmasked = Fusion{}.get_unmasked_trip_count(blk_coord, TileShape{}, problem_size) - 1;
-    int masked = Fusion{}.get_masked_trip_count(blk_coord, TileShape{}, problem_size) + cute::min(unmasked, 0);
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (; unmasked > 0; --unmasked) step(cute::false_type{});
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (; masked > 0; --masked) step(cute::true_type{});
-
-    issue_pv(tOrP, first_pv);
-    if (Base::kIsPersistent) pipeline_q.consumer_release(smem_pipe_read_q);
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc_pv);
-    pipeline.consumer_release(smem_pipe_read);
-    ++smem_pipe_read;
-
-    Tensor lse = softmax.tail(softmax_state, acc_pv, tiled_mma_pv);
-    return make_tuple(acc_pv, lse);
-  }
-};
-
 // Schedules: which CTAs exist and in which order they take (query tile, batch, head).
 template <class Scheduler_, bool kPersistent_>
 struct Schedule {
@@ -291,37 +122,22 @@ using Cooperative = Schedule<cutlass::fmha::kernel::IndividualTileScheduler, fal
 using Pingpong = Schedule<cutlass::fmha::kernel::PersistentTileScheduler, true>;  // one CTA per SM
 using Paired = Schedule<PairedTileScheduler, true>;  // one CTA per SM, causal tiles in pairs
 
-// One kernel configuration: mainloop (overlapped or 88_hopper_fmha's serial one), tile (query
-// rows per CTA, keys per step, head dim), schedule and 88_hopper_fmha options
-// (Option<Tag::kStagesKV, _4>, Option<Tag::kNumMmaWarpGroups, _3>, ...).
-enum class Mainloop {
-  kSerial,            // 88_hopper_fmha's
-  kOverlapped,        // OverlappedMainloop
-  kOverlappedOrdered  // OverlappedMainloop, consumer warpgroups issuing their GEMMs in turn
-};
-template <Mainloop kMainloop_, class TileShape_, class Schedule_, class... Options_>
-struct ConfigT {
-  static constexpr Mainloop kMainloop = kMainloop_;
+// One kernel configuration: tile (query rows per CTA, keys per step, head dim), schedule and
+// 88_hopper_fmha options (Option<Tag::kStagesKV, _4>, Option<Tag::kNumMmaWarpGroups, _3>, ...).
+template <class TileShape_, class Schedule_, class... Options_>
+struct Config {
   using TileShape = TileShape_;
   using Schedule = Schedule_;
 };
-template <class TileShape, class Schedule, class... Options>
-using Serial = ConfigT<Mainloop::kSerial, TileShape, Schedule, Options...>;
-template <class TileShape, class Schedule, class... Options>
-using Overlapped = ConfigT<Mainloop::kOverlapped, TileShape, Schedule, Options...>;
-template <class TileShape, class Schedule, class... Options>
-using OverlappedOrdered = ConfigT<Mainloop::kOverlappedOrdered, TileShape, Schedule, Options...>;
 
 template <class Element, class Fusion, class Config>
 struct FwdKernel;
 
-template <class Element, class Fusion, Mainloop kMainloop, class TileShape, class Schedule, class... Options>
-struct FwdKernel<Element, Fusion, ConfigT<kMainloop, TileShape, Schedule, Options...>> {
+template <class Element, class Fusion, class TileShape, class Schedule, class... Options>
+struct FwdKernel<Element, Fusion, Config<TileShape, Schedule, Options...>> {
   using Persistent = Option<Tag::kIsPersistent, cute::bool_constant<Schedule::kPersistent>>;
-  using SerialMainloop = MainloopWithScale<cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
+  using Mainloop = MainloopWithScale<cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
       Element, float, float, TileShape, Stride, Stride, Stride, Fusion, Persistent, Options...>>;
-  using Mainloop = std::conditional_t<kMainloop == sm90::Mainloop::kSerial, SerialMainloop,
-      OverlappedMainloop<SerialMainloop, Fusion, kMainloop == sm90::Mainloop::kOverlappedOrdered>>;
   using Epilogue = cutlass::fmha::collective::FmhaFwdEpilogue<Element, float, typename Mainloop::TileShapePV>;
   using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
       Mainloop, Epilogue, typename Schedule::Scheduler, Persistent,

@@ -12,8 +12,8 @@ void attention_fwd_sm90_hdim128(const AttentionFwdSm90Params& p, cudaStream_t st
   using namespace cute;
   using namespace sm90;
   using Tile = Shape<_128, _128, _128>;
-  using Full = Serial<Tile, Pingpong>;
-  using Causal = Serial<Tile, Paired>;
+  using Full = Config<Tile, Pingpong>;
+  using Causal = Config<Tile, Paired>;
   dispatch<Full, Full, Causal, Causal>(p, stream);
 }
 

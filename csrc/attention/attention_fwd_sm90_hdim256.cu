@@ -9,7 +9,7 @@ void attention_fwd_sm90_hdim256(const AttentionFwdSm90Params& p, cudaStream_t st
   using namespace cute;
   using namespace sm90;
   using Tile = Shape<_128, _64, _256>;
-  using C = Serial<Tile, Cooperative>;
+  using C = Config<Tile, Cooperative>;
   dispatch<C, C, C, C>(p, stream);
 }
 

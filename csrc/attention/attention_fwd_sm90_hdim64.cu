@@ -16,8 +16,8 @@ void attention_fwd_sm90_hdim64(const AttentionFwdSm90Params& p, cudaStream_t str
   using Tile = Shape<_128, _128, _64>;
   using LongTile = Shape<_192, _128, _64>;
   using ThreeWarpGroups = Option<Tag::kNumMmaWarpGroups, _3>;
-  dispatch<Serial<Tile, Pingpong>, Serial<LongTile, Pingpong, ThreeWarpGroups>, Serial<Tile, Paired>,
-           Serial<LongTile, Paired, ThreeWarpGroups>>(p, stream);
+  dispatch<Config<Tile, Pingpong>, Config<LongTile, Pingpong, ThreeWarpGroups>, Config<Tile, Paired>,
+           Config<LongTile, Paired, ThreeWarpGroups>>(p, stream);
 }
 
 }  // namespace torch_flash
