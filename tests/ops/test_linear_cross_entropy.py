@@ -211,3 +211,161 @@ def test_inputs_untouched():
     copies = [x.detach().clone() for x in (h, w, t, b)]
     linear_cross_entropy(h, w, t, b, softcap=2.0, z_loss=1e-2, label_smoothing=0.1, chunk_size=3).backward()
     assert all(torch.equal(x.detach(), c) for x, c in zip((h, w, t, b), copies))
+
+
+# --------------------------------------------------------------------------------------
+# The fused ("mean"/"sum") backward: the forward's gradients scaled in place, retained
+# graphs recomputing, traced graphs keeping a plain multiply
+# --------------------------------------------------------------------------------------
+GRAD_NAMES = ("dhidden", "dweight", "dbias")
+LCE_OPTS = {"label_smoothing": 0.1, "z_loss": 1e-3}
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernels' device
+
+
+def _leaves(backend="reference"):
+    """fp32 (hidden, weight, target, bias) requiring grad; on the GPU for the Triton path if
+    there is one (CPU tensors run it under the interpreter)."""
+    device = DEV if backend == "triton" else "cpu"
+    h, w, t, b = (x.to(device) for x in _inputs((3, 4), 16, 37))
+    return h.requires_grad_(), w.requires_grad_(), t, b.requires_grad_()
+
+
+def _check_grads(got, h, w, t, b, grad_loss, reduction="mean", **opts):
+    """got against the float64 reference backward for the upstream gradient grad_loss."""
+    h64, w64, b64 = (x.detach().cpu().double() for x in (h, w, b))
+    want = ref.linear_cross_entropy_backward(torch.tensor(float(grad_loss), dtype=torch.float64), h64, w64,
+                                             t.cpu(), b64, ref.LossOptions(**opts), reduction)
+    for g, e, name in zip(got, want, GRAD_NAMES):
+        assert_rel_close(g.cpu(), e, TOL[h.dtype], what=name)
+
+
+class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """Names of the aten ops run (a plain dispatch mode: eager, not tracing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket.__name__))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_backward_scales_by_grad_loss(monkeypatch, backend, reduction):
+    """An upstream gradient other than 1, as (loss * c).backward() gives."""
+    monkeypatch.setenv("TORCH_FLASH_BACKEND", backend)
+    h, w, t, b = _leaves(backend)
+    (linear_cross_entropy(h, w, t, b, reduction=reduction, chunk_size=5, **LCE_OPTS) * 0.37).backward()
+    _check_grads((h.grad, w.grad, b.grad), h, w, t, b, 0.37, reduction, **LCE_OPTS)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("scale", [1.0, 0.37])
+def test_backward_hands_out_forward_grads_in_place(monkeypatch, backend, scale):
+    """Eager: the backward returns the very tensors the forward computed (no second
+    dweight-sized buffer), drops them from the graph, and multiplies in place only when the
+    upstream gradient is not 1; loss.backward() leaves them as the leaves' .grad."""
+    monkeypatch.setenv("TORCH_FLASH_BACKEND", backend)
+    h, w, t, b = _leaves(backend)
+    loss = linear_cross_entropy(h, w, t, b, chunk_size=5, **LCE_OPTS)
+    ptrs = [g.data_ptr() for g in loss.grad_fn.grads]
+    with _OpLog() as log:
+        got = torch.autograd.grad(loss, (h, w, b), torch.tensor(scale, device=h.device))
+    assert loss.grad_fn.grads is None
+    assert [g.data_ptr() for g in got] == ptrs
+    muls = [op for op in log.ops if op.startswith("mul")]
+    assert muls == ([] if scale == 1 else ["mul_"] * 3), log.ops
+    _check_grads(got, h, w, t, b, scale, **LCE_OPTS)
+
+    loss = linear_cross_entropy(h, w, t, b, chunk_size=5, **LCE_OPTS)
+    ptrs = [g.data_ptr() for g in loss.grad_fn.grads]
+    h.grad = w.grad = b.grad = None
+    loss.backward()  # AccumulateGrad takes the tensors without a copy
+    assert [x.grad.data_ptr() for x in (h, w, b)] == ptrs
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("first", [1.0, 0.37])
+def test_retain_graph_backward_twice(monkeypatch, backend, first):
+    """A second backward through a retained graph recomputes: both results right, and the
+    first one's tensors (already the caller's) bitwise unchanged by the later calls."""
+    monkeypatch.setenv("TORCH_FLASH_BACKEND", backend)
+    h, w, t, b = _leaves(backend)
+    loss = linear_cross_entropy(h, w, t, b, chunk_size=5, **LCE_OPTS)
+    one = torch.autograd.grad(loss, (h, w, b), torch.tensor(first, device=h.device), retain_graph=True)
+    kept = [g.clone() for g in one]
+    two = torch.autograd.grad(loss, (h, w, b), torch.tensor(-2.5, device=h.device), retain_graph=True)
+    three = torch.autograd.grad(loss, (h, w, b), torch.tensor(first, device=h.device))
+    assert all(torch.equal(g, k) for g, k in zip(one, kept))
+    for got, scale in ((one, first), (two, -2.5), (three, first)):
+        _check_grads(got, h, w, t, b, scale, **LCE_OPTS)
+    assert not any(a.data_ptr() == c.data_ptr() for a, c in zip(one, three))
+
+    loss = linear_cross_entropy(h, w, t, b, chunk_size=5, **LCE_OPTS)
+    h.grad = w.grad = b.grad = None
+    loss.backward(retain_graph=True)
+    loss.backward()  # accumulates into .grad: twice the gradient
+    _check_grads((h.grad, w.grad, b.grad), h, w, t, b, 2.0, **LCE_OPTS)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_backward_compiles(backend):
+    """torch.compile traces the backward once (with an upstream gradient of 1 here): the
+    graph must keep the multiply for the later call with 0.37, and .backward() accumulates.
+    The Triton kernels on a GPU; the CPU path here (the interpreter cannot run on fake tensors)."""
+    h, w, t, b = _leaves("triton" if DEV == "cuda" else "reference")
+
+    def model(h, w, b):
+        return linear_cross_entropy(h, w, t, b, chunk_size=5, **LCE_OPTS)
+
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    # trace the backward here, not from an on-disk cache of a run with other code
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        for scale in (1.0, 0.37):
+            got = torch.autograd.grad(compiled(h, w, b), (h, w, b), torch.tensor(scale, device=h.device))
+            _check_grads(got, h, w, t, b, scale, **LCE_OPTS)
+        (compiled(h, w, b) * 0.37).backward()
+        compiled(h, w, b).backward()
+    _check_grads((h.grad, w.grad, b.grad), h, w, t, b, 1.37, **LCE_OPTS)
+
+
+@pytest.mark.parametrize("mode", ["real", "fake", "symbolic"])
+def test_backward_traces_with_make_fx(mode):
+    """make_fx traces the backward with proxied tensors (real ones in "real" mode, where
+    reading the upstream gradient would fail or bake it in): the graph traced with an upstream
+    gradient of 1 must scale by the one it is replayed with."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    h, w, t, b = _leaves()
+
+    def grads(h, w, b, t, g):
+        leaves = [x.detach().requires_grad_() for x in (h, w, b)]
+        return torch.autograd.grad(linear_cross_entropy(*leaves[:2], t, leaves[2], chunk_size=5), leaves, g)
+
+    traced = make_fx(grads, tracing_mode=mode)(h, w, b, t, torch.tensor(1.0))
+    _check_grads(traced(h, w, b, t, torch.tensor(0.37)), h, w, t, b, 0.37)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("scale", [1.0, 0.37])
+def test_cuda_backward_allocates_no_second_dweight(scale):
+    """Triton path, 2048 tokens x 1024 hidden x 32000 classes bf16: the backward allocates
+    nothing gradient-sized (out of place it took dweight's 65.5 MB and dhidden's again), and
+    afterwards the graph no longer holds the gradients."""
+    h = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(32000, 1024, device="cuda") * 1024**-0.5).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, 32000, (2048,), device="cuda")
+    loss = linear_cross_entropy(h, w, t)
+    grad_loss = torch.tensor(scale, device="cuda")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    dh, dw = torch.autograd.grad(loss, (h, w), grad_loss)
+    torch.cuda.synchronize()
+    dw_bytes = dw.numel() * dw.element_size()
+    assert torch.cuda.max_memory_allocated() - before < dw_bytes / 16
+    assert torch.cuda.memory_allocated() - before < dw_bytes / 16  # held by the caller alone
+    del dh, dw
+    assert before - torch.cuda.memory_allocated() >= dw_bytes  # and freed with the caller's references

@@ -1,18 +1,20 @@
 """lm-head matmul + cross-entropy, bf16: `python -m torch_flash.bench linear_cross_entropy`.
 
-Implementations: ours (lce_fwd of torch_flash/kernels/triton/cross_entropy.py: the gradients come
-out of the forward, so fwd+bwd is one call and "fwd" skips them), eager F.linear then
-F.cross_entropy on the logits upcast to fp32 (HF), torch.compile of it, and Liger-Kernel's
-LigerFusedLinearCrossEntropyFunction where installed. No bias, mean reduction, upstream
-gradient 1. Compute-bound: ms and peak memory only (peak_mb: beyond what existed before the
-call, the gradients included). Rows: {op, shape, pass, impl, ms, tbps (None), peak_mb}.
+Implementations: ours (torch_flash.linear_cross_entropy, the public op: its autograd forward
+computes the gradients too and the backward hands them out, so fwd+bwd is timed like the others,
+the forward with a graph then torch.autograd.grad; "fwd" runs the op without grad, which skips
+the gradients), eager F.linear then F.cross_entropy on the logits upcast to fp32 (HF),
+torch.compile of it, and Liger-Kernel's LigerFusedLinearCrossEntropyFunction where installed.
+No bias, mean reduction, upstream gradient 1. Compute-bound: ms and peak memory only (peak_mb:
+beyond what existed before the call, the gradients included). Rows: {op, shape, pass, impl, ms,
+tbps (None), peak_mb}.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from .cross_entropy import OPTIONS, measure, no_grad, plot_rows, with_grad
+from .cross_entropy import measure, no_grad, plot_rows, with_grad
 
 SHAPES = [(8192, 4096, 128256)]  # (tokens, hidden, vocabulary)
 QUICK = [(2048, 2048, 32000)]
@@ -32,7 +34,8 @@ def _liger():
 
 
 def run(args) -> list[dict]:
-    from ..kernels.triton.cross_entropy import lce_chunk_rows, lce_fwd
+    from ..kernels.triton.cross_entropy import lce_chunk_rows
+    from ..ops.linear_cross_entropy import linear_cross_entropy
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = CPU_SHAPES if device == "cpu" else (QUICK if args.quick else SHAPES)
@@ -45,13 +48,13 @@ def run(args) -> list[dict]:
         t = torch.randint(0, v, (n,), device=device)
         labels = dict(op="linear_cross_entropy", shape=[n, hid, v])
         ref = _eager(h, w, t).item()
-        got = lce_fwd(h, w, t, None, compute_grad=False, **OPTIONS)[0].item()
+        got = linear_cross_entropy(h, w, t).item()
         print(f"{n}x{hid}x{v}: {lce_chunk_rows(n, v, h.dtype)}-token chunks; loss ours {got:.6f}, eager {ref:.6f}")
-        fwd = {"ours": lambda: lce_fwd(h, w, t, None, compute_grad=False, **OPTIONS),
+        fwd = {"ours": no_grad(linear_cross_entropy, h, w, t),
                "eager": no_grad(_eager, h, w, t), "compile": no_grad(compiled, h, w, t),
                "liger": None if liger is None else no_grad(liger, h, w, t)}
         measure(rows, fwd, None, **labels, **{"pass": "fwd"})
-        both = {"ours": lambda: lce_fwd(h, w, t, None, **OPTIONS), "eager": with_grad(_eager, h, w, t),
+        both = {"ours": with_grad(linear_cross_entropy, h, w, t), "eager": with_grad(_eager, h, w, t),
                 "compile": with_grad(compiled, h, w, t),
                 "liger": None if liger is None else with_grad(liger, h, w, t)}
         measure(rows, both, None, **labels, **{"pass": "fwd+bwd"})

@@ -5,8 +5,10 @@ loss = cross_entropy(hidden @ weight.T + bias, target, ...) with flash.cross_ent
 options, output shape and dtype. Token chunks of `chunk_size` rows (0: as many as keep a
 chunk's fp32 logits within a fixed budget) mean the (N, V) logits never exist. With gradients
 needed (mean/sum), the forward runs flash.linear_cross_entropy_with_grads, which also
-computes the gradients chunk by chunk, and the backward only scales them; "none" recomputes
-each chunk's logits in the backward. See torch_flash/reference/linear_cross_entropy.py.
+computes the gradients chunk by chunk, and the backward hands them out scaled in place (no
+second dweight-sized buffer; no multiply at all for an upstream gradient of 1); "none", and a
+second backward through a retained graph, recompute each chunk's logits in the backward
+(flash.linear_cross_entropy_backward). See torch_flash/reference/linear_cross_entropy.py.
 """
 from __future__ import annotations
 
@@ -14,6 +16,9 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.functional_tensor import FunctionalTensor
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.library import triton_op
 
 from .. import _dispatch
@@ -129,17 +134,40 @@ def _forward(**inputs):
 def _setup(ctx, inputs, loss, grads):
     ctx.options = {k: inputs[k] for k in _OPTIONS}
     ctx.has_bias = inputs["bias"] is not None
-    ctx.fused = grads is not None
-    ctx.save_for_backward(*(grads if ctx.fused else
-                            (inputs["hidden"], inputs["weight"], inputs["target"], inputs["bias"])))
+    # for the recompute path; the inputs are alive anyway, so saving them costs no memory
+    ctx.save_for_backward(inputs["hidden"], inputs["weight"], inputs["target"], inputs["bias"])
+    # a plain attribute, not saved: the backward scales them in place, which would trip the
+    # saved-tensor version check
+    ctx.grads = grads
+
+
+def _symbolic(t: Tensor) -> bool:
+    """Whether this Python runs without real values to read or buffers of its own to reuse:
+    traced by torch.compile / aot_autograd / export / make_fx (fake, functional or proxied
+    tensors), captured into a CUDA graph (replays never rerun it), or on meta tensors."""
+    return (torch.compiler.is_compiling() or get_proxy_mode() is not None or is_fake(t)
+            or isinstance(t, FunctionalTensor) or torch._is_functional_tensor(t)
+            or t.device.type == "meta" or (t.is_cuda and torch.cuda.is_current_stream_capturing()))
 
 
 def _backward(ctx, grad_loss):
-    if ctx.fused:
-        dh, dw, db = ctx.saved_tensors
-        # out of place: a retained graph may run this backward again
-        dh, dw, db = (t * grad_loss.to(t.dtype) for t in (dh, dw, db))
+    grads = ctx.grads
+    if grads is not None and (_symbolic(grad_loss) or grad_loss.requires_grad):
+        # traced: a pure multiply, the compiler plans the memory; create_graph: the result must
+        # depend on grad_loss. ctx.grads stays intact for a later backward.
+        dh, dw, db = (t * grad_loss.to(t.dtype) for t in grads)
+    elif grads is not None:
+        # eager, first backward: give the forward's gradients away (the graph, alive as long
+        # as the loss, stops holding a dweight-sized buffer, and AccumulateGrad can take them
+        # without a copy) and scale in place; reading grad_loss syncs, as Liger-Kernel does
+        ctx.grads = None
+        dh, dw, db = grads
+        if grad_loss.item() != 1:
+            for t in grads:
+                t.mul_(grad_loss.to(t.dtype))
     else:
+        # reduction="none", or a later backward through a retained graph: the first one's
+        # results belong to the caller now, so recompute
         hidden, weight, target, bias = ctx.saved_tensors
         dh, dw, db = torch.ops.flash.linear_cross_entropy_backward(
             grad_loss, hidden, weight, target, bias, **ctx.options)
