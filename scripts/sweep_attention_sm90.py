@@ -23,7 +23,7 @@ own P_{j-1} V_{j-1}; commit 099fb06, docs/perf/sweep_attention_sm90_h100_overlap
 alone keeps the tensor cores busy and the overlap only adds waits and registers. 176-key
 tiles also lose accuracy (1e-3 against cuDNN, 5e-5 for 128).
 
-Timing: cuDNN and every configuration of a grid point run back to back in ROUNDS rounds, and
+Timing: cuDNN and every configuration of a grid point run back to back in interleaved rounds, and
 the ratio is the median of the rounds' ratios (single timings drift by 4-10% between runs).
 """
 from __future__ import annotations
@@ -43,12 +43,11 @@ import torch
 import torch.nn.functional as F
 
 from torch_flash import _build
-from torch_flash.bench._common import env_info, median_ms
+from torch_flash.bench._common import env_info, median_ratio, time_rounds
 
 TOKENS, HIDDEN = 32 * 1024, 2048
 T = "Shape<_{}, _{}, _{}>"
 LOCKED = "Option<Tag::kIsMainloopLocked, true_type>"
-ROUNDS = 3  # timing rounds per grid point, cuDNN and every configuration in each
 
 
 def stages(n: int) -> str:
@@ -237,17 +236,14 @@ def run_point(libs: dict, variants, d: int, s: int, causal: bool) -> list[dict]:
             continue
         errors[key] = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         calls[key] = call
-    # the machine's speed drifts by several percent between minutes: every round times cuDNN
-    # and each configuration back to back, and ratios are medians of the per-round ratios
-    times = {key: [] for key in calls}
-    for _ in range(ROUNDS):
-        for key, call in calls.items():
-            times[key].append(median_ms(call))
+    times = time_rounds(calls)
     ms_ref = statistics.median(times["sdpa-cudnn"])
     rows = [{"d": d, "s": s, "causal": causal, "impl": "sdpa-cudnn", "ms": ms_ref, "tflops": flops / ms_ref / 1e9}]
     for key, err in errors.items():
+        if not times[key]:
+            continue
         ms = statistics.median(times[key])
-        ratio = statistics.median(r / t for r, t in zip(times["sdpa-cudnn"], times[key]))
+        ratio = median_ratio(times["sdpa-cudnn"], times[key])
         rows.append({"d": d, "s": s, "causal": causal, "impl": key, "ms": ms, "tflops": flops / ms / 1e9,
                      "vs_sdpa-cudnn": ratio, "rel_err_vs_cudnn": err})
         print(f"    {key:28s} {flops / ms / 1e9:6.0f} TFLOP/s  {ratio:5.3f}x cuDNN  err {err:.1e}", flush=True)

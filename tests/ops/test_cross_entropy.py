@@ -276,6 +276,26 @@ def test_bad_inputs(bad, match):
         bad()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_bad_target_values_raise_on_every_op(device):
+    """Out-of-range targets raise naming the op on every op that reads them (on CUDA the check
+    runs behind the kernels, which mask such targets), and the in-place backward raises before
+    it writes over the logits."""
+    x = torch.randn(4, 10, device=device)
+    t = torch.tensor([0, 3, 10, 1], device=device)
+    one = torch.ones((), device=device)
+    keep = x.clone()
+    calls = {"cross_entropy": lambda: torch.ops.flash.cross_entropy(x, t),
+             "cross_entropy_with_lse": lambda: torch.ops.flash.cross_entropy_with_lse(x, t),
+             "cross_entropy_backward": lambda: torch.ops.flash.cross_entropy_backward(one, x, t),
+             "cross_entropy_backward_inplace": lambda: torch.ops.flash.cross_entropy_backward_inplace(one, x, t),
+             "cross_entropy_shard_stats": lambda: torch.ops.flash.cross_entropy_shard_stats(x, t)}
+    for op, call in calls.items():
+        with pytest.raises(ValueError, match=f"flash.{op}: target contains 10, outside \\[0, 10\\)"):
+            call()
+    assert torch.equal(x, keep)
+
+
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_empty_batch(reduction):
     x = torch.randn(0, 3, 16, requires_grad=True)

@@ -195,6 +195,21 @@ def test_bad_inputs(bad, match):
         bad()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_bad_target_values_raise_on_every_op(device):
+    """Out-of-range targets raise naming the op (on CUDA the check runs behind the kernels,
+    which mask such targets)."""
+    h, w = torch.randn(4, 8, device=device), torch.randn(10, 8, device=device)
+    t = torch.tensor([0, 10, 1, 2], device=device)
+    calls = {"linear_cross_entropy": lambda: torch.ops.flash.linear_cross_entropy(h, w, t),
+             "linear_cross_entropy_with_grads": lambda: torch.ops.flash.linear_cross_entropy_with_grads(h, w, t),
+             "linear_cross_entropy_backward": lambda: torch.ops.flash.linear_cross_entropy_backward(
+                 torch.ones((), device=device), h, w, t, None)}
+    for op, call in calls.items():
+        with pytest.raises(ValueError, match=f"flash.{op}: target contains 10, outside \\[0, 10\\)"):
+            call()
+
+
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_empty_batch(reduction):
     h, w, t, b = _inputs((0, 3), 8, 10, rg=(True, True, True))

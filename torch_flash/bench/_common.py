@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime
 import json
 import platform
+import statistics
 import sys
 from typing import Callable
 
@@ -37,17 +38,27 @@ def env_info() -> dict:
     return info
 
 
+MIN_SAMPLES = 20
+
+
 def median_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100, graph: bool = False) -> float:
-    """Median time of fn in milliseconds (triton.testing.do_bench on GPU, wall clock on CPU).
-    graph=True replays fn captured in a CUDA graph (do_bench_cudagraph), as serving runs a
-    decoding step: the kernels' time without the host's per-launch cost."""
+    """Median time of fn in milliseconds (triton.testing.do_bench on GPU, wall clock on CPU)
+    over rep ms of calls, and at least MIN_SAMPLES of them (do_bench fits its call count into
+    rep: 100 ms would be 2 calls of a 40 ms loss). graph=True replays fn captured in a CUDA
+    graph (do_bench_cudagraph), as serving runs a decoding step: the kernels' time without the
+    host's per-launch cost."""
     if torch.cuda.is_available():
         from triton.testing import do_bench, do_bench_cudagraph
+        fn()  # compile and autotune outside the timing (and the capture)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        rep = max(rep, round(MIN_SAMPLES * start.elapsed_time(end)))
         if graph:
-            fn()  # compile and autotune outside the capture
             return float(do_bench_cudagraph(fn, rep=rep, return_mode="median"))
         return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
-    import statistics
     import time
     fn()
     times = []
@@ -69,6 +80,33 @@ def try_time(name: str, fn: Callable[[], object], **kw) -> float | None:
     finally:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+ROUNDS = 3
+
+
+def time_rounds(fns: dict, rounds: int = ROUNDS, **kw) -> dict:
+    """{key: fn} -> {key: [ms per round]} (None: fn failed, try_time says why). Every round
+    times all fns back to back: the GPU's speed drifts by several percent over minutes (4-10%
+    between runs on the H100), and interleaving puts the same drift under every alternative."""
+    times: dict = {key: [] for key in fns}
+    for _ in range(rounds):
+        for key, fn in fns.items():
+            if times[key] is not None:
+                ms = try_time(" ".join(key) if isinstance(key, tuple) else str(key), fn, **kw)
+                times[key] = None if ms is None else times[key] + [ms]
+    return times
+
+
+def median_or_none(values: list[float] | None) -> float | None:
+    return None if not values else statistics.median(values)
+
+
+def median_ratio(base: list[float] | None, ours: list[float] | None) -> float | None:
+    """Speedup of ours over base: the median over rounds of base ms / ours ms."""
+    if not base or not ours:
+        return None
+    return statistics.median(b / o for b, o in zip(base, ours))
 
 
 def copy_bandwidth(nbytes: int, device: str = "cuda") -> float:

@@ -7,16 +7,19 @@ S in {1k, 4k, 16k} (B = 32k / S), causal and not. Inputs are (B, S, H, D) buffer
 (B, H, S, D), as a model produces them, and every implementation runs on the same tensors in
 the same process. FLOPs: 4*B*H*S*S*D, halved for causal; backward counts 2.5x the forward.
 The backward is timed alone: ours from the saved out/lse, the autograd ones as
-torch.autograd.grad over a retained graph (no .grad accumulation).
+torch.autograd.grad over a retained graph (no .grad accumulation). Every implementation of a
+grid point is timed in interleaved rounds (_common.time_rounds): ms are medians over rounds,
+ratios medians of the rounds' ratios.
 """
 from __future__ import annotations
 
+import sys
 from typing import Callable
 
 import torch
 
 from .. import _extension
-from ._common import try_time
+from ._common import median_or_none, median_ratio, time_rounds
 
 TOKENS, HIDDEN = 32 * 1024, 2048
 HEAD_DIMS, SEQLENS = (64, 128), (1024, 4096, 16384)
@@ -63,37 +66,35 @@ def _time_point(d: int, s: int, b: int, causal: bool) -> list[dict]:
                for _ in range(3))
     dout = torch.randn_like(q)
     flags = _flags(causal)
-    timings: dict[tuple[str, str], float | None] = {}
+    fns: dict[tuple[str, str], Callable] = {}
 
-    timings["triton", "fwd"] = try_time("triton fwd", lambda: tk.attention_fwd(q, k, v, None, **flags))
+    fns["triton", "fwd"] = lambda: tk.attention_fwd(q, k, v, None, **flags)
     if _extension.loaded():  # the Hopper kernel of csrc/attention (forward only)
-        timings["cuda-sm90", "fwd"] = try_time("cuda-sm90 fwd", lambda: torch.ops.flash.attention_fwd_sm90(
-            q, k, v, d ** -0.5, causal))
+        fns["cuda-sm90", "fwd"] = lambda: torch.ops.flash.attention_fwd_sm90(q, k, v, d ** -0.5, causal)
     out, lse = tk.attention_fwd(q, k, v, None, **flags)
     for impl, det in (("triton", False), ("triton-det", True)):
-        timings[impl, "bwd"] = try_time(f"{impl} bwd", lambda det=det, out=out, lse=lse: tk.attention_bwd(
-            dout, None, q, k, v, None, out, lse, **flags, bias_requires_grad=False, deterministic=det))
-    out = lse = None  # free before the baselines run
+        fns[impl, "bwd"] = lambda det=det: tk.attention_bwd(
+            dout, None, q, k, v, None, out, lse, **flags, bias_requires_grad=False, deterministic=det)
 
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     for impl, fn in AUTOGRAD_IMPLS.items():
-        timings[impl, "fwd"] = try_time(f"{impl} fwd", lambda fn=fn: fn(q, k, v, causal))
+        fns[impl, "fwd"] = lambda fn=fn: fn(q, k, v, causal)
         try:
             o = fn(*leaves, causal)
-        except Exception:  # try_time above already said why
-            timings[impl, "bwd"] = None
+        except Exception as e:  # the baseline cannot run here: no backward to time either
+            print(f"    {impl}: not available ({type(e).__name__}: {str(e).splitlines()[0][:120]})",
+                  file=sys.stderr)
             continue
-        timings[impl, "bwd"] = try_time(
-            f"{impl} bwd", lambda o=o: torch.autograd.grad(o, leaves, dout, retain_graph=True))
-        del o
+        fns[impl, "bwd"] = lambda o=o: torch.autograd.grad(o, leaves, dout, retain_graph=True)
+    times = time_rounds(fns)
 
     rows = []
-    for (impl, pass_), ms in timings.items():
+    for (impl, pass_), ms_rounds in times.items():
+        ms = median_or_none(ms_rounds)
         row = {"d": d, "s": s, "b": b, "h": h, "causal": causal, "pass": pass_, "impl": impl,
                "ms": ms, "tflops": _tflops(b, h, s, d, causal, pass_, ms)}
         for base in BASELINES:  # speedup of this impl over the baseline (their ms / our ms)
-            base_ms = timings.get((base, pass_))
-            row[f"vs_{base}"] = base_ms / ms if base_ms and ms else None
+            row[f"vs_{base}"] = median_ratio(times.get((base, pass_)), ms_rounds)
         rows.append(row)
         print(_line(row), flush=True)
     return rows

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ._common import copy_bandwidth, peak_memory, try_time
+from ._common import copy_bandwidth, median_or_none, peak_memory, time_rounds
 
 SHAPES = [(8192, 128256), (4096, 256000)]  # (tokens, vocabulary)
 QUICK = [(2048, 32000)]
@@ -31,11 +31,13 @@ OPTIONS = dict(ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=0.0, 
 
 def measure(rows: list[dict], impls: dict[str, Callable[[], object] | None], nbytes: int | None,
             **labels) -> None:
-    """Time each impl (None: not available) and its peak memory; append one row per impl."""
+    """Time each impl (None: not available; interleaved rounds, median ms) and its peak memory;
+    append one row per impl."""
     where = " ".join(str(v) for v in labels.values())
     print(where)
+    times = time_rounds({impl: fn for impl, fn in impls.items() if fn is not None})
     for impl, fn in impls.items():
-        ms = None if fn is None else try_time(impl, fn)
+        ms = median_or_none(times.get(impl))
         peak = peak_memory(fn) / 2**20 if ms is not None and torch.cuda.is_available() else None
         tbps = None if ms is None or nbytes is None else nbytes / (ms * 1e-3) / 1e12
         rows.append({**labels, "impl": impl, "ms": ms, "tbps": tbps, "peak_mb": peak})

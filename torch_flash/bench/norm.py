@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ._common import copy_bandwidth, try_time
+from ._common import copy_bandwidth, median_or_none, time_rounds
 
 SHAPES = [(32768, 4096), (65536, 1024), (4096, 8192)]
 QUICK = [(4096, 1024)]
@@ -23,13 +23,14 @@ EPS = 1e-6
 
 def time_impls(rows: list[dict], impls: dict[str, Callable[[], object] | None], nbytes: int, device: str,
                graph: bool = False, **labels) -> None:
-    """Time each impl (None: not available), append one row per impl plus the copy ceiling;
-    graph: replay CUDA graphs (median_ms)."""
+    """Time each impl (None: not available; interleaved rounds, median ms), append one row per
+    impl plus the copy ceiling; graph: replay CUDA graphs (median_ms)."""
     ceiling = copy_bandwidth(nbytes, device)
     where = " ".join(str(v) for v in labels.values())
     print(f"{where}: copy {ceiling / 1e9:.0f} GB/s for {nbytes / 1e6:.1f} MB")
+    times = time_rounds({impl: fn for impl, fn in impls.items() if fn is not None}, graph=graph)
     for impl, fn in impls.items():
-        ms = None if fn is None else try_time(impl, fn, graph=graph)
+        ms = median_or_none(times.get(impl))
         gbps = None if ms is None else nbytes / (ms * 1e-3) / 1e9
         rows.append({**labels, "impl": impl, "ms": ms, "gbps": gbps,
                      "frac_of_copy": None if gbps is None else gbps * 1e9 / ceiling})

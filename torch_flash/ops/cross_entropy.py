@@ -57,15 +57,41 @@ def check_grad_loss(op: str, grad_loss, target, reduction: str) -> None:
           f"grad_loss has shape {tuple(grad_loss.shape)}, expected {want} for reduction={reduction!r}")
 
 
-def check_target_values(op: str, target: Tensor, n_classes: int, ignore_index: int) -> None:
-    """Targets outside [0, V) that are not ignore_index. Reads the data (a host sync), so it
-    runs on real tensors only; traced graphs rely on gather's own bounds check."""
-    if is_fake(target) or target.numel() == 0:
-        return
-    bad = (target != ignore_index) & ((target < 0) | (target >= n_classes))
-    if bad.any():
-        fail(op, f"target contains {target[bad][0].item()}, outside [0, {n_classes}) and "
-                 f"not ignore_index={ignore_index}")
+class TargetCheck:
+    """Targets outside [0, V) that are not ignore_index, checked without stalling the host.
+
+    On CUDA the check is queued on the stream and its verdict (the smallest and largest
+    non-ignored target) copied to pinned host memory behind an event: raise_if_bad() waits for
+    that event only,
+    not for the kernels queued after it, so an op starts the check, launches its kernels (which
+    mask such targets: no out-of-bounds reads) and raises before returning. Real tensors only:
+    traced graphs, and CUDA graph captures, rely on the kernels' masking and gather's bounds
+    check."""
+
+    def __init__(self, op: str, target: Tensor, n_classes: int, ignore_index: int):
+        self.op, self.n_classes, self.ignore_index = op, n_classes, ignore_index
+        self.verdict = self.event = None
+        if (is_fake(target) or target.numel() == 0
+                or (target.is_cuda and torch.cuda.is_current_stream_capturing())):
+            return
+        flat = target.reshape(-1)
+        verdict = torch.stack(torch.aminmax(torch.where(flat != ignore_index, flat, 0)))
+        if target.is_cuda:
+            self.verdict = torch.empty(2, dtype=verdict.dtype, pin_memory=True).copy_(verdict, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.verdict = verdict
+
+    def raise_if_bad(self) -> None:
+        if self.verdict is None:
+            return
+        if self.event is not None:
+            self.event.synchronize()
+        low, high = (int(v) for v in self.verdict)
+        if low < 0 or high >= self.n_classes:
+            fail(self.op, f"target contains {low if low < 0 else high}, outside [0, {self.n_classes}) and "
+                          f"not ignore_index={self.ignore_index}")
 
 
 def check_shard(op: str, logits, vocab_start: int, vocab_size: Optional[int]) -> None:
@@ -138,12 +164,14 @@ def _backend(op: str, logits: Tensor, target: Tensor) -> str:
 def _forward(op: str, logits: Tensor, target: Tensor, opts: LossOptions, reduction: str):
     """(loss, lse) on the path select() picks."""
     check_args(op, logits, target, opts, reduction)
-    check_target_values(op, target, logits.shape[-1], opts.ignore_index)
+    targets = TargetCheck(op, target, logits.shape[-1], opts.ignore_index)
     if _backend(op, logits, target) == "triton":
         from ..kernels.triton.cross_entropy import ce_fwd
         loss, lse, _ = ce_fwd(logits, target, **opts._asdict(), reduction=reduction)
+        targets.raise_if_bad()
         # the kernel computes in fp32; the op's contract is logits' dtype above half
         return loss.to(compute_dtype(logits.dtype)), lse
+    targets.raise_if_bad()
     return ref.cross_entropy_with_lse(logits, target, opts, reduction)
 
 
@@ -182,13 +210,19 @@ def _backward_into(op: str, grad_loss: Tensor, logits: Tensor, target: Tensor, l
                    out: Optional[Tensor]) -> Tensor:
     """dlogits into out (None: a new tensor) on the path select() picks."""
     check_backward_args(op, grad_loss, logits, target, lse, opts, reduction, vocab_start, vocab_size)
-    check_target_values(op, target, vocab_size or logits.shape[-1], opts.ignore_index)
+    targets = TargetCheck(op, target, vocab_size or logits.shape[-1], opts.ignore_index)
     shard = dict(vocab_start=vocab_start, vocab_size=vocab_size)
-    if _backend(op, logits, target) == "triton":
+    triton = _backend(op, logits, target) == "triton"
+    if out is not None or not triton:
+        targets.raise_if_bad()  # before out (the caller's logits) is overwritten, or gather indexes with them
+    if triton:
         from ..kernels.triton.cross_entropy import ce_bwd
         # lse None: the kernel recomputes it (one more read of the logits)
-        return ce_bwd(grad_loss, logits, target, lse, **opts._asdict(), reduction=reduction, **shard, out=out)
-    return ref.cross_entropy_backward(grad_loss, logits, target, opts, reduction, lse, **shard, out=out)
+        dlogits = ce_bwd(grad_loss, logits, target, lse, **opts._asdict(), reduction=reduction, **shard, out=out)
+    else:
+        dlogits = ref.cross_entropy_backward(grad_loss, logits, target, opts, reduction, lse, **shard, out=out)
+    targets.raise_if_bad()
+    return dlogits
 
 
 @triton_op("flash::cross_entropy_backward", mutates_args=())
@@ -234,11 +268,13 @@ def _cross_entropy_shard_stats(logits: Tensor, target: Tensor, *, vocab_start: i
     opts = LossOptions(ignore_index=ignore_index, softcap=softcap)
     check_args(op, logits, target, opts, "none")
     check_shard(op, logits, vocab_start, vocab_size)
-    check_target_values(op, target, vocab_size or logits.shape[-1], ignore_index)
+    targets = TargetCheck(op, target, vocab_size or logits.shape[-1], ignore_index)
     if _backend(op, logits, target) == "triton":
         from ..kernels.triton.cross_entropy import ce_stats
         stats = ce_stats(logits, target, ignore_index=ignore_index, softcap=softcap, vocab_start=vocab_start)
+        targets.raise_if_bad()
         return tuple(s.to(compute_dtype(logits.dtype)) for s in stats)
+    targets.raise_if_bad()
     return ref.cross_entropy_shard_stats(logits, target, opts, vocab_start)
 
 

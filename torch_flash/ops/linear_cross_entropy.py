@@ -26,8 +26,7 @@ from ..reference import linear_cross_entropy as ref
 from ..reference._common import compute_dtype
 from ._autograd import grad_or_empty, register_autograd_via
 from ._checks import check, check_same_device, check_same_dtype, check_tensor
-from .cross_entropy import (LossOptions, check_grad_loss, check_options, check_target,
-                            check_target_values)
+from .cross_entropy import LossOptions, TargetCheck, check_grad_loss, check_options, check_target
 
 
 def check_args(op: str, hidden, weight, target, bias, opts: LossOptions, reduction: str,
@@ -72,9 +71,12 @@ def _linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: 
                           softcap: float = 0.0, reduction: str = "mean", chunk_size: int = 0) -> Tensor:
     opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap)
     check_args("linear_cross_entropy", hidden, weight, target, bias, opts, reduction, chunk_size)
-    check_target_values("linear_cross_entropy", target, weight.shape[0], ignore_index)
+    targets = TargetCheck("linear_cross_entropy", target, weight.shape[0], ignore_index)
     if _backend("linear_cross_entropy", hidden, weight, target, bias) == "triton":
-        return _triton_lce(hidden, weight, target, bias, opts, reduction, chunk_size, False)[0]
+        loss = _triton_lce(hidden, weight, target, bias, opts, reduction, chunk_size, False)[0]
+        targets.raise_if_bad()
+        return loss
+    targets.raise_if_bad()
     return ref.linear_cross_entropy(hidden, weight, target, bias, opts, reduction, chunk_size)
 
 
@@ -91,9 +93,12 @@ def _linear_cross_entropy_with_grads(hidden: Tensor, weight: Tensor, target: Ten
     opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap)
     check_args(op, hidden, weight, target, bias, opts, reduction, chunk_size)
     check(reduction != "none", op, "reduction='none' needs the per-row gradient: use the backward op")
-    check_target_values(op, target, weight.shape[0], ignore_index)
+    targets = TargetCheck(op, target, weight.shape[0], ignore_index)
     if _backend(op, hidden, weight, target, bias) == "triton":
-        return _triton_lce(hidden, weight, target, bias, opts, reduction, chunk_size, True)
+        out = _triton_lce(hidden, weight, target, bias, opts, reduction, chunk_size, True)
+        targets.raise_if_bad()
+        return out
+    targets.raise_if_bad()
     loss, dh, dw, db = ref.linear_cross_entropy_with_grads(hidden, weight, target, bias, opts,
                                                           reduction, chunk_size)
     return loss, dh, dw, grad_or_empty(db, weight)
@@ -110,10 +115,12 @@ def _linear_cross_entropy_backward(grad_loss: Tensor, hidden: Tensor, weight: Te
     opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap)
     check_args(op, hidden, weight, target, bias, opts, reduction, chunk_size)
     check_grad_loss(op, grad_loss, target, reduction)
-    check_target_values(op, target, weight.shape[0], ignore_index)
+    targets = TargetCheck(op, target, weight.shape[0], ignore_index)
     if reduction != "none" and _backend(op, hidden, weight, target, bias) == "triton":
         _, dh, dw, db = _triton_lce(hidden, weight, target, bias, opts, reduction, chunk_size, True)
+        targets.raise_if_bad()
         return dh * grad_loss.to(dh.dtype), dw * grad_loss.to(dw.dtype), db * grad_loss.to(db.dtype)
+    targets.raise_if_bad()
     dh, dw, db = ref.linear_cross_entropy_backward(grad_loss, hidden, weight, target, bias, opts,
                                                    reduction, chunk_size)
     return dh, dw, grad_or_empty(db, weight)
