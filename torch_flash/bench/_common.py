@@ -88,10 +88,14 @@ ROUNDS = 3
 def time_rounds(fns: dict, rounds: int = ROUNDS, **kw) -> dict:
     """{key: fn} -> {key: [ms per round]} (None: fn failed, try_time says why). Every round
     times all fns back to back: the GPU's speed drifts by several percent over minutes (4-10%
-    between runs on the H100), and interleaving puts the same drift under every alternative."""
+    between runs on the H100), and interleaving puts the same drift under every alternative.
+    Each round starts one further down the list, so no fn always runs after the same one (a
+    long power-hungry GEMM before it can lower the clocks it starts at)."""
     times: dict = {key: [] for key in fns}
-    for _ in range(rounds):
-        for key, fn in fns.items():
+    keys = list(fns)
+    for r in range(rounds if keys else 0):
+        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+            fn = fns[key]
             if times[key] is not None:
                 ms = try_time(" ".join(key) if isinstance(key, tuple) else str(key), fn, **kw)
                 times[key] = None if ms is None else times[key] + [ms]
