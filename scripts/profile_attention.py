@@ -1,8 +1,9 @@
 """What limits the Triton attention kernels on the GPU, measured: the autotuned config of each
 kernel, its registers / spills / shared memory, whether its PTX uses Hopper's wgmma, and (run
 under ncu with --profile-from-start off) one profiled forward and backward of ours and of
-SDPA-cuDNN at the standard grid's D=128, S=16k point.
-Usage: ncu --profile-from-start off [sections] python scripts/profile_attention.py [--causal]
+SDPA-cuDNN at the standard grid's D=128, S=16k point. --sm90: the Hopper CUDA forward of
+torch_flash._C and cuDNN's forward instead.
+Usage: ncu --profile-from-start off [sections] python scripts/profile_attention.py [--causal] [--sm90]
 """
 import sys
 
@@ -30,11 +31,31 @@ def describe(name, tuned):
               f"wgmma in ptx: {ptx.count('wgmma.mma_async')} mma.sync: {ptx.count('mma.sync')}")
 
 
-def main(causal):
+def main_sm90(q, k, v, causal):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def ours():
+        return torch.ops.flash.attention_fwd_sm90(q, k, v, q.shape[-1] ** -0.5, causal)
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    ours(), cudnn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    ours(), cudnn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
+def main(causal, sm90):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     b, h, s, d = 2, 16, 16384, 128
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
                for _ in range(3))
+    if sm90:
+        return main_sm90(q, k, v, causal)
     flags = dict(scale=None, causal=causal, window_left=-1, window_right=-1, softcap=0.0,
                  dropout_p=0.0, dropout_seed=None)
     out, lse = A.attention_fwd(q, k, v, None, **flags)  # autotunes
@@ -61,4 +82,4 @@ def main(causal):
 
 
 if __name__ == "__main__":
-    main("--causal" in sys.argv)
+    main("--causal" in sys.argv, "--sm90" in sys.argv)
