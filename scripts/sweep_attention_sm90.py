@@ -20,8 +20,12 @@ FlashAttention-3's intra-warpgroup overlap (each consumer warpgroup's softmax of
 own P_{j-1} V_{j-1}; commit 099fb06, docs/perf/sweep_attention_sm90_h100_overlap.json) ran
 8-15% slower at every point, with or without the warpgroups issuing their GEMMs in turn: at
 64 rows per warpgroup the softmax is shorter than the other warpgroup's GEMMs, so ping-pong
-alone keeps the tensor cores busy and the overlap only adds waits and registers. 176-key
-tiles also lose accuracy (1e-3 against cuDNN, 5e-5 for 128).
+alone keeps the tensor cores busy and the overlap only adds waits and registers. Smaller key
+tiles with deeper K/V pipelines (D=128: 96 keys x 6 stages, 80 x 7, 64 x 8;
+docs/perf/sweep_attention_sm90_h100_stages.json) lose too: 0.99x-1.03x, 0.69x-0.71x,
+0.84x-0.85x cuDNN against 1.04x-1.06x for 128 x 5. The err column is against cuDNN's bf16
+output: 128-key tiles sum in cuDNN's order and agree to 5e-5; other tile widths differ by bf16
+rounding, about 1e-3 (the kernel tests compare with float64).
 
 Timing: cuDNN and every configuration of a grid point run back to back in interleaved rounds, and
 the ratio is the median of the rounds' ratios (single timings drift by 4-10% between runs).
@@ -69,6 +73,9 @@ VARIANTS = [
         ("pp-n176-s3", (128, 176), "Pingpong", (stages(3),)),
         ("pp-m256-n64", (256, 64), "Pingpong", ()),
         ("coop", (128, 128), "Cooperative", ()),
+        ("pp-n96-s6", (128, 96), "Pingpong", (stages(6),)),
+        ("pp-n80-s7", (128, 80), "Pingpong", (stages(7),)),
+        ("pp-n64-s8", (128, 64), "Pingpong", (stages(8),)),
     )],
     *[(f"causal-{name}", 128, True, tile, sched, opts) for name, tile, sched, opts in (
         ("coop", (128, 128), "Cooperative", ()),
