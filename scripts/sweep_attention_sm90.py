@@ -23,9 +23,12 @@ own P_{j-1} V_{j-1}; commit 099fb06, docs/perf/sweep_attention_sm90_h100_overlap
 alone keeps the tensor cores busy and the overlap only adds waits and registers. Smaller key
 tiles with deeper K/V pipelines (D=128: 96 keys x 6 stages, 80 x 7, 64 x 8;
 docs/perf/sweep_attention_sm90_h100_stages.json) lose too: 0.99x-1.03x, 0.69x-0.71x,
-0.84x-0.85x cuDNN against 1.04x-1.06x for 128 x 5. The err column is against cuDNN's bf16
-output: 128-key tiles sum in cuDNN's order and agree to 5e-5; other tile widths differ by bf16
-rounding, about 1e-3 (the kernel tests compare with float64).
+0.84x-0.85x cuDNN against 1.04x-1.06x for 128 x 5. Handing each K/V stage back to the producer
+as soon as its GEMM completes, not after the next softmax (commit fcc7b4a,
+docs/perf/sweep_attention_sm90_h100_early_release.json): 0.94x-1.02x of the example's
+mainloop, no gain. The err column is against cuDNN's bf16 output: 128-key tiles sum in cuDNN's
+order and agree to 5e-5; other tile widths differ by bf16 rounding, about 1e-3 (the kernel
+tests compare with float64).
 
 Timing: cuDNN and every configuration of a grid point run back to back in interleaved rounds, and
 the ratio is the median of the rounds' ratios (single timings drift by 4-10% between runs).
@@ -52,7 +55,6 @@ from torch_flash.bench._common import env_info, median_ratio, time_rounds
 TOKENS, HIDDEN = 32 * 1024, 2048
 T = "Shape<_{}, _{}, _{}>"
 LOCKED = "Option<Tag::kIsMainloopLocked, true_type>"
-EARLY = "EarlyRelease"  # not a CUTLASS option: sm90::EarlyRelease's mainloop instead of the example's
 
 
 def stages(n: int) -> str:
@@ -77,7 +79,6 @@ VARIANTS = [
         ("pp-n96-s6", (128, 96), "Pingpong", (stages(6),)),
         ("pp-n80-s7", (128, 80), "Pingpong", (stages(7),)),
         ("pp-n64-s8", (128, 64), "Pingpong", (stages(8),)),
-        ("pp-early", (128, 128), "Pingpong", (EARLY,)),
     )],
     *[(f"causal-{name}", 128, True, tile, sched, opts) for name, tile, sched, opts in (
         ("coop", (128, 128), "Cooperative", ()),
@@ -89,7 +90,6 @@ VARIANTS = [
         ("pp-lf-s4", (128, 128), "PingpongLongestFirst", (stages(4),)),
         ("coop-lf-m192-wg3", (192, 128), "CooperativeLongestFirst", (warpgroups(3),)),
         ("pp-lf-m192-wg3", (192, 128), "PingpongLongestFirst", (warpgroups(3),)),
-        ("pair-early", (128, 128), "Paired", (EARLY,)),
     )],
     *[(f"full-{name}", 64, False, tile, sched, opts) for name, tile, sched, opts in (
         ("pp", (128, 128), "Pingpong", ()),
@@ -98,8 +98,6 @@ VARIANTS = [
         ("pp-m256", (256, 128), "Pingpong", ()),
         ("pp-n256", (128, 256), "Pingpong", ()),
         ("pp-n192", (128, 192), "Pingpong", ()),
-        ("pp-early", (128, 128), "Pingpong", (EARLY,)),
-        ("pp-m192-wg3-early", (192, 128), "Pingpong", (warpgroups(3), EARLY)),
     )],
     *[(f"causal-{name}", 64, True, tile, sched, opts) for name, tile, sched, opts in (
         ("coop", (128, 128), "Cooperative", ()),
@@ -111,18 +109,13 @@ VARIANTS = [
         ("coop-lf-m256", (256, 128), "CooperativeLongestFirst", ()),
         ("pair", (128, 128), "Paired", ()),
         ("pair-m192-wg3", (192, 128), "Paired", (warpgroups(3),)),
-        ("pair-early", (128, 128), "Paired", (EARLY,)),
-        ("pair-m192-wg3-early", (192, 128), "Paired", (warpgroups(3), EARLY)),
     )],
-    *[(f"{mask}-{name}", 256, mask == "causal", tile, sched, (EARLY,) if name.endswith("early") else ())
-      for mask, name, tile, sched in (
+    *[(f"{mask}-{name}", 256, mask == "causal", tile, sched, ()) for mask, name, tile, sched in (
         ("full", "coop", (128, 64), "Cooperative"),
         ("full", "pp", (128, 64), "Pingpong"),
         ("causal", "coop", (128, 64), "Cooperative"),
         ("causal", "coop-lf", (128, 64), "CooperativeLongestFirst"),
         ("causal", "pp-lf", (128, 64), "PingpongLongestFirst"),
-        ("full", "coop-early", (128, 64), "Cooperative"),
-        ("causal", "coop-early", (128, 64), "Cooperative"),
     )],
 ]
 
@@ -160,7 +153,7 @@ using PingpongLongestFirst = Schedule<LongestFirstPersistentScheduler, true>;
 extern "C" const char* run(const torch_flash::AttentionFwdSm90Params* p, cudaStream_t stream) {{
   static std::string error;
   try {{
-    launch<cutlass::bfloat16_t, cutlass::fmha::collective::{fusion}, {mainloop}<{tile}, {schedule}{options}>>(*p, stream);
+    launch<cutlass::bfloat16_t, cutlass::fmha::collective::{fusion}, Config<{tile}, {schedule}{options}>>(*p, stream);
     return nullptr;
   }} catch (const std::exception& e) {{
     error = e.what();
@@ -193,8 +186,7 @@ def compile_all(variants, workdir: str, jobs: int) -> dict[str, str]:
         src = os.path.join(workdir, f"d{d}-{name}.cu")
         with open(src, "w") as f:
             f.write(SOURCE.format(fusion="CausalFusion" if causal else "ResidualFusion", tile=T.format(m, n, d),
-                                  mainloop=EARLY if EARLY in opts else "Config", schedule=sched,
-                                  options="".join(", " + o for o in opts if o != EARLY)))
+                                  schedule=sched, options="".join(", " + o for o in opts)))
         lib = src[:-3] + ".so"
         argv = [nvcc, "-shared", "-Xcompiler", "-fPIC", src, "-o", lib, *spec.nvcc_flags,
                 *(f"-I{i}" for i in spec.include_dirs)]

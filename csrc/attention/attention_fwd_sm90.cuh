@@ -53,119 +53,6 @@ struct MainloopWithScale : Base {
   }
 };
 
-// 88_hopper_fmha's mainloop with the K/V stages handed back to the producer as soon as the
-// GEMMs reading them have completed: the example releases K_j and V_{j-1} only after the
-// softmax of tile j and the issue of P_j V_j, so the producer's refill waits a softmax longer
-// than it must (five stages are all the shared memory holds; fewer measured 5-15% slower).
-template <class Base, class Fusion>
-struct EarlyReleaseMainloop : Base {
-  template <class BlkCoord, class ProblemShape, class MainloopPipelineReducer, class PipelineStateReducer,
-            class MathWgOrderBarrier>
-  CUTLASS_DEVICE auto compute(BlkCoord const& blk_coord, BlkCoord const& wg_coord,
-                              typename Base::Params const& params, ProblemShape const& problem_size,
-                              typename Base::MainloopPipeline& pipeline, typename Base::PipelineState& smem_pipe_read,
-                              typename Base::MainloopPipelineQ& pipeline_q,
-                              typename Base::PipelineStateQ& smem_pipe_read_q, MainloopPipelineReducer&,
-                              PipelineStateReducer&, typename Base::SharedStorage& storage,
-                              MathWgOrderBarrier& math_wg_order_barrier) {
-    using namespace cutlass::fmha::collective;
-    using TileShape = typename Base::TileShape;
-    using TileShapeQK = typename Base::TileShapeQK;
-    using TiledMmaPV = typename Base::TiledMmaPV;
-    int thread_idx = int(threadIdx.x);
-
-    typename Base::TiledMmaQK tiled_mma_qk;
-    auto thr_mma_qk = tiled_mma_qk.get_thread_slice(thread_idx);
-    Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), typename Base::SmemLayoutQ{});
-    Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), typename Base::SmemLayoutK{});
-    Tensor tSrQ = thr_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ));
-    Tensor tSrK = thr_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK));
-
-    TiledMmaPV tiled_mma_pv;
-    auto thr_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
-    Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), typename Base::SmemLayoutV{});
-    Tensor tOrV = thr_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sV));
-
-    // query x key coordinates of the S tile, for the mask
-    Tensor tPcP = thr_mma_qk.partition_C(make_identity_tensor(take<0, 2>(TileShapeQK{})));
-    tPcP.data() = tPcP.data() + E<0>{} * int(get<0>(wg_coord)) * get<0>(TileShapeQK{});
-
-    Tensor acc_pv = partition_fragment_C(tiled_mma_pv, take<0, 2>(typename Base::TileShapePV{}));
-    CollectiveSoftmax<typename Base::ElementAccumulatorQK, Fusion, typename Base::Params> softmax{params};
-    auto softmax_state = softmax.init(acc_pv, tiled_mma_pv);
-
-    // K_j and V_j take turns in one pipeline: smem_pipe_read walks K_0, V_0, K_1, V_1, ...
-    auto issue_qk = [&](auto& acc_qk) {
-      pipeline.consumer_wait(smem_pipe_read);
-      warpgroup_fence_operand(acc_qk);
-      warpgroup_arrive();
-      gemm_zero_acc(tiled_mma_qk, tSrQ(_, _, _, smem_pipe_read_q.index()), tSrK(_, _, _, smem_pipe_read.index()),
-                    acc_qk);
-      warpgroup_commit_batch();
-    };
-    auto issue_pv = [&](auto& acc_qk, bool first) {
-      Tensor p = make_acc_into_op<typename Base::Element>(acc_qk, typename TiledMmaPV::LayoutA_TV{});
-      pipeline.consumer_wait(smem_pipe_read);
-      warpgroup_fence_operand(acc_pv);
-      warpgroup_fence_operand(p);
-      warpgroup_arrive();
-      if (first) gemm_zero_acc(tiled_mma_pv, p, tOrV(_, _, _, smem_pipe_read.index()), acc_pv);
-      else cute::gemm(tiled_mma_pv, p, tOrV(_, _, _, smem_pipe_read.index()), acc_pv);
-      warpgroup_commit_batch();
-    };
-
-    pipeline_q.consumer_wait(smem_pipe_read_q);
-
-    // first key tile: the softmax starts the running max and sum
-    Tensor acc_qk = partition_fragment_C(tiled_mma_qk, take<0, 2>(TileShapeQK{}));
-    math_wg_order_barrier.wait();  // staggers the consumer warpgroups, which then keep ping-ponging
-    issue_qk(acc_qk);
-    math_wg_order_barrier.arrive();
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc_qk);
-    pipeline.consumer_release(smem_pipe_read);
-    ++smem_pipe_read;
-    softmax.step(acc_qk, tiled_mma_qk, tPcP, softmax_state, problem_size);
-    issue_pv(acc_qk, true);
-    auto v_stage = smem_pipe_read;  // V of the P.V product in flight
-    ++smem_pipe_read;
-    tPcP.data() = tPcP.data() + E<1>{} * get<1>(TileShapeQK{});
-
-    auto step = [&](auto mask) {
-      Tensor acc_qk = partition_fragment_C(tiled_mma_qk, take<0, 2>(TileShapeQK{}));
-      issue_qk(acc_qk);
-      warpgroup_wait<0>();  // S_j, and the P_{j-1} V_{j-1} issued before it
-      warpgroup_fence_operand(acc_qk);
-      warpgroup_fence_operand(acc_pv);
-      pipeline.consumer_release(smem_pipe_read);
-      pipeline.consumer_release(v_stage);
-      ++smem_pipe_read;
-      softmax.template step<decltype(mask)::value>(acc_qk, tiled_mma_qk, tPcP, softmax_state, acc_pv, tiled_mma_pv,
-                                                   problem_size);
-      issue_pv(acc_qk, false);
-      v_stage = smem_pipe_read;
-      ++smem_pipe_read;
-      tPcP.data() = tPcP.data() + E<1>{} * get<1>(TileShapeQK{});
-    };
-
-    // the first tile came out of the unmasked count, as in the example's mainloop
-    int unmasked = Fusion{}.get_unmasked_trip_count(blk_coord, TileShape{}, problem_size) - 1;
-    int masked = Fusion{}.get_masked_trip_count(blk_coord, TileShape{}, problem_size) + cute::min(unmasked, 0);
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (; unmasked > 0; --unmasked) step(cute::false_type{});
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (; masked > 0; --masked) step(cute::true_type{});
-
-    if (Base::kIsPersistent) pipeline_q.consumer_release(smem_pipe_read_q);
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc_pv);
-    pipeline.consumer_release(v_stage);
-
-    Tensor lse = softmax.tail(softmax_state, acc_pv, tiled_mma_pv);
-    return make_tuple(acc_pv, lse);
-  }
-};
-
 // Schedules: which CTAs exist and in which order they take (query tile, batch, head).
 template <class Scheduler_, bool kPersistent_>
 struct Schedule {
@@ -237,25 +124,20 @@ using Paired = Schedule<PairedTileScheduler, true>;  // one CTA per SM, causal t
 
 // One kernel configuration: tile (query rows per CTA, keys per step, head dim), schedule and
 // 88_hopper_fmha options (Option<Tag::kStagesKV, _4>, Option<Tag::kNumMmaWarpGroups, _3>, ...).
-template <bool kEarlyRelease_, class TileShape_, class Schedule_, class... Options_>
-struct ConfigT {
+template <class TileShape_, class Schedule_, class... Options_>
+struct Config {
   using TileShape = TileShape_;
   using Schedule = Schedule_;
 };
-template <class TileShape, class Schedule, class... Options>
-using Config = ConfigT<false, TileShape, Schedule, Options...>;
-template <class TileShape, class Schedule, class... Options>
-using EarlyRelease = ConfigT<true, TileShape, Schedule, Options...>;
 
 template <class Element, class Fusion, class Config>
 struct FwdKernel;
 
-template <class Element, class Fusion, bool kEarlyRelease, class TileShape, class Schedule, class... Options>
-struct FwdKernel<Element, Fusion, ConfigT<kEarlyRelease, TileShape, Schedule, Options...>> {
+template <class Element, class Fusion, class TileShape, class Schedule, class... Options>
+struct FwdKernel<Element, Fusion, Config<TileShape, Schedule, Options...>> {
   using Persistent = Option<Tag::kIsPersistent, cute::bool_constant<Schedule::kPersistent>>;
-  using ExampleMainloop = MainloopWithScale<cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
+  using Mainloop = MainloopWithScale<cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
       Element, float, float, TileShape, Stride, Stride, Stride, Fusion, Persistent, Options...>>;
-  using Mainloop = std::conditional_t<kEarlyRelease, EarlyReleaseMainloop<ExampleMainloop, Fusion>, ExampleMainloop>;
   using Epilogue = cutlass::fmha::collective::FmhaFwdEpilogue<Element, float, typename Mainloop::TileShapePV>;
   using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
       Mainloop, Epilogue, typename Schedule::Scheduler, Persistent,
