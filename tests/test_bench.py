@@ -1,0 +1,58 @@
+"""The benchmarks' timing protocol (torch_flash/bench/_common.py): interleaved rounds with a
+rotating start, failures dropped for good, ratios as medians of the rounds' ratios."""
+from __future__ import annotations
+
+import pytest
+
+from torch_flash.bench import _common
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    """median_ms replaced by a script: {name: [ms per call]} (an Exception entry raises), the
+    calls recorded in order."""
+    calls: list[str] = []
+
+    def install(script: dict[str, list]):
+        def fake_median_ms(fn, **kw):
+            name = fn()
+            calls.append(name)
+            ms = script[name].pop(0)
+            if isinstance(ms, Exception):
+                raise ms
+            return ms
+        monkeypatch.setattr(_common, "median_ms", fake_median_ms)
+        return {name: (lambda name=name: name) for name in script}
+
+    return install, calls
+
+
+def test_rounds_interleave_with_a_rotating_start(scripted):
+    install, calls = scripted
+    fns = install({"a": [1.0, 2.0, 3.0], "b": [4.0, 5.0, 6.0], "c": [7.0, 8.0, 9.0]})
+    times = _common.time_rounds(fns, rounds=3)
+    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert times == {"a": [1.0, 2.0, 3.0], "b": [4.0, 5.0, 6.0], "c": [7.0, 8.0, 9.0]}
+
+
+def test_a_failing_alternative_is_dropped_for_the_remaining_rounds(scripted):
+    install, calls = scripted
+    fns = install({"ok": [1.0, 1.0, 1.0], "flaky": [2.0, RuntimeError("out of memory")]})
+    times = _common.time_rounds(fns, rounds=3)
+    assert times == {"ok": [1.0, 1.0, 1.0], "flaky": None}
+    assert calls.count("flaky") == 2  # not timed again after it failed
+    assert _common.median_or_none(times["flaky"]) is None
+    assert _common.median_ratio(times["ok"], times["flaky"]) is None
+
+
+def test_ratio_is_the_median_of_the_rounds_ratios():
+    # each round's ratio pairs times taken back to back; the medians of the times would pair
+    # one round's baseline with another round's ours
+    base, ours = [10.0, 30.0, 12.0], [10.0, 20.0, 8.0]  # per round: 1.0, 1.5, 1.5
+    assert _common.median_ratio(base, ours) == pytest.approx(1.5)
+    assert _common.median_or_none(base) / _common.median_or_none(ours) == pytest.approx(1.2)
+    assert _common.median_ratio(None, ours) is None and _common.median_ratio([], ours) is None
+
+
+def test_no_alternatives_no_rounds():
+    assert _common.time_rounds({}) == {}
