@@ -69,13 +69,17 @@ def median_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100, graph:
     return statistics.median(times)
 
 
+def report_unavailable(name: str, e: Exception) -> None:
+    """Say which baseline could not run on this input and why."""
+    print(f"    {name}: not available ({type(e).__name__}: {str(e).splitlines()[0][:120]})", file=sys.stderr)
+
+
 def try_time(name: str, fn: Callable[[], object], **kw) -> float | None:
     """Time fn; a baseline that fails on this input (unsupported backend, OOM) gives None."""
     try:
         return median_ms(fn, **kw)
-    except Exception as e:  # the report says which baseline could not run and why
-        print(f"    {name}: not available ({type(e).__name__}: {str(e).splitlines()[0][:120]})",
-              file=sys.stderr)
+    except Exception as e:
+        report_unavailable(name, e)
         return None
     finally:
         if torch.cuda.is_available():

@@ -13,13 +13,12 @@ ratios medians of the rounds' ratios.
 """
 from __future__ import annotations
 
-import sys
 from typing import Callable
 
 import torch
 
 from .. import _extension
-from ._common import median_or_none, median_ratio, time_rounds
+from ._common import median_or_none, median_ratio, report_unavailable, time_rounds
 
 TOKENS, HIDDEN = 32 * 1024, 2048
 HEAD_DIMS, SEQLENS = (64, 128), (1024, 4096, 16384)
@@ -82,8 +81,7 @@ def _time_point(d: int, s: int, b: int, causal: bool) -> list[dict]:
         try:
             o = fn(*leaves, causal)
         except Exception as e:  # the baseline cannot run here: no backward to time either
-            print(f"    {impl}: not available ({type(e).__name__}: {str(e).splitlines()[0][:120]})",
-                  file=sys.stderr)
+            report_unavailable(impl, e)
             continue
         fns[impl, "bwd"] = lambda o=o: torch.autograd.grad(o, leaves, dout, retain_graph=True)
     times = time_rounds(fns)
