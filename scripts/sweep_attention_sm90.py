@@ -172,7 +172,25 @@ class Params(ctypes.Structure):
                     "k_row_stride", "v_batch_stride", "v_head_stride", "v_row_stride", "out_batch_stride",
                     "out_head_stride", "out_row_stride", "lse_batch_stride", "lse_head_stride")]
                 + [("scale", ctypes.c_float), ("bf16", ctypes.c_bool), ("causal", ctypes.c_bool),
-                   ("device", ctypes.c_int), ("sm_count", ctypes.c_int)])
+                   ("device", ctypes.c_int), ("sm_count", ctypes.c_int),
+                   ("alloc", ctypes.c_void_p), ("alloc_ctx", ctypes.c_void_p)])
+
+
+class Scratch:
+    """Params.alloc for the kernels' split tail: torch buffers, held until the next call (each
+    call's work is queued on the same stream, so the caching allocator may then reuse them)."""
+    FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+
+    def __init__(self):
+        self.buffers = []
+        self.fn = self.FN(self._alloc)  # referenced here so that ctypes keeps it alive
+
+    def _alloc(self, ctx, nbytes):
+        self.buffers.append(torch.empty(nbytes, dtype=torch.uint8, device="cuda"))
+        return self.buffers[-1].data_ptr()
+
+    def address(self) -> int:
+        return ctypes.cast(self.fn, ctypes.c_void_p).value
 
 
 def compile_all(variants, workdir: str, jobs: int) -> dict[str, str]:
@@ -224,28 +242,34 @@ def run_point(libs: dict, variants, d: int, s: int, causal: bool) -> list[dict]:
                q.stride(0), q.stride(2), q.stride(1), k.stride(0), k.stride(2), k.stride(1),
                v.stride(0), v.stride(2), v.stride(1), out.stride(0), out.stride(2), out.stride(1),
                lse.stride(0), lse.stride(1), scale, True, causal, 0, sm)
+    no_split = Params.from_buffer_copy(p)  # alloc null: no split tail
+    scratch = Scratch()
+    p.alloc = scratch.address()
     stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
     calls, errors = {"sdpa-cudnn": cudnn}, {}
-    for name, vd, vc, *_ in variants:
+    for name, vd, vc, _, sched, _ in variants:
         key = f"d{vd}-{name}"
         if vd != d or vc != causal or key not in libs:
             continue
         fn = libs[key].run
         fn.restype = ctypes.c_char_p
+        # persistent launches without a mask also run without their split tail, for the A/B
+        for k, params in [(key, p)] + ([(key + "-nosplit", no_split)] if sched == "Pingpong" and not causal else []):
+            def call(fn=fn, params=params):
+                scratch.buffers.clear()
+                err = fn(ctypes.byref(params), stream)
+                if err:
+                    raise RuntimeError(err.decode())
 
-        def call(fn=fn):
-            err = fn(ctypes.byref(p), stream)
-            if err:
-                raise RuntimeError(err.decode())
-
-        try:
-            call()
-            torch.cuda.synchronize()
-        except RuntimeError as e:
-            print(f"    {key}: {e}", flush=True)
-            continue
-        errors[key] = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-        calls[key] = call
+            try:
+                out.fill_(float("nan"))
+                call()
+                torch.cuda.synchronize()
+            except RuntimeError as e:
+                print(f"    {k}: {e}", flush=True)
+                continue
+            errors[k] = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            calls[k] = call
     times = time_rounds(calls)
     ms_ref = statistics.median(times["sdpa-cudnn"])
     rows = [{"d": d, "s": s, "causal": causal, "impl": "sdpa-cudnn", "ms": ms_ref, "tflops": flops / ms_ref / 1e9}]

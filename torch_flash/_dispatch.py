@@ -39,6 +39,15 @@ def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device, for grids sized per SM; 8 elsewhere (the
+    Triton interpreter: any small machine)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
+
+
 def extension_loaded() -> bool:
     return _extension.loaded()
 

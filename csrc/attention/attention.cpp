@@ -9,6 +9,7 @@
 #include <limits>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "attention/attention_fwd_sm90.h"
 
@@ -54,6 +55,20 @@ int device_attribute(cudaDeviceAttr attr, int device) {
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attr, device));
   return value;
 }
+
+// Device memory the kernels ask for (AttentionFwdSm90Params::alloc): tensors held until the
+// op returns; the caching allocator hands their memory on only to work queued after them on
+// this stream.
+struct Scratch {
+  at::TensorOptions options;
+  std::vector<at::Tensor> buffers;
+
+  static void* alloc(void* self, size_t bytes) {
+    auto& scratch = *static_cast<Scratch*>(self);
+    scratch.buffers.push_back(at::empty({static_cast<int64_t>(bytes)}, scratch.options));
+    return scratch.buffers.back().data_ptr();
+  }
+};
 
 using Entry = void (*)(const AttentionFwdSm90Params&, cudaStream_t);
 
@@ -137,6 +152,9 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_sm90(const at::Tensor& q, const
   p.causal = causal;
   p.device = device;
   p.sm_count = device_attribute(cudaDevAttrMultiProcessorCount, device);
+  Scratch scratch{q.options().dtype(at::kByte), {}};
+  p.alloc = &Scratch::alloc;
+  p.alloc_ctx = &scratch;
   const auto stream = c10::cuda::getCurrentCUDAStream(device).stream();
   for (int64_t g = 0; g < group; ++g) {
     p.q = static_cast<const char*>(q.data_ptr()) + g * q.stride(1) * q.element_size();

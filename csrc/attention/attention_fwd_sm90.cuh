@@ -10,6 +10,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "cutlass/cutlass.h"
 #include "cutlass/device_kernel.h"
@@ -165,7 +166,7 @@ void allow_shared_memory(int device) {
 }
 
 template <class Element, class Fusion, class Config>
-void launch(const AttentionFwdSm90Params& p, cudaStream_t stream) {
+void run(const AttentionFwdSm90Params& p, int tail_tiles, cudaStream_t stream) {
   using Kernel = typename FwdKernel<Element, Fusion, Config>::Kernel;
   using Mainloop = typename FwdKernel<Element, Fusion, Config>::Mainloop;
   cutlass::KernelHardwareInfo hw;
@@ -186,6 +187,9 @@ void launch(const AttentionFwdSm90Params& p, cudaStream_t stream) {
                              std::to_string(p.head_dim) + ", seqlen_q " + std::to_string(p.seqlen_q) + ")");
   }
   auto params = Kernel::to_underlying_arguments(args, nullptr);
+  if constexpr (std::is_same_v<typename Config::Schedule, Pingpong>) {
+    params.tile_scheduler.num_blocks -= tail_tiles;  // the last tiles in the scheduler's order
+  }
   allow_shared_memory<Kernel>(p.device);
   cutlass::device_kernel<Kernel>
       <<<Kernel::get_grid_shape(params), Kernel::get_block_shape(), Kernel::SharedStorageSize, stream>>>(params);
@@ -195,6 +199,125 @@ void launch(const AttentionFwdSm90Params& p, cudaStream_t stream) {
 // Keys from which a head dim's long-sequence configurations run (D=64's three warpgroups lead
 // from 2k keys: scripts/sweep_attention_sm90.py).
 constexpr int kLongKeys = 2048;
+
+// The split tail. A persistent launch of T query tiles on P SMs runs ceil(T / P) rounds; with
+// T % P = r small, the last round keeps r SMs busy and the rest idle (the standard grid at
+// D=128 has T = 4096 on 132 SMs: 31 full rounds and 4 tiles, 3% of the kernel's time). Those
+// r tiles, the last of the scheduler's order (query tiles of the last (batch, head)), are then
+// left out of the launch and run as r x s units of Sk / s keys each, on the same kernel: a
+// second problem whose batch is the s key splits (the r tiles' queries copied s times, each
+// split's keys a stride apart), whose bf16 partial outputs and log-sum-exps one more kernel
+// merges (out = sum_i exp(lse_i - lse) out_i, lse = log sum_i exp(lse_i)). Without a mask only,
+// from kLongKeys keys, and where s >= kMinSplits divides Sk's key tiles (no split is partial).
+struct TailSplit {
+  int tiles = 0;  // query tiles of the last (batch, head) left to the splits; 0: no split
+  int splits = 1;
+  int split_keys = 0;
+};
+
+constexpr int kMinSplits = 4;
+
+inline TailSplit plan_tail_split(const AttentionFwdSm90Params& p, int block_m, int block_n) {
+  TailSplit plan;
+  const int m_blocks = (p.seqlen_q + block_m - 1) / block_m;
+  const long tiles = long(m_blocks) * p.batch * p.heads;
+  const int rest = int(tiles % p.sm_count);
+  if (p.alloc == nullptr || p.causal || tiles < p.sm_count || rest == 0 || rest > m_blocks ||
+      p.seqlen_k < kLongKeys || p.seqlen_k % block_n != 0) {
+    return plan;
+  }
+  const int key_tiles = p.seqlen_k / block_n;
+  int splits = std::min(key_tiles, p.sm_count / rest);
+  while (key_tiles % splits != 0) --splits;
+  if (splits < kMinSplits) return plan;
+  plan.tiles = rest;
+  plan.splits = splits;
+  plan.split_keys = p.seqlen_k / splits;
+  return plan;
+}
+
+// Row r of `rows` x dim elements, copy c of `copies`: dst[c][r] = src[r] (rows `src_stride` apart).
+template <class Element>
+__global__ void broadcast_rows(const Element* src, int src_stride, Element* dst, int rows, int dim) {
+  using Vec = uint4;  // 16 bytes; dim * sizeof(Element) is a multiple of it (dim >= 64)
+  constexpr int kPerVec = sizeof(Vec) / sizeof(Element);
+  const auto* from = reinterpret_cast<const Vec*>(src + long(blockIdx.x) * src_stride);
+  auto* to = reinterpret_cast<Vec*>(dst + (long(blockIdx.y) * rows + blockIdx.x) * dim);
+  for (int i = threadIdx.x; i < dim / kPerVec; i += blockDim.x) to[i] = from[i];
+}
+
+// Row r: out[r] = sum_i exp(lse_i[r] - lse[r]) part_i[r], lse[r] = log sum_i exp(lse_i[r]),
+// over the `splits` partial results part (splits, rows, dim) and part_lse (splits, rows).
+template <class Element>
+__global__ void merge_splits(const Element* part, const float* part_lse, int splits, int rows, int dim, Element* out,
+                             int out_row_stride, float* lse) {
+  const int row = blockIdx.x;
+  float max_lse = -INFINITY;
+  for (int i = 0; i < splits; ++i) max_lse = fmaxf(max_lse, part_lse[i * rows + row]);
+  float sum = 0.f;
+  for (int i = 0; i < splits; ++i) sum += expf(part_lse[i * rows + row] - max_lse);
+  const float row_lse = max_lse + logf(sum);
+  for (int d = threadIdx.x; d < dim; d += blockDim.x) {
+    float acc = 0.f;
+    for (int i = 0; i < splits; ++i) {
+      acc += expf(part_lse[i * rows + row] - row_lse) * static_cast<float>(part[(long(i) * rows + row) * dim + d]);
+    }
+    out[long(row) * out_row_stride + d] = Element(acc);
+  }
+  if (threadIdx.x == 0) lse[row] = row_lse;
+}
+
+template <class Element, class Fusion, class Config>
+void launch(const AttentionFwdSm90Params& p, cudaStream_t stream) {
+  using TileShape = typename Config::TileShape;
+  constexpr int kBlockM = size<0>(TileShape{}), kBlockN = size<1>(TileShape{});
+  TailSplit plan;
+  if constexpr (std::is_same_v<typename Config::Schedule, Pingpong>) {
+    plan = plan_tail_split(p, kBlockM, kBlockN);
+  }
+  run<Element, Fusion, Config>(p, plan.tiles, stream);
+  if (plan.tiles == 0) return;
+
+  // the tail: rows [row0, Sq) of the last (batch, head)
+  const int row0 = ((p.seqlen_q + kBlockM - 1) / kBlockM - plan.tiles) * kBlockM;
+  const int rows = p.seqlen_q - row0, d = p.head_dim, s = plan.splits;
+  const long q_at = long(p.batch - 1) * p.q_batch_stride + long(p.heads - 1) * p.q_head_stride;
+  const long k_at = long(p.batch - 1) * p.k_batch_stride + long(p.heads - 1) * p.k_head_stride;
+  const long v_at = long(p.batch - 1) * p.v_batch_stride + long(p.heads - 1) * p.v_head_stride;
+  const long o_at = long(p.batch - 1) * p.out_batch_stride + long(p.heads - 1) * p.out_head_stride;
+  const long l_at = long(p.batch - 1) * p.lse_batch_stride + long(p.heads - 1) * p.lse_head_stride;
+  const size_t part_elems = size_t(s) * rows * d;
+  auto* q_copies = static_cast<Element*>(p.alloc(p.alloc_ctx, 2 * part_elems * sizeof(Element) + s * rows * sizeof(float)));
+  Element* part = q_copies + part_elems;
+  auto* part_lse = reinterpret_cast<float*>(part + part_elems);
+  broadcast_rows<<<dim3(rows, s), 64, 0, stream>>>(static_cast<const Element*>(p.q) + q_at + long(row0) * p.q_row_stride,
+                                                   p.q_row_stride, q_copies, rows, d);
+  check_cuda(cudaGetLastError(), "tail query copies");
+
+  AttentionFwdSm90Params t = p;  // batch: the key splits, one head
+  t.batch = s;
+  t.heads = 1;
+  t.seqlen_q = rows;
+  t.seqlen_k = plan.split_keys;
+  t.q = q_copies;
+  t.q_row_stride = t.out_row_stride = d;
+  t.q_batch_stride = t.out_batch_stride = rows * d;
+  t.q_head_stride = t.out_head_stride = s * rows * d;  // one head: any stride TMA accepts
+  t.k = static_cast<const Element*>(p.k) + k_at;
+  t.v = static_cast<const Element*>(p.v) + v_at;
+  t.k_batch_stride = plan.split_keys * p.k_row_stride;
+  t.v_batch_stride = plan.split_keys * p.v_row_stride;
+  t.out = part;
+  t.lse = part_lse;
+  t.lse_batch_stride = rows;
+  t.lse_head_stride = s * rows;
+  run<Element, Fusion, Config>(t, 0, stream);  // r x s units: one round
+
+  merge_splits<<<rows, 128, 0, stream>>>(part, part_lse, s, rows, d,
+                                         static_cast<Element*>(p.out) + o_at + long(row0) * p.out_row_stride,
+                                         p.out_row_stride, p.lse + l_at + row0);
+  check_cuda(cudaGetLastError(), "tail merge");
+}
 
 // Every dtype x mask variant of one head dim: without a mask (ResidualFusion masks the keys
 // past Sk in the last key tile, and only there) and with the causal mask, one configuration

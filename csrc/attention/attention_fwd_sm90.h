@@ -3,6 +3,7 @@
 // without the other's headers.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include <cuda_runtime.h>
@@ -29,6 +30,11 @@ struct AttentionFwdSm90Params {
   bool causal;  // top-left aligned; the binding only passes it with Sq == Sk
   int device;
   int sm_count;
+  // Device memory for the split tail of a persistent launch (attention_fwd_sm90.cuh,
+  // TailSplit): alloc(alloc_ctx, bytes) returns memory that work queued on the stream may
+  // use until the call returns. Null: no split.
+  void* (*alloc)(void* ctx, size_t bytes);
+  void* alloc_ctx;
 };
 
 // One entry per head dim, defined in attention_fwd_sm90_hdim{D}.cu (built when D is in

@@ -78,6 +78,42 @@ def test_ragged_lengths(sq, sk):
     check_forward(q, k, v, d ** -0.5, False)
 
 
+def split_tail_heads(m_blocks: int, key_tiles: int) -> int:
+    """A number of (batch x kv head) problems whose persistent launch of m_blocks query tiles
+    each ends in a short round that the kernel splits (attention_fwd_sm90.cuh, TailSplit:
+    r = tiles % SMs left over, r <= m_blocks, a divisor of the key tiles >= 4 and <= SMs // r)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for heads in range(-(-sms // m_blocks), 4 * sms):
+        rest = m_blocks * heads % sms
+        if 0 < rest <= m_blocks and any(key_tiles % n == 0 for n in range(4, min(key_tiles, sms // rest) + 1)):
+            return heads
+    raise AssertionError("no such head count")
+
+
+def allocations(fn):
+    """How many CUDA allocations fn makes (the op's out and lse, and the split tail's scratch)."""
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    fn()
+    return torch.cuda.memory_stats()["allocation.all.allocated"] - before
+
+
+@pytest.mark.skipif(128 not in HDIMS, reason="head dim 128 not built")
+@pytest.mark.parametrize("sq,sk,group", [(2048, 2048, 1), (1000, 4096, 1), (2048, 2048, 2)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_split_tail_vs_fp64_and_sdpa(sq, sk, group, dtype):
+    """Shapes whose last round of query tiles runs as key splits merged by a second kernel
+    (rows of the last (batch, head), Sq a partial tile or not, GQA launching per group member):
+    the same numerics as everywhere, and the split really taken (one scratch allocation per
+    launch besides out and lse); causal never splits."""
+    heads = split_tail_heads(-(-sq // 128), sk // 128)
+    q = rand(1, heads * group, sq, 128, dtype)
+    k, v = rand(1, heads, sk, 128, dtype), rand(1, heads, sk, 128, dtype)
+    check_forward(q, k, v, 128 ** -0.5, False)
+    assert allocations(lambda: torch.ops.flash.attention_fwd_sm90(q, k, v, 0.1, False)) == 2 + group
+    if sq == sk:
+        assert allocations(lambda: torch.ops.flash.attention_fwd_sm90(q, k, v, 0.1, True)) == 2
+
+
 def test_flash_attention_dispatch_and_backward():
     """flash.attention runs this kernel where it serves the call (Triton elsewhere) and its
     backward (Triton) consumes the lse written here."""

@@ -350,6 +350,29 @@ def test_lce_chunk_rows():
 # --------------------------------------------------------------------------------------
 # GPU: real vocabulary sizes
 # --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [FP32, BF16])
+@pytest.mark.parametrize("scale", [1.0, 0.37, -2.5])
+def test_scale_unless_one(dtype, scale):
+    """In place, as x.mul_(g.to(x.dtype)) (bitwise where the interpreter rounds as a GPU
+    does), over sizes past one grid's sweep and not a multiple of the block; 1 leaves every
+    bit alone; empty tensors are skipped; a non-contiguous one is multiplied by aten."""
+    sweep = K.SCALE_BLOCK * K.SCALE_PROGRAMS_PER_SM * K._dispatch.sm_count(torch.device(DEV))
+    xs = [torch.randn(n, device=DEV).to(dtype) for n in (sweep * 2 + 3, 5, 0)]
+    xs.append(torch.randn(6, 8, device=DEV).to(dtype).t())
+    want = [x.double() * float(torch.tensor(scale, dtype=dtype)) for x in xs]
+    before = [x.clone() for x in xs]
+    ptrs = [x.data_ptr() for x in xs]
+    K.scale_unless_one_(xs, torch.tensor(scale, device=DEV))
+    assert [x.data_ptr() for x in xs] == ptrs
+    for x, b, w in zip(xs, before, want):
+        if scale == 1.0:
+            assert torch.equal(x, b)
+        elif dtype == FP32 or DEV == "cuda":
+            assert torch.equal(x, b.mul_(torch.tensor(scale, dtype=dtype, device=DEV)))
+        else:
+            assert rel_err(x.double(), w) < TOL[dtype]
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("n_cols", [128256, 256000])
 def test_cuda_large_vocab(n_cols):

@@ -171,7 +171,7 @@ def test_bad_indices_poison_instead_of_reading_outside():
 def test_auto_num_splits():
     """Few programs on a long cache split; many programs or short caches do not."""
     dev = torch.device(DEVICE)
-    sms = K._sm_count(dev)
+    sms = K._dispatch.sm_count(dev)
     assert K.auto_num_splits(8, 128 * 1024, dev) > 1
     assert K.auto_num_splits(64 * sms, 32 * 1024, dev) == 1
     assert K.auto_num_splits(1, 100, dev) == 1

@@ -281,7 +281,9 @@ def test_backward_scales_by_grad_loss(monkeypatch, backend, reduction):
 def test_backward_hands_out_forward_grads_in_place(monkeypatch, backend, scale):
     """Eager: the backward returns the very tensors the forward computed (no second
     dweight-sized buffer), drops them from the graph, and multiplies in place only when the
-    upstream gradient is not 1; loss.backward() leaves them as the leaves' .grad."""
+    upstream gradient is not 1; loss.backward() leaves them as the leaves' .grad. The Triton
+    path decides that on the device (a kernel, no aten multiply and no host read of the
+    upstream gradient); the reference path reads it."""
     monkeypatch.setenv("TORCH_FLASH_BACKEND", backend)
     h, w, t, b = _leaves(backend)
     loss = linear_cross_entropy(h, w, t, b, chunk_size=5, **LCE_OPTS)
@@ -291,7 +293,10 @@ def test_backward_hands_out_forward_grads_in_place(monkeypatch, backend, scale):
     assert loss.grad_fn.grads is None
     assert [g.data_ptr() for g in got] == ptrs
     muls = [op for op in log.ops if op.startswith("mul")]
-    assert muls == ([] if scale == 1 else ["mul_"] * 3), log.ops
+    if backend == "triton":
+        assert muls == [] and "_local_scalar_dense" not in log.ops, log.ops
+    else:
+        assert muls == ([] if scale == 1 else ["mul_"] * 3), log.ops
     _check_grads(got, h, w, t, b, scale, **LCE_OPTS)
 
     loss = linear_cross_entropy(h, w, t, b, chunk_size=5, **LCE_OPTS)
@@ -384,3 +389,20 @@ def test_cuda_backward_allocates_no_second_dweight(scale):
     assert torch.cuda.memory_allocated() - before < dw_bytes / 16  # held by the caller alone
     del dh, dw
     assert before - torch.cuda.memory_allocated() >= dw_bytes  # and freed with the caller's references
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("scale", [1.0, 0.37])
+def test_cuda_backward_never_waits_for_the_gpu(scale):
+    """The eager backward reads the upstream gradient on the device: with CUDA's sync debug
+    mode set to error, a host read (.item()) would raise."""
+    h, w, t, b = (x.cuda() for x in _inputs((64,), 32, 1000))
+    h.requires_grad_(), w.requires_grad_(), b.requires_grad_()
+    loss = linear_cross_entropy(h, w, t, b, chunk_size=16)
+    grad_loss = torch.tensor(scale, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = torch.autograd.grad(loss, (h, w, b), grad_loss)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    _check_grads(got, h, w, t, b, scale)

@@ -150,6 +150,21 @@ def _ce_kernel(X, T, Loss, Lse, ZT, ZSum, G, Out, NValid, n_cols, n_classes, voc
             tl.store(out_row + cols, dz.to(Out.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _scale_kernel(X, G, n, BLOCK: tl.constexpr):
+    """X[:n] *= G[0] unless G[0] == 1, on a grid of a few programs per SM that stride over X:
+    the upstream gradient is read here, on the device, so the host never waits for it. G is
+    rounded to X's dtype first, as torch's x.mul_(g.to(x.dtype)) does."""
+    g = tl.load(G).to(X.dtype.element_ty).to(tl.float32)
+    if g != 1.0:
+        step = tl.num_programs(0).to(tl.int64) * BLOCK
+        for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n, step):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < n
+            x = tl.load(X + offs, mask=mask)
+            tl.store(X + offs, (x.to(tl.float32) * g).to(X.dtype.element_ty), mask=mask)
+
+
 # --------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------
@@ -218,6 +233,24 @@ def _reduce(losses: torch.Tensor, target: torch.Tensor, n_valid: torch.Tensor, r
         return losses.view(target.shape)
     total = losses.sum()
     return total / n_valid if reduction == "mean" else total
+
+
+SCALE_BLOCK = 4096
+SCALE_PROGRAMS_PER_SM = 4
+
+
+def scale_unless_one_(tensors, grad_loss: torch.Tensor) -> None:
+    """Multiplies each tensor in place by the one-element grad_loss; for contiguous ones the
+    pass is skipped when it is 1 (the usual loss.backward()), without reading it on the host."""
+    g = grad_loss.reshape(1)
+    for x in tensors:
+        if x.numel() == 0:
+            continue
+        if not x.is_contiguous():
+            x.mul_(g.to(x.dtype))  # still no host read, only no skip
+            continue
+        programs = min(triton.cdiv(x.numel(), SCALE_BLOCK), SCALE_PROGRAMS_PER_SM * _dispatch.sm_count(x.device))
+        _scale_kernel[(programs,)](x, g, x.numel(), BLOCK=SCALE_BLOCK)
 
 
 def ce_supports(logits: torch.Tensor, target: torch.Tensor) -> bool:

@@ -26,13 +26,13 @@ entries fall outside the pool, gets NaN out and lse (the op validates these eage
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
+from ... import _dispatch
 from .attention import _LN2, _LOG2E, _UNBOUNDED, _dot, _tanh
 from .scalars import fp32
 
@@ -281,17 +281,9 @@ def _pow2(n: int) -> int:
 def supports(q, k_cache, v_cache, rotary_cos=None) -> bool:
     """Whether the kernels serve these (already validated) inputs: fp16/bf16/fp32 tensors on a
     device Triton runs on, head dims 1..256, fp16/bf16/fp32 rotary tables."""
-    from ... import _dispatch
     return (_dispatch.triton_can_run(q.device) and q.dtype in DTYPES
             and all(0 < t.shape[-1] <= MAX_HEAD_DIM for t in (q, v_cache))
             and (rotary_cos is None or rotary_cos.dtype in DTYPES))
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8  # the interpreter: any small machine
 
 
 def auto_num_splits(programs: int, keys: int, device: torch.device) -> int:
@@ -300,7 +292,7 @@ def auto_num_splits(programs: int, keys: int, device: torch.device) -> int:
     of 64 (the combine step and the partial outputs cost little next to the cache reads).
     programs: batch x kv heads x row blocks; keys: the most keys a query can see (the cache
     capacity, or less under a sliding window)."""
-    want = triton.cdiv(4 * _sm_count(device), max(programs, 1))
+    want = triton.cdiv(4 * _dispatch.sm_count(device), max(programs, 1))
     return max(1, min(want, triton.cdiv(keys, 4 * 64), MAX_SPLITS))
 
 

@@ -421,7 +421,7 @@ def _bwd_programs(m: int, block: int, device: torch.device) -> int:
     if device.type != "cuda":
         return min(m, 2)  # interpreter: two programs still exercise the partial-sum reduction
     per_sm = max(1, min(BWD_MAX_PROGRAMS_PER_SM, BWD_ELEMENTS_PER_SM // block))
-    return min(m, torch.cuda.get_device_properties(device).multi_processor_count * per_sm)
+    return min(m, _dispatch.sm_count(device) * per_sm)
 
 
 def norm_supports(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
