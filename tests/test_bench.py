@@ -27,11 +27,11 @@ def scripted(monkeypatch):
     return install, calls
 
 
-def test_rounds_interleave_with_a_rotating_start(scripted):
+def test_rounds_interleave_with_a_rotating_start_and_alternating_direction(scripted):
     install, calls = scripted
     fns = install({"a": [1.0, 2.0, 3.0], "b": [4.0, 5.0, 6.0], "c": [7.0, 8.0, 9.0]})
     times = _common.time_rounds(fns, rounds=3)
-    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert calls == ["a", "b", "c", "a", "c", "b", "c", "a", "b"]  # b follows a, c, a
     assert times == {"a": [1.0, 2.0, 3.0], "b": [4.0, 5.0, 6.0], "c": [7.0, 8.0, 9.0]}
 
 

@@ -129,17 +129,20 @@ template <class TileShape_, class Schedule_, class... Options_>
 struct Config {
   using TileShape = TileShape_;
   using Schedule = Schedule_;
+  template <class Other>
+  using WithSchedule = Config<TileShape_, Other, Options_...>;
 };
 
-template <class Element, class Fusion, class Config>
+// ElementOut: the output's type (float for the split tail's partial results).
+template <class Element, class Fusion, class Config, class ElementOut = Element>
 struct FwdKernel;
 
-template <class Element, class Fusion, class TileShape, class Schedule, class... Options>
-struct FwdKernel<Element, Fusion, Config<TileShape, Schedule, Options...>> {
+template <class Element, class Fusion, class TileShape, class Schedule, class... Options, class ElementOut>
+struct FwdKernel<Element, Fusion, Config<TileShape, Schedule, Options...>, ElementOut> {
   using Persistent = Option<Tag::kIsPersistent, cute::bool_constant<Schedule::kPersistent>>;
   using Mainloop = MainloopWithScale<cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
       Element, float, float, TileShape, Stride, Stride, Stride, Fusion, Persistent, Options...>>;
-  using Epilogue = cutlass::fmha::collective::FmhaFwdEpilogue<Element, float, typename Mainloop::TileShapePV>;
+  using Epilogue = cutlass::fmha::collective::FmhaFwdEpilogue<ElementOut, float, typename Mainloop::TileShapePV>;
   using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
       Mainloop, Epilogue, typename Schedule::Scheduler, Persistent,
       Option<Tag::kLoadsQSeparately, cute::bool_constant<Schedule::kPersistent>>, Options...>;
@@ -165,10 +168,10 @@ void allow_shared_memory(int device) {
   });
 }
 
-template <class Element, class Fusion, class Config>
+template <class Element, class Fusion, class Config, class ElementOut = Element>
 void run(const AttentionFwdSm90Params& p, int tail_tiles, cudaStream_t stream) {
-  using Kernel = typename FwdKernel<Element, Fusion, Config>::Kernel;
-  using Mainloop = typename FwdKernel<Element, Fusion, Config>::Mainloop;
+  using Kernel = typename FwdKernel<Element, Fusion, Config, ElementOut>::Kernel;
+  using Mainloop = typename FwdKernel<Element, Fusion, Config, ElementOut>::Mainloop;
   cutlass::KernelHardwareInfo hw;
   hw.device_id = p.device;
   hw.sm_count = p.sm_count;
@@ -179,7 +182,7 @@ void run(const AttentionFwdSm90Params& p, int tail_tiles, cudaStream_t stream) {
            static_cast<const Element*>(p.k), Stride{p.k_row_stride, _1{}, {p.k_batch_stride, p.k_head_stride}},
            static_cast<const Element*>(p.v), Stride{p.v_row_stride, _1{}, {p.v_batch_stride, p.v_head_stride}}},
           p.scale},
-      {static_cast<Element*>(p.out), Stride{p.out_row_stride, _1{}, {p.out_batch_stride, p.out_head_stride}},
+      {static_cast<ElementOut*>(p.out), Stride{p.out_row_stride, _1{}, {p.out_batch_stride, p.out_head_stride}},
        p.lse, StrideLse{_1{}, {p.lse_batch_stride, p.lse_head_stride}}},
       hw};
   if (!Kernel::can_implement(args)) {
@@ -206,8 +209,10 @@ constexpr int kLongKeys = 2048;
 // r tiles, the last of the scheduler's order (query tiles of the last (batch, head)), are then
 // left out of the launch and run as r x s units of Sk / s keys each, on the same kernel: a
 // second problem whose batch is the s key splits (the r tiles' queries copied s times, each
-// split's keys a stride apart), whose bf16 partial outputs and log-sum-exps one more kernel
-// merges (out = sum_i exp(lse_i - lse) out_i, lse = log sum_i exp(lse_i)). Without a mask only,
+// split's keys a stride apart), whose fp32 partial outputs and log-sum-exps one more kernel
+// merges (out = sum_i exp(lse_i - lse) out_i, lse = log sum_i exp(lse_i)); that launch has a CTA
+// per unit, whose epilogue may take the mainloop's shared memory (a persistent CTA's may not,
+// and fp32 staging does not fit beside it). Without a mask only,
 // from kLongKeys keys, and where s >= kMinSplits divides Sk's key tiles (no split is partial).
 struct TailSplit {
   int tiles = 0;  // query tiles of the last (batch, head) left to the splits; 0: no split
@@ -249,7 +254,7 @@ __global__ void broadcast_rows(const Element* src, int src_stride, Element* dst,
 // Row r: out[r] = sum_i exp(lse_i[r] - lse[r]) part_i[r], lse[r] = log sum_i exp(lse_i[r]),
 // over the `splits` partial results part (splits, rows, dim) and part_lse (splits, rows).
 template <class Element>
-__global__ void merge_splits(const Element* part, const float* part_lse, int splits, int rows, int dim, Element* out,
+__global__ void merge_splits(const float* part, const float* part_lse, int splits, int rows, int dim, Element* out,
                              int out_row_stride, float* lse) {
   const int row = blockIdx.x;
   float max_lse = -INFINITY;
@@ -260,7 +265,7 @@ __global__ void merge_splits(const Element* part, const float* part_lse, int spl
   for (int d = threadIdx.x; d < dim; d += blockDim.x) {
     float acc = 0.f;
     for (int i = 0; i < splits; ++i) {
-      acc += expf(part_lse[i * rows + row] - row_lse) * static_cast<float>(part[(long(i) * rows + row) * dim + d]);
+      acc += expf(part_lse[i * rows + row] - row_lse) * part[(long(i) * rows + row) * dim + d];
     }
     out[long(row) * out_row_stride + d] = Element(acc);
   }
@@ -287,9 +292,9 @@ void launch(const AttentionFwdSm90Params& p, cudaStream_t stream) {
   const long o_at = long(p.batch - 1) * p.out_batch_stride + long(p.heads - 1) * p.out_head_stride;
   const long l_at = long(p.batch - 1) * p.lse_batch_stride + long(p.heads - 1) * p.lse_head_stride;
   const size_t part_elems = size_t(s) * rows * d;
-  auto* q_copies = static_cast<Element*>(p.alloc(p.alloc_ctx, 2 * part_elems * sizeof(Element) + s * rows * sizeof(float)));
-  Element* part = q_copies + part_elems;
-  auto* part_lse = reinterpret_cast<float*>(part + part_elems);
+  auto* part = static_cast<float*>(p.alloc(p.alloc_ctx, part_elems * (sizeof(float) + sizeof(Element)) + s * rows * sizeof(float)));
+  float* part_lse = part + part_elems;
+  auto* q_copies = reinterpret_cast<Element*>(part_lse + s * rows);
   broadcast_rows<<<dim3(rows, s), 64, 0, stream>>>(static_cast<const Element*>(p.q) + q_at + long(row0) * p.q_row_stride,
                                                    p.q_row_stride, q_copies, rows, d);
   check_cuda(cudaGetLastError(), "tail query copies");
@@ -311,9 +316,9 @@ void launch(const AttentionFwdSm90Params& p, cudaStream_t stream) {
   t.lse = part_lse;
   t.lse_batch_stride = rows;
   t.lse_head_stride = s * rows;
-  run<Element, Fusion, Config>(t, 0, stream);  // r x s units: one round
+  run<Element, Fusion, typename Config::template WithSchedule<Cooperative>, float>(t, 0, stream);  // one round
 
-  merge_splits<<<rows, 128, 0, stream>>>(part, part_lse, s, rows, d,
+  merge_splits<Element><<<rows, 128, 0, stream>>>(part, part_lse, s, rows, d,
                                          static_cast<Element*>(p.out) + o_at + long(row0) * p.out_row_stride,
                                          p.out_row_stride, p.lse + l_at + row0);
   check_cuda(cudaGetLastError(), "tail merge");

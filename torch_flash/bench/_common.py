@@ -93,12 +93,15 @@ def time_rounds(fns: dict, rounds: int = ROUNDS, **kw) -> dict:
     """{key: fn} -> {key: [ms per round]} (None: fn failed, try_time says why). Every round
     times all fns back to back: the GPU's speed drifts by several percent over minutes (4-10%
     between runs on the H100), and interleaving puts the same drift under every alternative.
-    Each round starts one further down the list, so no fn always runs after the same one (a
-    long power-hungry GEMM before it can lower the clocks it starts at)."""
+    Each round starts one further down the list, and every other round runs it backwards, so
+    a fn does not always start first or follow the same one (a long power-hungry kernel before
+    it can lower the clocks it starts at). Callers group alike work (the attention bench times
+    forwards and backwards apart)."""
     times: dict = {key: [] for key in fns}
     keys = list(fns)
     for r in range(rounds if keys else 0):
-        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+        order = keys[r % len(keys):] + keys[:r % len(keys)]
+        for key in order[::-1] if r % 2 else order:
             fn = fns[key]
             if times[key] is not None:
                 ms = try_time(" ".join(key) if isinstance(key, tuple) else str(key), fn, **kw)
