@@ -1,4 +1,4 @@
-"""python -m torch_flash.bench <suite> [--out DIR] [--quick]
+"""python -m torch_flash.bench <suite> [--out DIR] [--quick] [--targets]
 python -m torch_flash.bench plot <results.json> [...]   (PNG from saved JSON, e.g. on a CPU machine)
 """
 from __future__ import annotations
@@ -19,7 +19,12 @@ def main(argv=None) -> None:
     p.add_argument("files", nargs="*", help="JSON files to plot (suite 'plot')")
     p.add_argument("--out", default="docs/perf", help="folder for the JSON and PNG")
     p.add_argument("--quick", action="store_true", help="a few small shapes (smoke run)")
+    p.add_argument("--targets", action="store_true",
+                   help="attention: the Hopper forward's target points only, in more rounds "
+                        "(attention_targets.json)")
     args = p.parse_args(argv)
+    if args.targets and args.suite != "attention":
+        p.error("--targets is for the attention suite")
     if args.suite == "plot":
         for path in args.files:
             with open(path) as f:
@@ -35,7 +40,7 @@ def main(argv=None) -> None:
     with set_wrap_triton_enabled(False):
         rows = mod.run(args)
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{args.suite}.json")
+    path = os.path.join(args.out, f"{args.suite}{'_targets' if args.targets else ''}.json")
     write_json(path, args.suite, rows)
     try:
         with open(path) as f:
