@@ -233,3 +233,24 @@ def test_built_extension_serves_hopper():
         assert torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA"), op
     assert _dispatch.extension_loaded()
     assert torch_flash._extension.path().startswith(os.path.dirname(torch_flash.__file__))
+
+
+def test_sweep_params_match_the_header():
+    """scripts/sweep_attention_sm90.py passes AttentionFwdSm90Params through ctypes: its
+    fields must be the header's, in order (a drift would hand the kernel shifted values)."""
+    import importlib.util
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "csrc", "attention", "attention_fwd_sm90.h")) as f:
+        header = f.read()
+    body = header[header.index("struct AttentionFwdSm90Params {"):]
+    body = re.sub(r"//[^\n]*", "", body[:body.index("};")])
+    declared = []
+    for decl in body.split(";")[:-1]:
+        decl = re.sub(r"\(\*(\w+)\)\(.*\)", r"\1", decl.split("{", 1)[-1])  # function pointer
+        declared += [re.search(r"(\w+)\s*$", piece).group(1) for piece in decl.split(",")]
+    spec = importlib.util.spec_from_file_location("sweep", os.path.join(root, "scripts", "sweep_attention_sm90.py"))
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    assert [name for name, _ in sweep.Params._fields_] == declared
