@@ -210,10 +210,10 @@ constexpr int kLongKeys = 2048;
 // left out of the launch and run as r x s units of Sk / s keys each, on the same kernel: a
 // second problem whose batch is the s key splits (the r tiles' queries copied s times, each
 // split's keys a stride apart), whose fp32 partial outputs and log-sum-exps one more kernel
-// merges (out = sum_i exp(lse_i - lse) out_i, lse = log sum_i exp(lse_i)); that launch has a CTA
-// per unit, whose epilogue may take the mainloop's shared memory (a persistent CTA's may not,
-// and fp32 staging does not fit beside it). Without a mask only,
-// from kLongKeys keys, and where s >= kMinSplits divides Sk's key tiles (no split is partial).
+// merges (out = sum_i exp(lse_i - lse) out_i, lse = log sum_i exp(lse_i)). The split launch
+// has a CTA per unit, whose epilogue may reuse the mainloop's shared memory (a persistent
+// CTA's may not, and fp32 staging does not fit beside it). Without a mask only, from kLongKeys
+// keys, and where s >= kMinSplits divides Sk's key tiles (no split is partial).
 struct TailSplit {
   int tiles = 0;  // query tiles of the last (batch, head) left to the splits; 0: no split
   int splits = 1;
