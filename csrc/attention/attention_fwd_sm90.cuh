@@ -288,11 +288,14 @@ void launch(const AttentionFwdSm90Params& p, cudaStream_t stream) {
   // the tail: rows [row0, Sq) of the last (batch, head)
   const int row0 = ((p.seqlen_q + kBlockM - 1) / kBlockM - plan.tiles) * kBlockM;
   const int rows = p.seqlen_q - row0, d = p.head_dim, s = plan.splits;
-  const long q_at = long(p.batch - 1) * p.q_batch_stride + long(p.heads - 1) * p.q_head_stride;
-  const long k_at = long(p.batch - 1) * p.k_batch_stride + long(p.heads - 1) * p.k_head_stride;
-  const long v_at = long(p.batch - 1) * p.v_batch_stride + long(p.heads - 1) * p.v_head_stride;
-  const long o_at = long(p.batch - 1) * p.out_batch_stride + long(p.heads - 1) * p.out_head_stride;
-  const long l_at = long(p.batch - 1) * p.lse_batch_stride + long(p.heads - 1) * p.lse_head_stride;
+  auto last_head = [&](int batch_stride, int head_stride) {  // element offset of (B - 1, H - 1)
+    return long(p.batch - 1) * batch_stride + long(p.heads - 1) * head_stride;
+  };
+  const long q_at = last_head(p.q_batch_stride, p.q_head_stride);
+  const long k_at = last_head(p.k_batch_stride, p.k_head_stride);
+  const long v_at = last_head(p.v_batch_stride, p.v_head_stride);
+  const long o_at = last_head(p.out_batch_stride, p.out_head_stride);
+  const long l_at = last_head(p.lse_batch_stride, p.lse_head_stride);
   const size_t part_elems = size_t(s) * rows * d;
   auto* part = static_cast<float*>(p.alloc(p.alloc_ctx, part_elems * (sizeof(float) + sizeof(Element)) + s * rows * sizeof(float)));
   float* part_lse = part + part_elems;

@@ -347,9 +347,6 @@ def test_lce_chunk_rows():
         assert rows * v * 2 <= K.LCE_CHUNK_BYTES and rows >= 1
 
 
-# --------------------------------------------------------------------------------------
-# GPU: real vocabulary sizes
-# --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [FP32, BF16])
 @pytest.mark.parametrize("scale", [1.0, 0.37, -2.5])
 def test_scale_unless_one(dtype, scale):
@@ -373,6 +370,9 @@ def test_scale_unless_one(dtype, scale):
             assert rel_err(x.double(), w) < TOL[dtype]
 
 
+# --------------------------------------------------------------------------------------
+# GPU: real vocabulary sizes
+# --------------------------------------------------------------------------------------
 @pytest.mark.cuda
 @pytest.mark.parametrize("n_cols", [128256, 256000])
 def test_cuda_large_vocab(n_cols):

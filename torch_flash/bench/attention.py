@@ -131,7 +131,7 @@ def run_targets() -> list[dict]:
     for d in HEAD_DIMS:
         for s in TARGET_SEQLENS:
             for causal in (False, True):
-                b = TOKENS // s
+                b, h = TOKENS // s, HIDDEN // d
                 q, k, v = _qkv(d, s, b)
                 fns = {impl: (lambda fn=AUTOGRAD_IMPLS[impl]: fn(q, k, v, causal))
                        for impl in ("flash-op", "sdpa-cudnn")}
@@ -140,8 +140,8 @@ def run_targets() -> list[dict]:
                 for impl in ("flash-op", "cuda-sm90"):
                     ratios = [c / o for c, o in zip(times["sdpa-cudnn"], times[impl])]
                     ms = median_or_none(times[impl])
-                    row = {"d": d, "s": s, "b": b, "h": HIDDEN // d, "causal": causal, "pass": "fwd",
-                           "impl": impl, "ms": ms, "tflops": _tflops(b, HIDDEN // d, s, d, causal, "fwd", ms),
+                    row = {"d": d, "s": s, "b": b, "h": h, "causal": causal, "pass": "fwd",
+                           "impl": impl, "ms": ms, "tflops": _tflops(b, h, s, d, causal, "fwd", ms),
                            "vs_sdpa-cudnn": median_or_none(ratios), "round_ratios": ratios,
                            "target": target(d, s, causal)}
                     row["met"] = row["vs_sdpa-cudnn"] >= row["target"]
