@@ -49,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -69,8 +70,27 @@ def warpgroups(n: int) -> str:
     return f"Option<Tag::kNumMmaWarpGroups, _{n}>"
 
 
-# (name, head dim, causal, tile (M, N), schedule, options)
-VARIANTS = [
+class Variant(NamedTuple):
+    name: str
+    d: int  # head dim
+    causal: bool
+    tile: tuple[int, int]  # (query rows, keys) per step
+    schedule: str  # sm90 Schedule, or one of SOURCE's
+    options: tuple[str, ...] = ()  # 88_hopper_fmha Option<...>
+    exp_every: int = 0  # sm90::PolyExp2: every n-th exponential by polynomial (0: none)
+
+
+def poly_exp(every: int, *variants: tuple) -> list[tuple]:
+    """The variants with every n-th softmax exponential on the FMA pipe, named "<name>-exp<n>"."""
+    return [(f"{v[0]}-exp{every}", *v[1:], every) for v in variants]
+
+
+D64_FULL = ("full-pp-m192-wg3", 64, False, (192, 128), "Pingpong", (warpgroups(3),))
+D64_CAUSAL = ("causal-pair-m192-wg3", 64, True, (192, 128), "Paired", (warpgroups(3),))
+D128_FULL = ("full-pp", 128, False, (128, 128), "Pingpong", ())
+D128_CAUSAL = ("causal-pair", 128, True, (128, 128), "Paired", ())
+
+VARIANTS = [Variant(*v) for v in [
     *[(f"full-{name}", 128, False, tile, sched, opts) for name, tile, sched, opts in (
         ("pp", (128, 128), "Pingpong", ()),
         ("pp-locked", (128, 128), "Pingpong", (LOCKED,)),
@@ -121,7 +141,9 @@ VARIANTS = [
         ("causal", "coop-lf", (128, 64), "CooperativeLongestFirst"),
         ("causal", "pp-lf", (128, 64), "PingpongLongestFirst"),
     )],
-]
+    # FMA-pipe exponentials (docs/perf/sweep_attention_sm90_h100_polyexp.json)
+    *[v for n in (1, 2, 4, 8) for v in poly_exp(n, D64_FULL, D64_CAUSAL, D128_FULL, D128_CAUSAL)],
+]]
 
 SOURCE = """#include <string>
 #include "attention/attention_fwd_sm90.cuh"
@@ -157,7 +179,7 @@ using PingpongLongestFirst = Schedule<LongestFirstPersistentScheduler, true>;
 extern "C" const char* run(const torch_flash::AttentionFwdSm90Params* p, cudaStream_t stream) {{
   static std::string error;
   try {{
-    launch<cutlass::bfloat16_t, cutlass::fmha::collective::{fusion}, Config<{tile}, {schedule}{options}>>(*p, stream);
+    launch<cutlass::bfloat16_t, {fusion}, Config<{tile}, {schedule}{options}>>(*p, stream);
     return nullptr;
   }} catch (const std::exception& e) {{
     error = e.what();
@@ -204,11 +226,14 @@ def compile_all(variants, workdir: str, jobs: int) -> dict[str, str]:
     nvcc = os.path.join(CUDA_HOME, "bin", "nvcc")
 
     def one(v):
-        name, d, causal, (m, n), sched, opts = v
+        name, d, (m, n) = v.name, v.d, v.tile
+        fusion = "cutlass::fmha::collective::" + ("CausalFusion" if v.causal else "ResidualFusion")
+        if v.exp_every:
+            fusion = f"PolyExp2<{fusion}, {v.exp_every}>"
         src = os.path.join(workdir, f"d{d}-{name}.cu")
         with open(src, "w") as f:
-            f.write(SOURCE.format(fusion="CausalFusion" if causal else "ResidualFusion", tile=T.format(m, n, d),
-                                  schedule=sched, options="".join(", " + o for o in opts)))
+            f.write(SOURCE.format(fusion=fusion, tile=T.format(m, n, d), schedule=v.schedule,
+                                  options="".join(", " + o for o in v.options)))
         lib = src[:-3] + ".so"
         argv = [nvcc, "-shared", "-Xcompiler", "-fPIC", src, "-o", lib, *spec.nvcc_flags,
                 *(f"-I{i}" for i in spec.include_dirs)]
@@ -251,14 +276,14 @@ def run_point(libs: dict, variants, d: int, s: int, causal: bool) -> list[dict]:
     p.alloc = scratch.address()
     stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
     calls, errors = {"sdpa-cudnn": cudnn}, {}
-    for name, vd, vc, _, sched, _ in variants:
-        key = f"d{vd}-{name}"
-        if vd != d or vc != causal or key not in libs:
+    for v in variants:
+        key = f"d{v.d}-{v.name}"
+        if v.d != d or v.causal != causal or key not in libs:
             continue
         fn = libs[key].run
         fn.restype = ctypes.c_char_p
         # persistent launches without a mask also run without their split tail, for the A/B
-        for k, params in [(key, p)] + ([(key + "-nosplit", no_split)] if sched == "Pingpong" and not causal else []):
+        for k, params in [(key, p)] + ([(key + "-nosplit", no_split)] if v.schedule == "Pingpong" and not causal else []):
             def call(fn=fn, params=params):
                 scratch.buffers.clear()
                 err = fn(ctypes.byref(params), stream)
@@ -297,12 +322,12 @@ def main() -> int:
     ap.add_argument("--seqlens", default="1024,4096,16384")
     args = ap.parse_args()
     chosen = set(args.variants.split(",")) if args.variants else None
-    variants = [v for v in VARIANTS if args.only in (None, v[1]) and (chosen is None or f"d{v[1]}-{v[0]}" in chosen)]
+    variants = [v for v in VARIANTS if args.only in (None, v.d) and (chosen is None or f"d{v.d}-{v.name}" in chosen)]
     seqlens = [int(x) for x in args.seqlens.split(",")]
     with tempfile.TemporaryDirectory() as work:
         libs = {k: ctypes.CDLL(p) for k, p in compile_all(variants, work, args.jobs).items()}
         rows = []
-        for d in sorted({v[1] for v in variants}):
+        for d in sorted({v.d for v in variants}):
             for s in (seqlens if d != 256 else [4096]):
                 for causal in (False, True):
                     print(f"D={d} S={s} {'causal' if causal else 'full'}", flush=True)

@@ -56,6 +56,111 @@ struct MainloopWithScale : Base {
   }
 };
 
+// 2^x on the FMA pipe, for x <= 0 (below -126 it returns 2^-126; -inf included): x = j + f with
+// j = round(x) and f in [-1/2, 1/2], 2^f by a cubic (relative error 7.5e-5, against bf16's 2e-3
+// rounding of P before the PV product), 2^j added to the exponent bits.
+CUTLASS_DEVICE float exp2_poly(float x) {
+  constexpr float kRound = 12582912.f;  // 1.5 * 2^23: the low mantissa bits of x + kRound are round(x)
+  x = fmaxf(x, -126.f);
+  const float t = __fadd_rn(x, kRound);
+  const float f = __fsub_rn(x, __fsub_rn(t, kRound));
+  const float p = fmaf(fmaf(fmaf(0.05517167f, f, 0.24261113f), f, 0.69326097f), f, 0.99992806f);
+  return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
+}
+
+// Fusion tag: Base's masking, with every kEvery-th exponential of the softmax computed by
+// exp2_poly instead of the MUFU (CollectiveSoftmax specialisation below). At D=64 one score
+// costs the tensor cores 4 * 64 FLOP at 4096 per SM-clock and the MUFU one ex2 at 16: as long,
+// so a warpgroup's softmax, on the MUFU, is as long as the GEMMs it should hide under;
+// FlashAttention-4 moves part of the exponentials to the FMA pipe for the same reason.
+template <class Base, int kEvery>
+struct PolyExp2 : Base {};
+
+}  // namespace torch_flash::sm90
+
+namespace cutlass::fmha::collective {
+
+// The example's softmax steps with exp_row in place of their exponential loops.
+template <class Base, int kEvery, class Params>
+struct CollectiveSoftmax<float, torch_flash::sm90::PolyExp2<Base, kEvery>, Params>
+    : CollectiveSoftmax<float, Base, Params> {
+  using Super = CollectiveSoftmax<float, Base, Params>;
+  using Super::params;
+
+  CUTLASS_DEVICE explicit CollectiveSoftmax(Params const& p) : Super(p) {}
+
+  // acc(i, j) = 2^(scale * acc(i, j) - scale_max) over row i
+  template <class AccMN>
+  CUTLASS_DEVICE void exp_row(AccMN& acc, int i, float scale, float scale_max) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < size<1>(acc); j++) {
+      const float x = scale * acc(i, j) - scale_max;
+      acc(i, j) = j % kEvery == kEvery - 1 ? torch_flash::sm90::exp2_poly(x) : ::exp2f(x);
+    }
+  }
+
+  // the row maxima of acc, over the threads that share a row
+  template <class AccMN, class TiledMmaQK, class Max>
+  CUTLASS_DEVICE void row_max(AccMN const& acc, TiledMmaQK const& tiled_mma_qk, Max& s_max, int i) {
+    auto target = reduction_target_n(tiled_mma_qk);
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < size<1>(acc); j++) s_max(i) = ::max(s_max(i), acc(i, j));
+    for_each(make_seq<decltype(rank(target))::value>{}, [&](auto r) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 1; j < shape<r>(target); j *= 2) {
+        s_max(i) = ::max(s_max(i), __shfl_xor_sync(uint32_t(-1), s_max(i), stride<r>(target) * j));
+      }
+    });
+  }
+
+  // the first key tile
+  template <class AccQK, class TiledMmaQK, class CountQK, class State, class ProblemShape>
+  CUTLASS_DEVICE auto step(AccQK& acc_qk, TiledMmaQK const& tiled_mma_qk, CountQK const& count_qk, State& state,
+                           ProblemShape const& problem_shape) {
+    Base{}.before_softmax(acc_qk, count_qk, problem_shape);
+    Tensor acc_qk_mn = make_tensor(acc_qk.data(), layout_acc_mn(tiled_mma_qk, acc_qk.layout()));
+    auto& s_max = get<0>(state);
+    auto& a_sum = get<1>(state);
+    const float scale = params.scale_softmax_log2;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size<0>(acc_qk_mn); i++) {
+      s_max(i) = -INFINITY;
+      row_max(acc_qk_mn, tiled_mma_qk, s_max, i);
+      exp_row(acc_qk_mn, i, scale, scale * (s_max(i) == -INFINITY ? 0.f : s_max(i)));
+      a_sum(i) = reduce(acc_qk_mn(i, _), cute::plus{});
+    }
+  }
+
+  // every later key tile: also rescales the running sum and output to the new maxima
+  template <bool kUseFusion = true, class AccQK, class TiledMmaQK, class CountQK, class State, class AccPV,
+            class TiledMmaPV, class ProblemShape>
+  CUTLASS_DEVICE auto step(AccQK& acc_qk, TiledMmaQK const& tiled_mma_qk, CountQK const& count_qk, State& state,
+                           AccPV& acc_pv, TiledMmaPV const& tiled_mma_pv, ProblemShape const& problem_shape) {
+    if constexpr (kUseFusion) Base{}.before_softmax(acc_qk, count_qk, problem_shape);
+    Tensor acc_qk_mn = make_tensor(acc_qk.data(), layout_acc_mn(tiled_mma_qk, acc_qk.layout()));
+    Tensor acc_pv_mn = make_tensor(acc_pv.data(), layout_acc_mn(tiled_mma_pv, acc_pv.layout()));
+    auto& s_max = get<0>(state);
+    auto& a_sum = get<1>(state);
+    const float scale = params.scale_softmax_log2;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size<0>(acc_qk_mn); i++) {
+      const float prev = s_max(i);
+      row_max(acc_qk_mn, tiled_mma_qk, s_max, i);
+      const float cur = s_max(i) == -INFINITY ? 0.f : s_max(i);
+      exp_row(acc_qk_mn, i, scale, scale * cur);
+      const float rescale = ::exp2f((prev - cur) * scale);
+      a_sum(i) *= rescale;
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < size<1>(acc_pv_mn); j++) acc_pv_mn(i, j) *= rescale;
+      a_sum(i) += reduce(acc_qk_mn(i, _), cute::plus{});
+    }
+  }
+};
+
+}  // namespace cutlass::fmha::collective
+
+namespace torch_flash::sm90 {
+
 // Schedules: which CTAs exist and in which order they take (query tile, batch, head).
 template <class Scheduler_, bool kPersistent_>
 struct Schedule {
