@@ -77,18 +77,8 @@ class Variant(NamedTuple):
     tile: tuple[int, int]  # (query rows, keys) per step
     schedule: str  # sm90 Schedule, or one of SOURCE's
     options: tuple[str, ...] = ()  # 88_hopper_fmha Option<...>
-    exp_every: int = 0  # sm90::PolyExp2: every n-th exponential by polynomial (0: none)
+    fusion: str = ""  # the mask; default the extension's (sm90::CausalBottomRight or ResidualFusion)
 
-
-def poly_exp(every: int, *variants: tuple) -> list[tuple]:
-    """The variants with every n-th softmax exponential on the FMA pipe, named "<name>-exp<n>"."""
-    return [(f"{v[0]}-exp{every}", *v[1:], every) for v in variants]
-
-
-D64_FULL = ("full-pp-m192-wg3", 64, False, (192, 128), "Pingpong", (warpgroups(3),))
-D64_CAUSAL = ("causal-pair-m192-wg3", 64, True, (192, 128), "Paired", (warpgroups(3),))
-D128_FULL = ("full-pp", 128, False, (128, 128), "Pingpong", ())
-D128_CAUSAL = ("causal-pair", 128, True, (128, 128), "Paired", ())
 
 VARIANTS = [Variant(*v) for v in [
     *[(f"full-{name}", 128, False, tile, sched, opts) for name, tile, sched, opts in (
@@ -134,6 +124,9 @@ VARIANTS = [Variant(*v) for v in [
         ("pair", (128, 128), "Paired", ()),
         ("pair-m192-wg3", (192, 128), "Paired", (warpgroups(3),)),
     )],
+    # CUTLASS's top-left causal mask, which launch() does not split by rows (the same mask at Sq == Sk)
+    *[(f"causal-{name}-topleft", d, True, tile, "Paired", opts, "cutlass::fmha::collective::CausalFusion")
+      for name, d, tile, opts in (("pair", 128, (128, 128), ()), ("pair-m192-wg3", 64, (192, 128), (warpgroups(3),)))],
     *[(f"{mask}-{name}", 256, mask == "causal", tile, sched, ()) for mask, name, tile, sched in (
         ("full", "coop", (128, 64), "Cooperative"),
         ("full", "pp", (128, 64), "Pingpong"),
@@ -141,8 +134,6 @@ VARIANTS = [Variant(*v) for v in [
         ("causal", "coop-lf", (128, 64), "CooperativeLongestFirst"),
         ("causal", "pp-lf", (128, 64), "PingpongLongestFirst"),
     )],
-    # FMA-pipe exponentials (docs/perf/sweep_attention_sm90_h100_polyexp.json)
-    *[v for n in (1, 2, 4, 8) for v in poly_exp(n, D64_FULL, D64_CAUSAL, D128_FULL, D128_CAUSAL)],
 ]]
 
 SOURCE = """#include <string>
@@ -227,9 +218,7 @@ def compile_all(variants, workdir: str, jobs: int) -> dict[str, str]:
 
     def one(v):
         name, d, (m, n) = v.name, v.d, v.tile
-        fusion = "cutlass::fmha::collective::" + ("CausalFusion" if v.causal else "ResidualFusion")
-        if v.exp_every:
-            fusion = f"PolyExp2<{fusion}, {v.exp_every}>"
+        fusion = v.fusion or ("CausalBottomRight" if v.causal else "cutlass::fmha::collective::ResidualFusion")
         src = os.path.join(workdir, f"d{d}-{name}.cu")
         with open(src, "w") as f:
             f.write(SOURCE.format(fusion=fusion, tile=T.format(m, n, d), schedule=v.schedule,

@@ -88,8 +88,8 @@ Entry entry_for(int64_t head_dim) {
 }
 
 // q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D) with Hq % Hkv == 0 -> out (B, Hq, Sq, D) contiguous,
-// lse (B, Hq, Sq) fp32. causal needs Sq == Sk (the kernel's causal mask is top-left aligned,
-// flash.attention's bottom-right one is the same only then).
+// lse (B, Hq, Sq) fp32. causal: aligned bottom-right, as flash.attention, with Sq <= Sk (every
+// query row sees a key).
 std::tuple<at::Tensor, at::Tensor> attention_fwd_sm90(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                       double scale, bool causal) {
   check_input(q, "q", q);
@@ -110,7 +110,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_sm90(const at::Tensor& q, const
   TORCH_CHECK(seqlen_q > 0 && seqlen_k > 0, kOp, "empty sequences are not supported (Sq ", num(seqlen_q),
               ", Sk ", num(seqlen_k), ")");
   TORCH_CHECK(seqlen_q % 8 == 0, kOp, "seqlen_q must be a multiple of 8, got ", num(seqlen_q));
-  TORCH_CHECK(!causal || seqlen_q == seqlen_k, kOp, "causal needs seqlen_q == seqlen_k, got ", num(seqlen_q),
+  TORCH_CHECK(!causal || seqlen_q <= seqlen_k, kOp, "causal needs seqlen_q <= seqlen_k, got ", num(seqlen_q),
               " and ", num(seqlen_k));
   Entry entry = entry_for(head_dim);
   TORCH_CHECK(entry != nullptr, kOp, "head dim ", num(head_dim),

@@ -56,110 +56,48 @@ struct MainloopWithScale : Base {
   }
 };
 
-// 2^x on the FMA pipe, for x <= 0 (below -126 it returns 2^-126; -inf included): x = j + f with
-// j = round(x) and f in [-1/2, 1/2], 2^f by a cubic (relative error 7.5e-5, against bf16's 2e-3
-// rounding of P before the PV product), 2^j added to the exponent bits.
-CUTLASS_DEVICE float exp2_poly(float x) {
-  constexpr float kRound = 12582912.f;  // 1.5 * 2^23: the low mantissa bits of x + kRound are round(x)
-  x = fmaxf(x, -126.f);
-  const float t = __fadd_rn(x, kRound);
-  const float f = __fsub_rn(x, __fsub_rn(t, kRound));
-  const float p = fmaf(fmaf(fmaf(0.05517167f, f, 0.24261113f), f, 0.69326097f), f, 0.99992806f);
-  return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
-}
-
-// Fusion tag: Base's masking, with every kEvery-th exponential of the softmax computed by
-// exp2_poly instead of the MUFU (CollectiveSoftmax specialisation below). At D=64 one score
-// costs the tensor cores 4 * 64 FLOP at 4096 per SM-clock and the MUFU one ex2 at 16: as long,
-// so a warpgroup's softmax, on the MUFU, is as long as the GEMMs it should hide under;
-// FlashAttention-4 moves part of the exponentials to the FMA pipe for the same reason.
-template <class Base, int kEvery>
-struct PolyExp2 : Base {};
-
-}  // namespace torch_flash::sm90
-
-namespace cutlass::fmha::collective {
-
-// The example's softmax steps with exp_row in place of their exponential loops.
-template <class Base, int kEvery, class Params>
-struct CollectiveSoftmax<float, torch_flash::sm90::PolyExp2<Base, kEvery>, Params>
-    : CollectiveSoftmax<float, Base, Params> {
-  using Super = CollectiveSoftmax<float, Base, Params>;
-  using Super::params;
-
-  CUTLASS_DEVICE explicit CollectiveSoftmax(Params const& p) : Super(p) {}
-
-  // acc(i, j) = 2^(scale * acc(i, j) - scale_max) over row i
-  template <class AccMN>
-  CUTLASS_DEVICE void exp_row(AccMN& acc, int i, float scale, float scale_max) {
-    CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < size<1>(acc); j++) {
-      const float x = scale * acc(i, j) - scale_max;
-      acc(i, j) = j % kEvery == kEvery - 1 ? torch_flash::sm90::exp2_poly(x) : ::exp2f(x);
-    }
+// flash.attention's causal mask, aligned bottom-right: query row i sees keys j <= i + Sk - Sq
+// (CUTLASS's CausalFusion aligns top-left, the same only for Sq == Sk). Needs Sq <= Sk, so that
+// every row sees a key. Query tile m's first row sees whole key tiles up to its diagonal
+// (unmasked), the rest of its trip needs the mask, which also hides keys past Sk (a partial
+// last key tile always lies there: the first row of a valid tile sees at most key Sk - 1).
+struct CausalBottomRight : cutlass::fmha::collective::DefaultFusion {
+  template <class ProblemSize>
+  CUTLASS_DEVICE static int offset(ProblemSize const& problem_size) {
+    return get<3>(problem_size) - get<2>(problem_size);
   }
 
-  // the row maxima of acc, over the threads that share a row
-  template <class AccMN, class TiledMmaQK, class Max>
-  CUTLASS_DEVICE void row_max(AccMN const& acc, TiledMmaQK const& tiled_mma_qk, Max& s_max, int i) {
-    auto target = reduction_target_n(tiled_mma_qk);
-    CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < size<1>(acc); j++) s_max(i) = ::max(s_max(i), acc(i, j));
-    for_each(make_seq<decltype(rank(target))::value>{}, [&](auto r) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 1; j < shape<r>(target); j *= 2) {
-        s_max(i) = ::max(s_max(i), __shfl_xor_sync(uint32_t(-1), s_max(i), stride<r>(target) * j));
-      }
-    });
+  template <class BlkCoord, class TileShape, class ProblemSize>
+  CUTLASS_DEVICE int get_trip_count(BlkCoord const& blk_coord, TileShape const& tile_shape,
+                                    ProblemSize const& problem_size) {
+    const int last_row_keys = (get<0>(blk_coord) + 1) * get<0>(tile_shape) + offset(problem_size);
+    return std::min(ceil_div(get<3>(problem_size), get<1>(tile_shape)), ceil_div(last_row_keys, get<1>(tile_shape)));
   }
 
-  // the first key tile
-  template <class AccQK, class TiledMmaQK, class CountQK, class State, class ProblemShape>
-  CUTLASS_DEVICE auto step(AccQK& acc_qk, TiledMmaQK const& tiled_mma_qk, CountQK const& count_qk, State& state,
-                           ProblemShape const& problem_shape) {
-    Base{}.before_softmax(acc_qk, count_qk, problem_shape);
-    Tensor acc_qk_mn = make_tensor(acc_qk.data(), layout_acc_mn(tiled_mma_qk, acc_qk.layout()));
-    auto& s_max = get<0>(state);
-    auto& a_sum = get<1>(state);
-    const float scale = params.scale_softmax_log2;
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < size<0>(acc_qk_mn); i++) {
-      s_max(i) = -INFINITY;
-      row_max(acc_qk_mn, tiled_mma_qk, s_max, i);
-      exp_row(acc_qk_mn, i, scale, scale * (s_max(i) == -INFINITY ? 0.f : s_max(i)));
-      a_sum(i) = reduce(acc_qk_mn(i, _), cute::plus{});
-    }
+  template <class BlkCoord, class TileShape, class ProblemSize>
+  CUTLASS_DEVICE int get_unmasked_trip_count(BlkCoord const& blk_coord, TileShape const& tile_shape,
+                                             ProblemSize const& problem_size) {
+    const int first_row_keys = get<0>(blk_coord) * get<0>(tile_shape) + offset(problem_size) + 1;
+    return std::min(get_trip_count(blk_coord, tile_shape, problem_size), first_row_keys / int(get<1>(tile_shape)));
   }
 
-  // every later key tile: also rescales the running sum and output to the new maxima
-  template <bool kUseFusion = true, class AccQK, class TiledMmaQK, class CountQK, class State, class AccPV,
-            class TiledMmaPV, class ProblemShape>
-  CUTLASS_DEVICE auto step(AccQK& acc_qk, TiledMmaQK const& tiled_mma_qk, CountQK const& count_qk, State& state,
-                           AccPV& acc_pv, TiledMmaPV const& tiled_mma_pv, ProblemShape const& problem_shape) {
-    if constexpr (kUseFusion) Base{}.before_softmax(acc_qk, count_qk, problem_shape);
-    Tensor acc_qk_mn = make_tensor(acc_qk.data(), layout_acc_mn(tiled_mma_qk, acc_qk.layout()));
-    Tensor acc_pv_mn = make_tensor(acc_pv.data(), layout_acc_mn(tiled_mma_pv, acc_pv.layout()));
-    auto& s_max = get<0>(state);
-    auto& a_sum = get<1>(state);
-    const float scale = params.scale_softmax_log2;
+  template <class BlkCoord, class TileShape, class ProblemSize>
+  CUTLASS_DEVICE int get_masked_trip_count(BlkCoord const& blk_coord, TileShape const& tile_shape,
+                                           ProblemSize const& problem_size) {
+    return get_trip_count(blk_coord, tile_shape, problem_size) -
+           get_unmasked_trip_count(blk_coord, tile_shape, problem_size);
+  }
+
+  template <class AccQK, class IndexQK, class ProblemSize>
+  CUTLASS_DEVICE void before_softmax(AccQK& acc_qk, IndexQK const& index_qk, ProblemSize const& problem_size) {
+    const int off = offset(problem_size);
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < size<0>(acc_qk_mn); i++) {
-      const float prev = s_max(i);
-      row_max(acc_qk_mn, tiled_mma_qk, s_max, i);
-      const float cur = s_max(i) == -INFINITY ? 0.f : s_max(i);
-      exp_row(acc_qk_mn, i, scale, scale * cur);
-      const float rescale = ::exp2f((prev - cur) * scale);
-      a_sum(i) *= rescale;
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < size<1>(acc_pv_mn); j++) acc_pv_mn(i, j) *= rescale;
-      a_sum(i) += reduce(acc_qk_mn(i, _), cute::plus{});
+    for (int i = 0; i < size(acc_qk); i++) {
+      auto pos = index_qk(i);
+      if (get<0>(pos) + off < get<1>(pos)) acc_qk(i) = -INFINITY;
     }
   }
 };
-
-}  // namespace cutlass::fmha::collective
-
-namespace torch_flash::sm90 {
 
 // Schedules: which CTAs exist and in which order they take (query tile, batch, head).
 template <class Scheduler_, bool kPersistent_>
@@ -171,17 +109,21 @@ struct Schedule {
 // M - 1 - m of one (batch, head), the longer first. Under a causal mask tile m reads m + 1 key
 // tiles, so every unit reads M + 1 and equal units keep the SMs evenly busy to the end (CTAs
 // taking single tiles in turn leave some idle: 0.94x cuDNN at D=128, S=16k). Units run pair
-// first, so the CTAs at work share the K/V of a few heads in L2.
+// first, so the CTAs at work share the K/V of a few heads in L2. With M odd the middle tiles of
+// two (batch, head)s make a unit, after all the others: a middle tile alone is half a unit, and
+// as the units go round the CTAs, the same CTAs would take one every round.
 struct PairedTileScheduler {
   struct Params {
     int num_units;
+    int pair_units;  // units of one (batch, head); the rest pair middle tiles
     int m_blocks;
+    int heads;  // batch x heads
     cutlass::FastDivmod divmod_pair, divmod_b, divmod_h;
     cutlass::KernelHardwareInfo hw_info;
   };
 
   int unit;
-  bool second = false;  // on the unit's shorter tile
+  bool second = false;  // on the unit's second tile
   Params params;
 
   CUTLASS_DEVICE explicit PairedTileScheduler(Params const& p) : unit(blockIdx.x), params(p) {}
@@ -189,10 +131,11 @@ struct PairedTileScheduler {
   template <class ProblemSize, class ClusterShape, class TileShape>
   static Params to_underlying_arguments(ProblemSize const& problem, cutlass::KernelHardwareInfo hw,
                                         ClusterShape const& cluster, TileShape const& tile) {
-    int m_blocks = cutlass::round_up(ceil_div(size<2>(problem), size<0>(tile)), size<0>(cluster));
-    int pairs = (m_blocks + 1) / 2;
+    const int m_blocks = cutlass::round_up(ceil_div(size<2>(problem), size<0>(tile)), size<0>(cluster));
+    const int pairs = m_blocks / 2, heads = int(size<0>(problem)) * int(size<1>(problem));
+    const int pair_units = pairs * heads, middle_units = m_blocks % 2 ? (heads + 1) / 2 : 0;
     if (hw.sm_count <= 0) hw.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(hw.device_id);
-    return {pairs * int(size<0>(problem)) * int(size<1>(problem)), m_blocks, cutlass::FastDivmod(pairs),
+    return {pair_units + middle_units, pair_units, m_blocks, heads, cutlass::FastDivmod(std::max(pairs, 1)),
             cutlass::FastDivmod(size<0>(problem)), cutlass::FastDivmod(size<1>(problem)), hw};
   }
 
@@ -200,23 +143,22 @@ struct PairedTileScheduler {
 
   CUTLASS_DEVICE bool is_valid() const { return unit < params.num_units; }
 
-  CUTLASS_DEVICE int pair() const {
-    int rest, pair;
-    params.divmod_pair(rest, pair, unit);
-    return pair;
-  }
+  CUTLASS_DEVICE int middle_head() const { return 2 * (unit - params.pair_units) + second; }
 
   CUTLASS_DEVICE auto get_block_coord() const {
     int rest, pair, bidb, bidh;
-    params.divmod_pair(rest, pair, unit);
-    params.divmod_b(rest, bidb, rest);
-    params.divmod_h(rest, bidh, rest);
-    return make_coord(second ? pair : params.m_blocks - 1 - pair, _0{}, make_coord(bidb, bidh));
+    if (unit < params.pair_units) {
+      params.divmod_pair(rest, pair, unit);
+      params.divmod_b(rest, bidb, rest);
+      params.divmod_h(rest, bidh, rest);
+      return make_coord(second ? pair : params.m_blocks - 1 - pair, _0{}, make_coord(bidb, bidh));
+    }
+    params.divmod_b(bidh, bidb, middle_head());
+    return make_coord(params.m_blocks / 2, _0{}, make_coord(bidb, bidh));
   }
 
   CUTLASS_DEVICE PairedTileScheduler& operator++() {
-    int m = pair();
-    if (!second && params.m_blocks - 1 - m != m) {  // the middle tile of an odd count is its own pair
+    if (!second && (unit < params.pair_units || middle_head() + 1 < params.heads)) {
       second = true;
     } else {
       second = false;
@@ -379,10 +321,36 @@ __global__ void merge_splits(const float* part, const float* part_lse, int split
   if (threadIdx.x == 0) lse[row] = row_lse;
 }
 
+// Query rows [begin, end) of a bottom-right causal problem as a problem of their own: row i
+// keeps its keys j <= i + Sk - Sq, so the keys end at end + Sk - Sq.
+template <class Element>
+AttentionFwdSm90Params causal_rows(const AttentionFwdSm90Params& p, int begin, int end) {
+  AttentionFwdSm90Params r = p;
+  r.q = static_cast<const Element*>(p.q) + long(begin) * p.q_row_stride;
+  r.out = static_cast<Element*>(p.out) + long(begin) * p.out_row_stride;
+  r.lse = p.lse + begin;
+  r.seqlen_q = end - begin;
+  r.seqlen_k = end + p.seqlen_k - p.seqlen_q;
+  return r;
+}
+
 template <class Element, class Fusion, class Config>
 void launch(const AttentionFwdSm90Params& p, cudaStream_t stream) {
   using TileShape = typename Config::TileShape;
   constexpr int kBlockM = size<0>(TileShape{}), kBlockN = size<1>(TileShape{});
+  // Under the causal mask a query tile costs the keys its last row sees, so a partial tile
+  // (Sq % kBlockM rows) costs all Sk keys at the bottom and only Sq % kBlockM + Sk - Sq at the
+  // top: those rows run first, as a launch of their own (192-row tiles at Sq = Sk = 4096: 352
+  // key steps a head instead of 384). From kLongKeys rows, where a partial tile's keys outweigh
+  // the second launch.
+  if constexpr (std::is_same_v<Fusion, CausalBottomRight>) {
+    const int top = p.seqlen_q % kBlockM;
+    if (top != 0 && p.seqlen_q >= kLongKeys) {
+      run<Element, Fusion, Config>(causal_rows<Element>(p, 0, top), 0, stream);
+      run<Element, Fusion, Config>(causal_rows<Element>(p, top, p.seqlen_q), 0, stream);
+      return;
+    }
+  }
   TailSplit plan;
   if constexpr (std::is_same_v<typename Config::Schedule, Pingpong>) {
     plan = plan_tail_split(p, kBlockM, kBlockN);
@@ -439,11 +407,10 @@ void launch(const AttentionFwdSm90Params& p, cudaStream_t stream) {
 // for short and one for long key sequences each (the same type builds once).
 template <class Element, class FullConfig, class LongFullConfig, class CausalConfig, class LongCausalConfig>
 void dispatch_mask(const AttentionFwdSm90Params& p, cudaStream_t stream) {
-  using cutlass::fmha::collective::CausalFusion;
   using cutlass::fmha::collective::ResidualFusion;
   const bool long_keys = p.seqlen_k >= kLongKeys;
-  if (p.causal && long_keys) launch<Element, CausalFusion, LongCausalConfig>(p, stream);
-  else if (p.causal) launch<Element, CausalFusion, CausalConfig>(p, stream);
+  if (p.causal && long_keys) launch<Element, CausalBottomRight, LongCausalConfig>(p, stream);
+  else if (p.causal) launch<Element, CausalBottomRight, CausalConfig>(p, stream);
   else if (long_keys) launch<Element, ResidualFusion, LongFullConfig>(p, stream);
   else launch<Element, ResidualFusion, FullConfig>(p, stream);
 }

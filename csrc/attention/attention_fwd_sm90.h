@@ -27,7 +27,7 @@ struct AttentionFwdSm90Params {
   int lse_batch_stride, lse_head_stride;
   float scale;
   bool bf16;    // else fp16
-  bool causal;  // top-left aligned; the binding only passes it with Sq == Sk
+  bool causal;  // aligned bottom-right (row i sees keys j <= i + Sk - Sq), with Sq <= Sk
   int device;
   int sm_count;
   // Device memory for the split tail of a persistent launch (attention_fwd_sm90.cuh,

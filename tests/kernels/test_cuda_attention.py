@@ -33,9 +33,12 @@ def reference(q, k, v, scale, causal):
 
 
 def sdpa(q, k, v, scale, causal):
+    """SDPA's answer (the baseline error), causal aligned bottom-right as flash.attention's."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    sq, sk = q.shape[2], k.shape[2]
+    mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq) if causal else None
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 def check_forward(q, k, v, scale, causal):
@@ -76,6 +79,41 @@ def test_ragged_lengths(sq, sk):
     d = HDIMS[-1]
     q, k, v = rand(3, 2, sq, d), rand(3, 2, sk, d), rand(3, 2, sk, d)
     check_forward(q, k, v, d ** -0.5, False)
+
+
+@pytest.mark.parametrize("sq,sk", [(8, 40), (200, 264), (264, 300), (136, 1000), (1000, 1024)])
+def test_causal_bottom_right(sq, sk):
+    """Causal with fewer queries than keys: row i sees keys j <= i + Sk - Sq (flash.attention's
+    alignment; SDPA's is_causal would align top-left). Three kv heads: with an odd count of
+    query tiles (1 and 3 of 128 rows here) one unit of sm90::Paired holds a lone middle tile."""
+    for d in HDIMS:
+        q, k, v = rand(1, 6, sq, d), rand(1, 3, sk, d), rand(1, 3, sk, d)
+        check_forward(q, k, v, d ** -0.5, True)
+
+
+def cutlass_launches(fn) -> int:
+    """How many CUTLASS kernels fn launches (torch.profiler's CUDA activity)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and "device_kernel" in e.name)
+
+
+@pytest.mark.parametrize("d,sq,sk", [(64, 2048, 2048), (64, 4096, 4096), (128, 2056, 2056), (64, 2056, 3000),
+                                     (256, 2104, 2104), (128, 2048, 2048)])
+def test_causal_row_split(d, sq, sk):
+    """From 2048 queries a causal problem whose rows end in a partial query tile (192 rows at
+    D=64 from 2k keys, else 128) runs those rows first as a launch of their own
+    (attention_fwd_sm90.cuh, causal_rows): the same numerics, two launches (one where the
+    tiles are whole: D=128, 2048)."""
+    if d not in HDIMS:
+        pytest.skip(f"head dim {d} not built")
+    q, k, v = rand(1, 4, sq, d), rand(1, 2, sk, d), rand(1, 2, sk, d)
+    check_forward(q, k, v, d ** -0.5, True)
+    whole = sq % (192 if d == 64 else 128) == 0
+    per_member = 1 if whole else 2
+    assert cutlass_launches(lambda: torch.ops.flash.attention_fwd_sm90(q, k, v, 0.1, True)) == 2 * per_member
 
 
 def split_tail_heads(m_blocks: int, key_tiles: int) -> int:
@@ -132,13 +170,13 @@ def test_flash_attention_dispatch_and_backward():
         assert rel_err(g, r) <= 1e-2, f"d{name}: {rel_err(g, r):.2e}"
 
 
-@pytest.mark.parametrize("case", ["bias", "window", "softcap", "causal_sq_ne_sk", "sq_not_8", "fp32", "dv"])
+@pytest.mark.parametrize("case", ["bias", "window", "softcap", "causal_sq_gt_sk", "sq_not_8", "fp32", "dv"])
 def test_dispatch_falls_back_to_triton(case):
     d = HDIMS[0]
     sq, sk, dtype, dv = 512, 512, torch.bfloat16, d
     kw = {}
-    if case == "causal_sq_ne_sk":
-        sq, kw = 256, dict(causal=True)
+    if case == "causal_sq_gt_sk":
+        sk, kw = 256, dict(causal=True)
     elif case == "sq_not_8":
         sq = 509
     elif case == "fp32":
@@ -159,6 +197,8 @@ def test_dispatch_falls_back_to_triton(case):
 def test_dispatch_picks_the_kernel():
     q, k, v = (rand(1, 2, 512, HDIMS[0]) for _ in range(3))
     torch_flash.attention(q, k, v)
+    assert _dispatch.LAST["attention"] == "cuda"
+    torch_flash.attention(q[:, :, :256], k, v, causal=True)
     assert _dispatch.LAST["attention"] == "cuda"
 
 

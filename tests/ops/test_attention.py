@@ -104,6 +104,7 @@ def _samples_fwd_sm90():
     for device, (dtype, hq, hkv, sq, sk, d, causal, bshd) in itertools.product(devices, (
             (torch.bfloat16, 2, 2, 8, 24, 64, False, False),
             (torch.float16, 4, 2, 16, 16, 64, True, True),
+            (torch.bfloat16, 4, 2, 8, 40, 64, True, False),
             (torch.bfloat16, 4, 1, 136, 200, 128, False, True))):
         q, k, v = (t.to(device) for t in _qkv(b=2, hq=hq, hkv=hkv, sq=sq, sk=sk, d=d, dtype=dtype, bshd=bshd))
         yield (q, k, v, 0.3, causal), {}

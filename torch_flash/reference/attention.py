@@ -201,7 +201,7 @@ def attention(q, k, v, attn_bias=None, **kwargs):
 
 def attention_fwd_sm90(q, k, v, scale, causal):
     """flash.attention_fwd_sm90 by the formula: (out, lse) of `attention_with_lse` (the op
-    takes causal only with Sq == Sk, where top-left and bottom-right alignment agree)."""
+    takes causal only with Sq <= Sk)."""
     return attention_with_lse(q, k, v, scale=scale, causal=causal)
 
 
