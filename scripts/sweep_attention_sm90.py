@@ -30,6 +30,14 @@ mainloop, no gain. The err column is against cuDNN's bf16 output: 128-key tiles 
 order and agree to 5e-5; other tile widths differ by bf16 rounding, about 1e-3 (the kernel
 tests compare with float64).
 
+Part of the softmax exponentials by a cubic on the FMA pipe instead of the MUFU
+(FlashAttention-4's trick; sm90::PolyExp2 in commit 969ec23,
+docs/perf/sweep_attention_sm90_h100_polyexp.json): slower the more of them, 0.92x-1.00x of the
+MUFU-only kernel for every 8th, 0.71x-0.78x for all; the kernel is not MUFU-bound.
+The "-topleft" variants keep CUTLASS's top-left causal mask, which launch() does not split by
+rows: the A/B of the causal row split and middle pairs (docs/perf/sweep_attention_sm90_h100_rowsplit.json:
+D=64 S=4k causal 431 vs 413 TFLOP/s, 16k 490 vs 479).
+
 Persistent configurations without a mask also run as "<name>-nosplit", without the split tail
 (attention_fwd_sm90.cuh, TailSplit; docs/perf/sweep_attention_sm90_h100_tail.json: D=128
 S=4k 641 vs 624 TFLOP/s, 16k 642 vs 631 in one sweep, 634 vs 621 and 651 vs 626 in another).

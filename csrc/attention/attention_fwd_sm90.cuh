@@ -2,9 +2,10 @@
 // nvidia-cutlass package: TMA loads of Q/K/V tiles, wgmma from shared memory, a producer
 // warpgroup and two consumer warpgroups with register reallocation, softmax of one tile
 // overlapped with the other warpgroup's matmuls), instantiated for torch-flash's layouts,
-// with the softmax scale as an argument and a launch that follows the caller's stream; causal
-// tiles in equal pairs (PairedTileScheduler), and without a mask the persistent launch's short
-// last round run as key splits (TailSplit).
+// with the softmax scale as an argument and a launch that follows the caller's stream; the
+// causal mask aligned bottom-right (CausalBottomRight), causal tiles in equal pairs
+// (PairedTileScheduler) with a partial tile's rows run first (causal_rows), and without a mask
+// the persistent launch's short last round run as key splits (TailSplit).
 #pragma once
 
 #include <algorithm>
