@@ -72,7 +72,8 @@ struct CausalBottomRight : cutlass::fmha::collective::DefaultFusion {
   CUTLASS_DEVICE int get_trip_count(BlkCoord const& blk_coord, TileShape const& tile_shape,
                                     ProblemSize const& problem_size) {
     const int last_row_keys = (get<0>(blk_coord) + 1) * get<0>(tile_shape) + offset(problem_size);
-    return std::min(ceil_div(get<3>(problem_size), get<1>(tile_shape)), ceil_div(last_row_keys, get<1>(tile_shape)));
+    return std::min(DefaultFusion::get_trip_count(blk_coord, tile_shape, problem_size),
+                    int(ceil_div(last_row_keys, get<1>(tile_shape))));
   }
 
   template <class BlkCoord, class TileShape, class ProblemSize>
