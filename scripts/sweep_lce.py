@@ -1,9 +1,8 @@
 """Where linear cross-entropy's time goes on the GPU, to choose its chunk size from measurements:
-fwd+bwd ms and peak memory of lce_fwd per chunk size, with the chunk logits from cuBLAS and,
-where the extension serves it, from the Hopper GEMM (flash.linear_cross_entropy_logits_sm90),
-next to torch.compile of linear + cross_entropy and Liger-Kernel's fused kernel (where
-installed) in the same process, and the time of each step of one chunk (logits GEMM, loss
-kernel, dhidden GEMM, dweight GEMM with and without accumulation into dweight).
+fwd+bwd ms and peak memory of lce_fwd per chunk size, next to torch.compile of linear +
+cross_entropy and Liger-Kernel's fused kernel (where installed) in the same process, and the
+time of each step of one chunk (logits GEMM, loss kernel, dhidden GEMM, dweight GEMM with and
+without accumulation into dweight).
 Usage: python scripts/sweep_lce.py OUT.json [tokens hidden vocab]
 """
 import json
@@ -16,7 +15,6 @@ from torch._library.triton import set_wrap_triton_enabled
 from torch_flash.bench._common import env_info, median_ms, peak_memory
 from torch_flash.bench.linear_cross_entropy import _liger
 from torch_flash.kernels.triton import cross_entropy as ce
-from torch_flash.ops.linear_cross_entropy import _logits_sm90_serves
 
 OPTIONS = dict(ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=0.0, reduction="mean")
 
@@ -44,13 +42,10 @@ def main(path, n=8192, hid=4096, v=128256):
         def liger_step():
             return torch.autograd.grad(liger(hg, wg, t), (hg, wg))
         record(impl="liger", ms=median_ms(liger_step), peak_mb=peak_memory(liger_step) / 2**20)
-    sm90 = _logits_sm90_serves(h, w, None)
-    for rows_per_chunk in (512, 768, 1024, 1152, 1280, 1536, 2048):
-        for gemm in ("cublas", "sm90") if sm90 else ("cublas",):
-            def step(r=rows_per_chunk, on=gemm == "sm90"):
-                return ce.lce_fwd(h, w, t, None, chunk_size=r, sm90_logits=on, **OPTIONS)
-            record(impl="ours", logits_gemm=gemm, chunk=rows_per_chunk, ms=median_ms(step),
-                   peak_mb=peak_memory(step) / 2**20)
+    for rows_per_chunk in (512, 768, 1024, 1280, 1536, 2048):
+        def step(r=rows_per_chunk):
+            return ce.lce_fwd(h, w, t, None, chunk_size=r, **OPTIONS)
+        record(impl="ours", chunk=rows_per_chunk, ms=median_ms(step), peak_mb=peak_memory(step) / 2**20)
 
     for r in (768, 1024, 1536):
         logits = torch.empty(r, v, device="cuda", dtype=torch.bfloat16)
@@ -59,8 +54,6 @@ def main(path, n=8192, hid=4096, v=128256):
         losses, lse = (torch.empty(r, device="cuda") for _ in range(2))
         parts = {
             "logits_mm": lambda: torch.mm(h[:r], w.t(), out=logits),
-            **({"logits_sm90": lambda: torch.ops.flash.linear_cross_entropy_logits_sm90(h[:r], w, logits)}
-               if sm90 else {}),
             "loss_kernel": lambda: ce._launch(logits, t[:r], loss=losses, lse=lse, grad_loss=None, out=logits,
                                               n_valid=torch.tensor(n, device="cuda"), block=None, **OPTIONS),
             "dh_mm": lambda: torch.mm(logits, w, out=dh),
