@@ -1,10 +1,9 @@
-"""Fakes for flash.linear_cross_entropy, its backward and autograd forward, and the Hopper
-chunk-logits GEMM flash.linear_cross_entropy_logits_sm90."""
+"""Fakes for flash.linear_cross_entropy and flash.linear_cross_entropy_backward."""
 import torch
 
 from torch_flash.ops.cross_entropy import LossOptions, check_grad_loss, loss_shape
 from torch_flash.ops._checks import check
-from torch_flash.ops.linear_cross_entropy import check_args, check_logits_sm90_args
+from torch_flash.ops.linear_cross_entropy import check_args
 from torch_flash.reference._common import compute_dtype
 
 
@@ -39,8 +38,3 @@ def linear_cross_entropy_with_grads(hidden, weight, target, bias=None, *, ignore
                                 reduction=reduction, chunk_size=chunk_size)
     dbias = weight.new_empty(0) if bias is None else bias.new_empty(bias.shape)
     return loss, hidden.new_empty(hidden.shape), weight.new_empty(weight.shape), dbias
-
-
-@torch.library.register_fake("flash::linear_cross_entropy_logits_sm90")
-def linear_cross_entropy_logits_sm90(hidden, weight, out):
-    check_logits_sm90_args("linear_cross_entropy_logits_sm90", hidden, weight, out)

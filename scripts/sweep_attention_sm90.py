@@ -48,20 +48,22 @@ the ratio is the median of the rounds' ratios (single timings drift by 4-10% bet
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import ctypes
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from torch_flash import _build
 from torch_flash.bench._common import env_info, median_ratio, time_rounds
-
-from _sweep_build import Scratch, compile_libraries
 
 TOKENS, HIDDEN = 32 * 1024, 2048
 T = "Shape<_{}, _{}, _{}>"
@@ -199,15 +201,50 @@ class Params(ctypes.Structure):
                    ("alloc", ctypes.c_void_p), ("alloc_ctx", ctypes.c_void_p)])
 
 
+class Scratch:
+    """Params.alloc for the kernels' split tail: torch buffers, held until the next call (each
+    call's work is queued on the same stream, so the caching allocator may then reuse them)."""
+    FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+
+    def __init__(self):
+        self.buffers = []
+        self.fn = self.FN(self._alloc)  # referenced here so that ctypes keeps it alive
+
+    def _alloc(self, ctx, nbytes):
+        self.buffers.append(torch.empty(nbytes, dtype=torch.uint8, device="cuda"))
+        return self.buffers[-1].data_ptr()
+
+    def address(self) -> int:
+        return ctypes.cast(self.fn, ctypes.c_void_p).value
+
+
 def compile_all(variants, workdir: str, jobs: int) -> dict[str, str]:
-    """d<D>-<name> -> path of the built library; failures are printed and left out."""
-    sources = {}
-    for v in variants:
+    """name -> path of the built library; failures are printed and left out."""
+    from torch.utils.cpp_extension import CUDA_HOME
+    spec = _build.spec(hdims="64,128,256")
+    nvcc = os.path.join(CUDA_HOME, "bin", "nvcc")
+
+    def one(v):
+        name, d, (m, n) = v.name, v.d, v.tile
         fusion = v.fusion or ("CausalBottomRight" if v.causal else "cutlass::fmha::collective::ResidualFusion")
-        sources[f"d{v.d}-{v.name}"] = SOURCE.format(
-            fusion=fusion, tile=T.format(*v.tile, v.d), schedule=v.schedule,
-            options="".join(", " + o for o in v.options))
-    return compile_libraries(sources, workdir, jobs)
+        src = os.path.join(workdir, f"d{d}-{name}.cu")
+        with open(src, "w") as f:
+            f.write(SOURCE.format(fusion=fusion, tile=T.format(m, n, d), schedule=v.schedule,
+                                  options="".join(", " + o for o in v.options)))
+        lib = src[:-3] + ".so"
+        argv = [nvcc, "-shared", "-Xcompiler", "-fPIC", src, "-o", lib, *spec.nvcc_flags,
+                *(f"-I{i}" for i in spec.include_dirs)]
+        t0 = time.time()
+        r = subprocess.run(argv, capture_output=True, text=True)
+        ok = r.returncode == 0
+        print(f"  {'built' if ok else 'FAILED'} d{d}-{name} ({time.time() - t0:.0f} s)", flush=True)
+        if not ok:
+            print("\n".join(r.stderr.splitlines()[:8]), flush=True)
+        return f"d{d}-{name}", lib if ok else None
+
+    print(f"compiling {len(variants)} configurations with {jobs} jobs", flush=True)
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        return {k: p for k, p in pool.map(one, variants) if p}
 
 
 def run_point(libs: dict, variants, d: int, s: int, causal: bool) -> list[dict]:

@@ -45,8 +45,6 @@ OPS: tuple[OpEntry, ...] = (
     OpEntry("linear_cross_entropy", "linear_cross_entropy", "loss", "linear_cross_entropy_backward"),
     # the autograd forward of linear_cross_entropy: loss and gradients in one pass
     OpEntry("linear_cross_entropy_with_grads", "linear_cross_entropy", "loss", None, public=False),
-    # the Hopper GEMM (csrc/linear_cross_entropy) that computes a chunk's logits where it serves
-    OpEntry("linear_cross_entropy_logits_sm90", "linear_cross_entropy", "loss", None, ("out",), public=False),
     OpEntry("rotary", "rotary", "rotary", "rotary_backward"),
     OpEntry("rotary_qk", "rotary", "rotary", "rotary_qk_backward"),
     # in-place forms, public as torch_flash.rotary / rotary_qk(..., inplace=True)

@@ -1,7 +1,5 @@
 """flash.linear_cross_entropy: opcheck, gradcheck, equality with cross_entropy(hidden @ W.T + b),
 chunking (the full logits never exist), bad inputs, empty batch, inputs untouched."""
-import itertools
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -65,18 +63,7 @@ def _samples_with_grads():
         yield (h, w, t, b), {**opts, "reduction": REDUCTIONS[i % 2], "chunk_size": i % 3}
 
 
-def _samples_logits_sm90():
-    """The Hopper GEMM's contract (on CPU the op's reference body runs): H and V multiples of 8,
-    chunk rows any; CUDA tensors too where there is a GPU."""
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    for device, (dtype, c, h, v) in itertools.product(devices, ((torch.bfloat16, 5, 16, 24), (torch.float16, 1, 8, 40))):
-        hidden = torch.randn(c, h, device=device).to(dtype)
-        weight = torch.randn(v, h, device=device).to(dtype)
-        yield (hidden, weight, torch.empty(c, v, device=device, dtype=dtype)), {}
-
-
 OPCHECK_SAMPLES = {
-    "linear_cross_entropy_logits_sm90": _samples_logits_sm90,
     "linear_cross_entropy": _samples_fwd,
     "linear_cross_entropy_backward": _samples_bwd,
     "linear_cross_entropy_with_grads": _samples_with_grads,

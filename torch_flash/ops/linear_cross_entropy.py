@@ -21,7 +21,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.library import triton_op
 
-from .. import _dispatch, _extension
+from .. import _dispatch
 from ..reference import linear_cross_entropy as ref
 from ..reference._common import compute_dtype
 from ._autograd import grad_or_empty, register_autograd_via
@@ -55,45 +55,12 @@ def _backend(op: str, hidden: Tensor, weight: Tensor, target: Tensor, bias: Opti
     return _dispatch.select(op, hidden.device, triton=triton)
 
 
-def check_logits_sm90_args(op: str, hidden, weight, out) -> None:
-    """flash.linear_cross_entropy_logits_sm90's contract: hidden (C, H), weight (V, H), out (C, V),
-    contiguous, one dtype of fp16/bf16, rows of 16-byte multiples (H and V multiples of 8)."""
-    for name, t in (("hidden", hidden), ("weight", weight), ("out", out)):
-        check_tensor(op, name, t, ndim=2)
-        check(t.is_contiguous(), op, f"{name} must be contiguous")
-        check(t.shape[1] % 8 == 0, op, f"{name} rows of {t.shape[1]} elements are not a multiple of 16 bytes")
-    check_same_dtype(op, hidden=hidden, weight=weight, out=out)
-    check(hidden.dtype in (torch.float16, torch.bfloat16), op, f"hidden must be float16 or bfloat16, got {hidden.dtype}")
-    check(weight.shape[1] == hidden.shape[1], op,
-          f"weight has shape {tuple(weight.shape)} (V, H) but hidden has {hidden.shape[1]} columns")
-    check(tuple(out.shape) == (hidden.shape[0], weight.shape[0]), op,
-          f"out must have shape {(hidden.shape[0], weight.shape[0])}, got {tuple(out.shape)}")
-    check_same_device(op, hidden=hidden, weight=weight, out=out)
-
-
-def _logits_sm90_serves(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
-    """Whether the Hopper GEMM of csrc/linear_cross_entropy (flash.linear_cross_entropy_logits_sm90)
-    computes the chunk logits: built, an sm_90 GPU, fp16/bf16 without a bias (cuBLAS adds it
-    inside its GEMM), contiguous, H and V multiples of 8 and 16-byte aligned starts (TMA), sizes
-    within 32 bits. Works on fake tensors."""
-    info = _extension.build_info()
-    if (info is None or "flash::linear_cross_entropy_logits_sm90" not in info["ops"]
-            or hidden.device.type != "cuda" or torch.cuda.get_device_capability(hidden.device) != (9, 0)):
-        return False
-    rows = hidden.numel() // max(1, hidden.shape[-1])
-    return (bias is None and hidden.dtype in (torch.float16, torch.bfloat16) and hidden.is_contiguous()
-            and weight.is_contiguous() and hidden.shape[-1] % 8 == 0 and weight.shape[0] % 8 == 0
-            and hidden.storage_offset() % 8 == 0 and weight.storage_offset() % 8 == 0
-            and max(rows, *weight.shape) < 2**31)
-
-
 def _triton_lce(hidden, weight, target, bias, opts: LossOptions, reduction: str, chunk_size: int,
                 compute_grad: bool):
     """lce_fwd with the op's output dtypes: (loss, dhidden, dweight, dbias or empty)."""
     from ..kernels.triton.cross_entropy import lce_fwd
     loss, dh, dw, db = lce_fwd(hidden, weight, target, bias, **opts._asdict(), reduction=reduction,
-                               chunk_size=chunk_size, compute_grad=compute_grad,
-                               sm90_logits=_logits_sm90_serves(hidden, weight, bias))
+                               chunk_size=chunk_size, compute_grad=compute_grad)
     loss = loss.to(compute_dtype(hidden.dtype))
     return loss, dh, dw, grad_or_empty(None if db is None else db.to(bias.dtype), weight)
 
@@ -157,16 +124,6 @@ def _linear_cross_entropy_backward(grad_loss: Tensor, hidden: Tensor, weight: Te
     dh, dw, db = ref.linear_cross_entropy_backward(grad_loss, hidden, weight, target, bias, opts,
                                                    reduction, chunk_size)
     return dh, dw, grad_or_empty(db, weight)
-
-
-@torch.library.custom_op("flash::linear_cross_entropy_logits_sm90", mutates_args=("out",))
-def _linear_cross_entropy_logits_sm90(hidden: Tensor, weight: Tensor, out: Tensor) -> None:
-    """out (C, V) = hidden (C, H) @ weight (V, H).T: a token chunk's logits in linear_cross_entropy
-    where the Hopper GEMM serves the call (check_logits_sm90_args). torch_flash._C registers that
-    kernel for CUDA tensors; this body, the reference, runs elsewhere (CPU tensors, or no
-    extension). Internal: no autograd (lce_fwd computes the gradients itself)."""
-    check_logits_sm90_args("linear_cross_entropy_logits_sm90", hidden, weight, out)
-    ref.linear_cross_entropy_logits_sm90(hidden, weight, out)
 
 
 _OPTIONS = (*LossOptions._fields, "reduction", "chunk_size")

@@ -25,11 +25,6 @@ def chunk_logits(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tens
     return F.linear(hidden, weight, bias)
 
 
-def linear_cross_entropy_logits_sm90(hidden: Tensor, weight: Tensor, out: Tensor) -> None:
-    """flash.linear_cross_entropy_logits_sm90: out (C, V) = hidden (C, H) @ weight (V, H).T."""
-    torch.mm(hidden, weight.t(), out=out)
-
-
 def _rows(hidden: Tensor, weight: Tensor, chunk_size: int):
     """hidden as (N, H) and the row slices of its chunks."""
     h = hidden.reshape(-1, hidden.shape[-1])

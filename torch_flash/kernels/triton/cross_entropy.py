@@ -16,10 +16,9 @@ saved lse in one read and one write. Ignored rows read nothing and get a zero gr
 Block size and warps follow a fixed rule (_launch_config) rather than autotuning: tuning reruns
 the kernel, and the in-place variants would need a logits-sized restore copy for that.
 
-linear_cross_entropy: token chunks; per chunk the logits come from a GEMM in the input dtype
-(on Hopper the CUTLASS kernel of csrc/linear_cross_entropy, else cuBLAS's hidden @ weight.T +
-bias), the kernel turns them into their gradient in place, and two more cuBLAS matmuls give
-dhidden's rows and add into dweight. The (N, V) logits never exist.
+linear_cross_entropy: token chunks; per chunk the logits come from cuBLAS (hidden @ weight.T +
+bias, in the input dtype), the kernel turns them into their gradient in place, and two more
+matmuls give dhidden's rows and add into dweight. The (N, V) logits never exist.
 """
 from __future__ import annotations
 
@@ -351,15 +350,14 @@ def lce_chunk_rows(n_rows: int, n_cols: int, dtype: torch.dtype, chunk_size: int
 
 
 def lce_fwd(hidden, weight, target, bias, *, ignore_index, label_smoothing, z_loss, softcap, reduction,
-            chunk_size=0, compute_grad=True, block=None, sm90_logits=False):
+            chunk_size=0, compute_grad=True, block=None):
     """cross_entropy(hidden @ weight.T + bias, target): (loss, dhidden, dweight, dbias).
 
     hidden (..., H), weight (V, H), target (...), bias (V,) or None, one dtype of DTYPES. The
     gradients are for an upstream gradient of 1 (the backward scales them by grad_loss), in the
     inputs' dtypes and shapes (dhidden, dweight contiguous); all None unless compute_grad and
     reduction is "mean" or "sum" ("none" needs the per-row grad_loss: recompute in the backward).
-    dbias is None without a bias. sm90_logits: the chunk logits come from the Hopper GEMM
-    flash.linear_cross_entropy_logits_sm90 (the caller checked that it serves), else cuBLAS.
+    dbias is None without a bias.
 
     Memory beyond the inputs: one chunk of logits (lce_chunk_rows), the outputs, and an fp32
     dbias; at 8192 tokens x 4096 x 128256 bf16: 263 MB + 67 MB + 1.05 GB = 1.38 GB. dweight
@@ -389,9 +387,7 @@ def lce_fwd(hidden, weight, target, bias, *, ignore_index, label_smoothing, z_lo
         sl = slice(start, start + rows)
         h_c = h[sl]
         logits = buf[:h_c.shape[0]]
-        if sm90_logits:
-            torch.ops.flash.linear_cross_entropy_logits_sm90(h_c, weight, logits)
-        elif bias is None:
+        if bias is None:
             torch.mm(h_c, weight.t(), out=logits)
         else:
             torch.addmm(bias, h_c, weight.t(), out=logits)
