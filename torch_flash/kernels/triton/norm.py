@@ -371,6 +371,33 @@ def _norm_bwd_kernel(G, GR, X, W, MEAN, RSTD, DX, DWP, DBP, M, N, stride_g, stri
                     tl.store(DBP + part, db_t, mask=col_mask)
 
 
+@triton.jit
+def _sum_parts_kernel(PARTS, OUT0, OUT1, n_parts, N, HAS_OUT1: tl.constexpr, BLOCK: tl.constexpr,
+                      ROWS: tl.constexpr):
+    """OUT{p}[cols] = sum over the programs' partial rows PARTS[p, :, cols] (fp32, (n_params,
+    n_parts, N)), in a fixed order, stored in OUT{p}'s dtype: dW and dB in one launch."""
+    param = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    col_mask = cols < N
+    base = PARTS + param.to(tl.int64) * n_parts * N
+    acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+    for r0 in range(0, n_parts, ROWS):
+        rows = r0 + tl.arange(0, ROWS)
+        acc += tl.load(base + rows.to(tl.int64)[:, None] * N + cols[None, :],
+                       mask=(rows < n_parts)[:, None] & col_mask[None, :], other=0.0)
+    total = tl.sum(acc, axis=0)
+    if param == 0:
+        tl.store(OUT0 + cols, total.to(OUT0.dtype.element_ty), mask=col_mask)
+    if HAS_OUT1:
+        if param == 1:
+            tl.store(OUT1 + cols, total.to(OUT1.dtype.element_ty), mask=col_mask)
+
+
+# _sum_parts_kernel's tile: columns per program and partial rows per step
+SUM_BLOCK = 256
+SUM_ROWS = 16
+
+
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor | None:
     """(rows, n) view of t (..., n) when its rows share one stride and the last dim is
     contiguous, else None."""
@@ -503,8 +530,12 @@ def norm_bwd(grad_y, grad_residual_out, x_or_residual_out, weight, bias, *, eps,
         HAS_DW=dwp is not None, HAS_DB=dbp is not None, CAST_BEFORE_W=cast_before_weight,
         ROUND=_ROUND_CODE.get(out_dtype, 0), HAS_STATS=rstd is not None, ONE_BLOCK=block >= n,
         BLOCK_N=block, ROWS=rows_per_tile)
-    sums = parts.sum(1) if n_params else None
-    # copies: an op's outputs may not share storage
-    dw = None if weight is None else sums[0].to(weight.dtype, copy=True)
-    db = None if bias is None else sums[-1].to(bias.dtype, copy=True)
+    dw, db = (None if p is None else torch.empty(p.shape, dtype=p.dtype, device=x.device) for p in (weight, bias))
+    outs = [t for t in (dw, db) if t is not None]
+    if outs:
+        # one launch sums the partials and writes both in their dtypes (torch's sum and two
+        # casts were three kernels after the main one)
+        torch.library.wrap_triton(_sum_parts_kernel)[(triton.cdiv(n, SUM_BLOCK), len(outs))](
+            parts, outs[0], outs[1] if len(outs) == 2 else None, programs, n, HAS_OUT1=len(outs) == 2,
+            BLOCK=SUM_BLOCK, ROWS=SUM_ROWS)
     return _finish(dx, dx_rows), dw, db
