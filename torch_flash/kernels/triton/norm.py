@@ -394,8 +394,8 @@ def _sum_parts_kernel(PARTS, OUT0, OUT1, n_parts, N, HAS_OUT1: tl.constexpr, BLO
 
 
 # _sum_parts_kernel's tile: columns per program and partial rows per step
-SUM_BLOCK = 256
-SUM_ROWS = 16
+SUM_BLOCK = 32
+SUM_ROWS = 64
 
 
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor | None:
