@@ -165,6 +165,26 @@ def test_vocab_shards(dtype, opts):
         assert_rel_close(shard, whole[..., cols], TOL[dtype], what="dlogits in place")
 
 
+@pytest.mark.parametrize("opts", [OPTIONS["plain"], OPTIONS["all"]], ids=["plain", "all"])
+@pytest.mark.parametrize("dtype", [FP32, BF16], ids=["fp32", "bf16"])
+def test_masked_classes(dtype, opts):
+    """-inf logits (masked classes) filling whole blocks, the first one included: loss, lse and
+    gradient as the float64 reference (no NaN from the running max starting at -inf); a shard of
+    masked classes alone has lse -inf, which the all-reduce of shard statistics turns into 0."""
+    x = _logits((6, 200), dtype)
+    x[:, :BLOCK + 5] = float("-inf")
+    x[1, 2 * BLOCK:3 * BLOCK] = float("-inf")
+    t = _target((6,), 200, opts.ignore_index)
+    t = torch.where((t >= 0) & (t < BLOCK + 5), BLOCK + 5, t)
+    t[1] = 199
+    for reduction in REDUCTIONS:
+        _check_ce(x, t, opts, reduction)
+    lse, z_t, _ = K.ce_stats(x[:, :BLOCK].contiguous(), t, ignore_index=opts.ignore_index, softcap=0.0,
+                             block=BLOCK // 2)
+    valid = t != opts.ignore_index
+    assert (lse[valid] == float("-inf")).all() and (z_t == 0).all()
+
+
 def test_strided_target_and_lse():
     """A 1-D target or lse with a stride (a reshape keeps it) is read as the values it holds."""
     x = _logits((6, 100), FP32)

@@ -103,7 +103,9 @@ def _ce_kernel(X, T, Loss, Lse, ZT, ZSum, G, Out, NValid, n_cols, n_classes, voc
                                softcap, inv_softcap, SOFTCAP)
                 z2 = tl.where(mask, z * _LOG2E, float("-inf"))
                 m_new = tl.maximum(m2, tl.max(z2, 0))
-                d = d * tl.exp2(m2 - m_new) + tl.sum(tl.exp2(z2 - m_new), 0)
+                # while every logit so far is -inf (masked classes), shift by 0: exp2(-inf - -inf) is NaN
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                d = d * tl.exp2(m2 - m_use) + tl.sum(tl.exp2(z2 - m_use), 0)
                 m2 = m_new
                 if SUM_Z:
                     z_sum += tl.sum(tl.where(mask, z, 0.0), 0)
