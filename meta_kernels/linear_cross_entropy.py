@@ -1,4 +1,4 @@
-"""Fakes for flash.linear_cross_entropy and flash.linear_cross_entropy_backward."""
+"""Fakes for flash.linear_cross_entropy, flash.linear_cross_entropy_backward and flash.linear_cross_entropy_with_grads."""
 import torch
 
 from torch_flash.ops.cross_entropy import LossOptions, check_grad_loss, loss_shape
@@ -15,26 +15,30 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100
     return hidden.new_empty(loss_shape(target, reduction), dtype=compute_dtype(hidden.dtype))
 
 
+def _grads(hidden, weight, bias, *wanted):
+    """(dhidden, dweight, dbias) as the ops return them: empty where not wanted or no bias."""
+    return tuple(hidden.new_empty(0) if t is None or not want else t.new_empty(t.shape)
+                 for t, want in zip((hidden, weight, bias), wanted))
+
+
 @torch.library.register_fake("flash::linear_cross_entropy_backward")
 def linear_cross_entropy_backward(grad_loss, hidden, weight, target, bias, *, ignore_index=-100,
                                   label_smoothing=0.0, z_loss=0.0, softcap=0.0, reduction="mean",
-                                  chunk_size=0):
+                                  chunk_size=0, grad_hidden=True, grad_weight=True, grad_bias=True):
     op = "linear_cross_entropy_backward"
     check_args(op, hidden, weight, target, bias,
                LossOptions(ignore_index, label_smoothing, z_loss, softcap), reduction, chunk_size)
     check_grad_loss(op, grad_loss, target, reduction)
-    dbias = weight.new_empty(0) if bias is None else bias.new_empty(bias.shape)
-    return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape), dbias
+    return _grads(hidden, weight, bias, grad_hidden, grad_weight, grad_bias)
 
 
 @torch.library.register_fake("flash::linear_cross_entropy_with_grads")
 def linear_cross_entropy_with_grads(hidden, weight, target, bias=None, *, ignore_index=-100,
                                     label_smoothing=0.0, z_loss=0.0, softcap=0.0, reduction="mean",
-                                    chunk_size=0):
+                                    chunk_size=0, grad_hidden=True, grad_weight=True, grad_bias=True):
     check(reduction != "none", "linear_cross_entropy_with_grads",
           "reduction='none' needs the per-row gradient: use the backward op")
     loss = linear_cross_entropy(hidden, weight, target, bias, ignore_index=ignore_index,
                                 label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                                 reduction=reduction, chunk_size=chunk_size)
-    dbias = weight.new_empty(0) if bias is None else bias.new_empty(bias.shape)
-    return loss, hidden.new_empty(hidden.shape), weight.new_empty(weight.shape), dbias
+    return loss, *_grads(hidden, weight, bias, grad_hidden, grad_weight, grad_bias)

@@ -346,11 +346,26 @@ def test_linear_cross_entropy_batch_dims_default_chunk():
 
 def test_linear_cross_entropy_no_grad_and_empty():
     h, w, b, t = _lce_inputs(4, 8, 70, BF16, False, -100)
-    loss, *grads = K.lce_fwd(h, w, t, b, compute_grad=False, block=BLOCK, **_kw(OPTIONS["plain"], "mean"))
+    loss, *grads = K.lce_fwd(h, w, t, b, grads=(False,) * 3, block=BLOCK, **_kw(OPTIONS["plain"], "mean"))
     assert grads == [None, None, None]
     assert_rel_close(loss, _torch_unfused(h, w, t, b, OPTIONS["plain"], "mean")[0], 1e-5)
     loss, dh, dw, db = K.lce_fwd(h[:0], w, t[:0], w[:, 0], **_kw(OPTIONS["plain"], "sum"))
     assert loss.item() == 0 and dh.shape == (0, 8) and (dw == 0).all() and (db == 0).all()
+
+
+@pytest.mark.parametrize("wanted", [(True, False, False), (False, True, True), (False, False, True)])
+def test_linear_cross_entropy_some_grads(wanted):
+    """grads picks the gradients computed (a frozen lm-head: dhidden alone); the rest are None."""
+    opts = OPTIONS["all"]
+    h, w, b, t = _lce_inputs(9, 16, 150, FP32, True, opts.ignore_index)
+    loss, *got = K.lce_fwd(h, w, t, b, chunk_size=4, grads=wanted, block=BLOCK, **_kw(opts, "mean"))
+    e_loss, *expect = _lce_expected(h, w, t, b, opts, "mean")
+    assert_rel_close(loss, e_loss, TOL[FP32])
+    for want, g, e in zip(wanted, got, expect):
+        if want:
+            assert_rel_close(g, e, TOL[FP32])
+        else:
+            assert g is None
 
 
 def test_lce_chunk_rows():

@@ -53,14 +53,18 @@ def _samples_bwd():
         h, w, t, b = _inputs(batch, 8, 11, dtype, bias=i % 2 == 0, noncontig=i == 1,
                              ignore_index=opts.get("ignore_index", -100))
         grad = torch.randn(batch if reduction == "none" else ())
-        yield (grad, h, w, t, b), {**opts, "reduction": reduction, "chunk_size": i % 3}
+        flags = dict(zip(("grad_hidden", "grad_weight", "grad_bias"), ((True,) * 3, (True, False, False),
+                                                                      (False, True, False))[i % 3]))
+        yield (grad, h, w, t, b), {**opts, "reduction": reduction, "chunk_size": i % 3, **flags}
 
 
 def _samples_with_grads():
     for i, (dtype, opts) in enumerate(zip(DTYPES * 2, OPTIONS)):
         h, w, t, b = _inputs((2, 3) if i % 2 else (5,), 8, 11, dtype, bias=i % 2 == 0, noncontig=i == 1,
                              ignore_index=opts.get("ignore_index", -100))
-        yield (h, w, t, b), {**opts, "reduction": REDUCTIONS[i % 2], "chunk_size": i % 3}
+        flags = dict(zip(("grad_hidden", "grad_weight", "grad_bias"), ((True,) * 3, (False, True, True),
+                                                                      (True, False, False))[i % 3]))
+        yield (h, w, t, b), {**opts, "reduction": REDUCTIONS[i % 2], "chunk_size": i % 3, **flags}
 
 
 OPCHECK_SAMPLES = {
@@ -328,6 +332,66 @@ def test_retain_graph_backward_twice(monkeypatch, backend, first):
     loss.backward(retain_graph=True)
     loss.backward()  # accumulates into .grad: twice the gradient
     _check_grads((h.grad, w.grad, b.grad), h, w, t, b, 2.0, **LCE_OPTS)
+
+
+class _FlashCalls(torch.utils._python_dispatch.TorchDispatchMode):
+    """{flash op name: its keyword arguments} of the flash ops run."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "flash":
+            self.calls[func.overloadpacket.__name__] = kwargs or {}
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("frozen", [("weight", "bias"), ("hidden",), ("bias",)], ids="+".join)
+def test_frozen_inputs_get_no_gradient_computed(monkeypatch, backend, reduction, frozen):
+    """A frozen lm-head (LoRA) or frozen hidden states: the gradient ops are asked only for
+    the gradients needed (the others, a dweight GEMM and buffer among them, are not computed
+    and come back empty); the needed ones are right and the frozen inputs get none."""
+    monkeypatch.setenv("TORCH_FLASH_BACKEND", backend)
+    h, w, t, b = _leaves(backend)
+    leaves = {"hidden": h, "weight": w, "bias": b}
+    for name, x in leaves.items():
+        x.requires_grad_(name not in frozen)
+    wanted = {f"grad_{name}": name not in frozen for name in leaves}
+    with _FlashCalls() as log:
+        loss = linear_cross_entropy(h, w, t, b, reduction=reduction, chunk_size=5, **LCE_OPTS)
+        grad_loss = torch.rand_like(loss)
+        loss.backward(grad_loss)
+    op = "linear_cross_entropy_backward" if reduction == "none" else "linear_cross_entropy_with_grads"
+    # the dispatcher leaves out arguments at their default (True)
+    assert {k: log.calls[op].get(k, True) for k in wanted} == wanted, log.calls
+    h64, w64, b64 = (x.detach().cpu().double() for x in (h, w, b))
+    expect = ref.linear_cross_entropy_backward(grad_loss.cpu().double(), h64, w64, t.cpu(), b64,
+                                               ref.LossOptions(**LCE_OPTS), reduction)
+    for (name, x), e in zip(leaves.items(), expect):
+        if name in frozen:
+            assert x.grad is None
+        else:
+            assert_rel_close(x.grad.cpu(), e, TOL[x.dtype], what=name)
+
+
+def test_gradient_flags_return_empty():
+    """grad_*=False: that output is an empty tensor, not computed; the others are unchanged."""
+    h, w, t, b = _inputs((3, 4), 8, 19, torch.float64)
+    full = torch.ops.flash.linear_cross_entropy_with_grads(h, w, t, b, chunk_size=5)
+    for flags in ((False, True, True), (True, False, False), (False, False, True)):
+        kw = dict(zip(("grad_hidden", "grad_weight", "grad_bias"), flags))
+        got = torch.ops.flash.linear_cross_entropy_with_grads(h, w, t, b, chunk_size=5, **kw)
+        back = torch.ops.flash.linear_cross_entropy_backward(torch.ones(()), h, w, t, b, chunk_size=5, **kw)
+        torch.testing.assert_close(got[0], full[0])
+        for want, g, bg, f in zip(flags, got[1:], back, full[1:]):
+            if want:
+                torch.testing.assert_close(g, f)
+                torch.testing.assert_close(bg, f)
+            else:
+                assert g.numel() == 0 and bg.numel() == 0
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

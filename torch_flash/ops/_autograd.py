@@ -20,9 +20,11 @@ REGISTERED: dict[str, Callable] = {}
 
 
 def register_autograd_via(opdef: CustomOpDef, *, forward: Callable[..., tuple[Any, Any]],
-                          setup_context: Callable, backward: Callable) -> None:
+                          setup_context: Callable, backward: Callable, pass_needs_grad: bool = False) -> None:
     """forward(**inputs) -> (output, state); setup_context(ctx, inputs, output, state);
-    backward(ctx, *grad_outputs) -> {input name: gradient}."""
+    backward(ctx, *grad_outputs) -> {input name: gradient}. pass_needs_grad: forward(needs_grad,
+    **inputs) with the frozenset of input names that need a gradient, for a forward that
+    computes gradients itself and should skip the others."""
     overload = opdef._opoverload
     # bind by the schema: triton_op's implementation is a (*args, **kwargs) wrapper
     arguments = overload._schema.arguments
@@ -33,7 +35,11 @@ def register_autograd_via(opdef: CustomOpDef, *, forward: Callable[..., tuple[An
         @staticmethod
         def forward(ctx, *args):
             inputs = dict(zip(names, args))
-            output, state = forward(**inputs)
+            if pass_needs_grad:
+                needs = frozenset(n for n, need in zip(names, ctx.needs_input_grad) if need)
+                output, state = forward(needs, **inputs)
+            else:
+                output, state = forward(**inputs)
             setup_context(ctx, inputs, output, state)
             return output
 

@@ -55,14 +55,18 @@ def _backend(op: str, hidden: Tensor, weight: Tensor, target: Tensor, bias: Opti
     return _dispatch.select(op, hidden.device, triton=triton)
 
 
+def _grads_or_empty(hidden: Tensor, dh, dw, db) -> tuple[Tensor, Tensor, Tensor]:
+    """The ops' gradient outputs: an empty tensor for each one not computed (or no bias)."""
+    return grad_or_empty(dh, hidden), grad_or_empty(dw, hidden), grad_or_empty(db, hidden)
+
+
 def _triton_lce(hidden, weight, target, bias, opts: LossOptions, reduction: str, chunk_size: int,
-                compute_grad: bool):
-    """lce_fwd with the op's output dtypes: (loss, dhidden, dweight, dbias or empty)."""
+                grads: tuple[bool, bool, bool]):
+    """lce_fwd with the op's output dtypes: (loss, dhidden, dweight, dbias), empty where not computed."""
     from ..kernels.triton.cross_entropy import lce_fwd
     loss, dh, dw, db = lce_fwd(hidden, weight, target, bias, **opts._asdict(), reduction=reduction,
-                               chunk_size=chunk_size, compute_grad=compute_grad)
-    loss = loss.to(compute_dtype(hidden.dtype))
-    return loss, dh, dw, grad_or_empty(None if db is None else db.to(bias.dtype), weight)
+                               chunk_size=chunk_size, grads=grads)
+    return loss.to(compute_dtype(hidden.dtype)), *_grads_or_empty(hidden, dh, dw, db)
 
 
 @triton_op("flash::linear_cross_entropy", mutates_args=())
@@ -73,7 +77,7 @@ def _linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: 
     check_args("linear_cross_entropy", hidden, weight, target, bias, opts, reduction, chunk_size)
     targets = TargetCheck("linear_cross_entropy", target, weight.shape[0], ignore_index)
     if _backend("linear_cross_entropy", hidden, weight, target, bias) == "triton":
-        loss = _triton_lce(hidden, weight, target, bias, opts, reduction, chunk_size, False)[0]
+        loss = _triton_lce(hidden, weight, target, bias, opts, reduction, chunk_size, (False,) * 3)[0]
         targets.raise_if_bad()
         return loss
     targets.raise_if_bad()
@@ -84,68 +88,77 @@ def _linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: 
 def _linear_cross_entropy_with_grads(hidden: Tensor, weight: Tensor, target: Tensor,
                                      bias: Optional[Tensor] = None, *, ignore_index: int = -100,
                                      label_smoothing: float = 0.0, z_loss: float = 0.0,
-                                     softcap: float = 0.0, reduction: str = "mean",
-                                     chunk_size: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                                     softcap: float = 0.0, reduction: str = "mean", chunk_size: int = 0,
+                                     grad_hidden: bool = True, grad_weight: bool = True,
+                                     grad_bias: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(loss, dhidden, dweight, dbias) for an upstream gradient of 1, in one pass over the
     chunks: the autograd forward of flash.linear_cross_entropy for "mean"/"sum", so that its
-    backward only scales (three matmuls in all, like the unfused model, not four)."""
+    backward only scales (three matmuls in all, like the unfused model, not four). A gradient
+    whose grad_* flag is False is not computed (a frozen lm-head costs no dweight GEMM or
+    buffer) and comes back empty, as dbias does without a bias."""
     op = "linear_cross_entropy_with_grads"
     opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap)
     check_args(op, hidden, weight, target, bias, opts, reduction, chunk_size)
     check(reduction != "none", op, "reduction='none' needs the per-row gradient: use the backward op")
     targets = TargetCheck(op, target, weight.shape[0], ignore_index)
+    grads = (grad_hidden, grad_weight, grad_bias)
     if _backend(op, hidden, weight, target, bias) == "triton":
-        out = _triton_lce(hidden, weight, target, bias, opts, reduction, chunk_size, True)
+        out = _triton_lce(hidden, weight, target, bias, opts, reduction, chunk_size, grads)
         targets.raise_if_bad()
         return out
     targets.raise_if_bad()
     loss, dh, dw, db = ref.linear_cross_entropy_with_grads(hidden, weight, target, bias, opts,
-                                                          reduction, chunk_size)
-    return loss, dh, dw, grad_or_empty(db, weight)
+                                                          reduction, chunk_size, grads)
+    return loss, *_grads_or_empty(hidden, dh, dw, db)
 
 
 @triton_op("flash::linear_cross_entropy_backward", mutates_args=())
 def _linear_cross_entropy_backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor,
                                    bias: Optional[Tensor], *, ignore_index: int = -100,
                                    label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float = 0.0,
-                                   reduction: str = "mean",
-                                   chunk_size: int = 0) -> tuple[Tensor, Tensor, Tensor]:
-    """(dhidden, dweight, dbias); dbias is empty when there is no bias."""
+                                   reduction: str = "mean", chunk_size: int = 0, grad_hidden: bool = True,
+                                   grad_weight: bool = True,
+                                   grad_bias: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """(dhidden, dweight, dbias); each one whose grad_* flag is False is not computed and comes
+    back empty, as dbias does without a bias."""
     op = "linear_cross_entropy_backward"
     opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap)
     check_args(op, hidden, weight, target, bias, opts, reduction, chunk_size)
     check_grad_loss(op, grad_loss, target, reduction)
     targets = TargetCheck(op, target, weight.shape[0], ignore_index)
+    grads = (grad_hidden, grad_weight, grad_bias)
     if reduction != "none" and _backend(op, hidden, weight, target, bias) == "triton":
-        _, dh, dw, db = _triton_lce(hidden, weight, target, bias, opts, reduction, chunk_size, True)
+        _, *out = _triton_lce(hidden, weight, target, bias, opts, reduction, chunk_size, grads)
         targets.raise_if_bad()
-        return dh * grad_loss.to(dh.dtype), dw * grad_loss.to(dw.dtype), db * grad_loss.to(db.dtype)
+        return tuple(t * grad_loss.to(t.dtype) for t in out)
     targets.raise_if_bad()
-    dh, dw, db = ref.linear_cross_entropy_backward(grad_loss, hidden, weight, target, bias, opts,
-                                                   reduction, chunk_size)
-    return dh, dw, grad_or_empty(db, weight)
+    return _grads_or_empty(hidden, *ref.linear_cross_entropy_backward(
+        grad_loss, hidden, weight, target, bias, opts, reduction, chunk_size, grads))
 
 
 _OPTIONS = (*LossOptions._fields, "reduction", "chunk_size")
+# input -> the gradient ops' flag that asks for its gradient
+_GRAD_FLAGS = {"hidden": "grad_hidden", "weight": "grad_weight", "bias": "grad_bias"}
 
 
-def _forward(**inputs):
-    """Autograd forward: loss and gradients together, except for reduction="none" whose
-    per-row upstream gradient only the backward knows (it recomputes the logits)."""
+def _forward(needs_grad, **inputs):
+    """Autograd forward: loss and the gradients of the inputs in needs_grad together, except for
+    reduction="none" whose per-row upstream gradient only the backward knows (it recomputes the
+    logits)."""
+    flags = {flag: name in needs_grad for name, flag in _GRAD_FLAGS.items()}
     if inputs["reduction"] == "none":
-        return torch.ops.flash.linear_cross_entropy(**inputs), None
-    loss, dh, dw, db = torch.ops.flash.linear_cross_entropy_with_grads(**inputs)
-    return loss, (dh, dw, db)
+        return torch.ops.flash.linear_cross_entropy(**inputs), (flags, None)
+    loss, *grads = torch.ops.flash.linear_cross_entropy_with_grads(**inputs, **flags)
+    return loss, (flags, grads)
 
 
-def _setup(ctx, inputs, loss, grads):
+def _setup(ctx, inputs, loss, state):
     ctx.options = {k: inputs[k] for k in _OPTIONS}
-    ctx.has_bias = inputs["bias"] is not None
-    # for the recompute path; the inputs are alive anyway, so saving them costs no memory
+    # for the recompute path; the inputs are alive anyway, so saving them costs no memory.
+    # grads is a plain attribute, not saved: the backward scales them in place, which would
+    # trip the saved-tensor version check
     ctx.save_for_backward(inputs["hidden"], inputs["weight"], inputs["target"], inputs["bias"])
-    # a plain attribute, not saved: the backward scales them in place, which would trip the
-    # saved-tensor version check
-    ctx.grads = grads
+    ctx.flags, ctx.grads = state
 
 
 def _symbolic(t: Tensor) -> bool:
@@ -188,12 +201,13 @@ def _backward(ctx, grad_loss):
         # results belong to the caller now, so recompute
         hidden, weight, target, bias = ctx.saved_tensors
         dh, dw, db = torch.ops.flash.linear_cross_entropy_backward(
-            grad_loss, hidden, weight, target, bias, **ctx.options)
-    return {"hidden": dh, "weight": dw, "bias": db if ctx.has_bias else None}
+            grad_loss, hidden, weight, target, bias, **ctx.options, **ctx.flags)
+    got = dict(zip(_GRAD_FLAGS, (dh, dw, db)))
+    return {name: got[name] if ctx.flags[flag] else None for name, flag in _GRAD_FLAGS.items()}
 
 
 register_autograd_via(_linear_cross_entropy, forward=_forward, setup_context=_setup,
-                      backward=_backward)
+                      backward=_backward, pass_needs_grad=True)
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None, *,

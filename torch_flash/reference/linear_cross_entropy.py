@@ -45,8 +45,10 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
 
 def linear_cross_entropy_backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor,
                                   bias: Optional[Tensor] = None, opts: LossOptions = LossOptions(),
-                                  reduction: str = "mean", chunk_size: int = 0):
-    """(dhidden, dweight, dbias) in the dtypes of hidden, weight, bias (dbias None without bias).
+                                  reduction: str = "mean", chunk_size: int = 0,
+                                  grads: tuple[bool, bool, bool] = (True, True, True)):
+    """(dhidden, dweight, dbias) in the dtypes of hidden, weight, bias; grads says which to
+    compute, the others are None (dbias also without bias).
 
     dweight and dbias accumulate over chunks in fp32 (fp64 for fp64) from the fp32 logit
     gradients; dhidden's matmul runs in hidden's dtype, as the unfused backward would,
@@ -56,23 +58,26 @@ def linear_cross_entropy_backward(grad_loss: Tensor, hidden: Tensor, weight: Ten
     h, chunks = _rows(hidden, weight, chunk_size)
     t = target.reshape(-1)
     g = ce.grad_rows(grad_loss, target, opts.ignore_index, reduction, cdt)
-    dhidden = hidden.new_empty(hidden.shape)
-    dh = dhidden.view(h.shape)
-    dweight = weight.new_zeros(weight.shape, dtype=cdt)
-    dbias = None if bias is None else bias.new_zeros(bias.shape, dtype=cdt)
+    dhidden = hidden.new_empty(hidden.shape) if grads[0] else None
+    dweight = weight.new_zeros(weight.shape, dtype=cdt) if grads[1] else None
+    dbias = bias.new_zeros(bias.shape, dtype=cdt) if grads[2] and bias is not None else None
     for rows in chunks:
         dz = ce.row_grads(chunk_logits(h[rows], weight, bias), t[rows], g[rows], opts)
-        dweight.addmm_(dz.T, h[rows].to(cdt))
+        if dweight is not None:
+            dweight.addmm_(dz.T, h[rows].to(cdt))
         if dbias is not None:
             dbias += dz.sum(0)
-        dh[rows] = dz.to(hidden.dtype) @ weight
-    return dhidden, dweight.to(weight.dtype), None if dbias is None else dbias.to(bias.dtype)
+        if dhidden is not None:
+            dhidden.view(h.shape)[rows] = dz.to(hidden.dtype) @ weight
+    return (dhidden, None if dweight is None else dweight.to(weight.dtype),
+            None if dbias is None else dbias.to(bias.dtype))
 
 
 def linear_cross_entropy_with_grads(hidden: Tensor, weight: Tensor, target: Tensor,
                                     bias: Optional[Tensor] = None, opts: LossOptions = LossOptions(),
-                                    reduction: str = "mean", chunk_size: int = 0):
+                                    reduction: str = "mean", chunk_size: int = 0,
+                                    grads: tuple[bool, bool, bool] = (True, True, True)):
     """(loss, dhidden, dweight, dbias) for an upstream gradient of 1 ("mean" or "sum")."""
     loss = linear_cross_entropy(hidden, weight, target, bias, opts, reduction, chunk_size)
     return (loss, *linear_cross_entropy_backward(torch.ones_like(loss), hidden, weight, target, bias,
-                                                 opts, reduction, chunk_size))
+                                                 opts, reduction, chunk_size, grads))

@@ -352,14 +352,15 @@ def lce_chunk_rows(n_rows: int, n_cols: int, dtype: torch.dtype, chunk_size: int
 
 
 def lce_fwd(hidden, weight, target, bias, *, ignore_index, label_smoothing, z_loss, softcap, reduction,
-            chunk_size=0, compute_grad=True, block=None):
+            chunk_size=0, grads=(True, True, True), block=None):
     """cross_entropy(hidden @ weight.T + bias, target): (loss, dhidden, dweight, dbias).
 
     hidden (..., H), weight (V, H), target (...), bias (V,) or None, one dtype of DTYPES. The
     gradients are for an upstream gradient of 1 (the backward scales them by grad_loss), in the
-    inputs' dtypes and shapes (dhidden, dweight contiguous); all None unless compute_grad and
-    reduction is "mean" or "sum" ("none" needs the per-row grad_loss: recompute in the backward).
-    dbias is None without a bias.
+    inputs' dtypes and shapes (dhidden, dweight contiguous). grads says which of (dhidden,
+    dweight, dbias) to compute: the others are None (a frozen lm-head saves the dweight buffer
+    and its GEMM), as are all three for reduction "none" (its per-row grad_loss is only known
+    in the backward, which recomputes) and dbias without a bias.
 
     Memory beyond the inputs: one chunk of logits (lce_chunk_rows), the outputs, and an fp32
     dbias; at 8192 tokens x 4096 x 128256 bf16: 263 MB + 67 MB + 1.05 GB = 1.38 GB. dweight
@@ -374,14 +375,14 @@ def lce_fwd(hidden, weight, target, bias, *, ignore_index, label_smoothing, z_lo
     losses = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
     lse = torch.empty_like(losses)
     n_valid = _n_valid(t, ignore_index)
-    grads = compute_grad and reduction != "none"
-    dh = dw = db = None
-    if grads:
-        dh = hidden.new_empty(hidden.shape)
-        dw = weight.new_empty(weight.shape)
-        db = None if bias is None else torch.zeros(n_cols, dtype=torch.float32, device=bias.device)
-        if n_rows == 0:
-            dw.zero_()
+    want_dh, want_dw, want_db = (want and reduction != "none" for want in grads)
+    want_db = want_db and bias is not None
+    dh = hidden.new_empty(hidden.shape) if want_dh else None
+    dw = weight.new_empty(weight.shape) if want_dw else None
+    db = torch.zeros(n_cols, dtype=torch.float32, device=hidden.device) if want_db else None
+    if dw is not None and n_rows == 0:
+        dw.zero_()
+    in_place = want_dh or want_dw or want_db
     rows = lce_chunk_rows(n_rows, n_cols, hidden.dtype, chunk_size)
     buf = h.new_empty(min(rows, n_rows), n_cols)
     dh_rows = None if dh is None else dh.view(-1, hid)
@@ -394,15 +395,14 @@ def lce_fwd(hidden, weight, target, bias, *, ignore_index, label_smoothing, z_lo
         else:
             torch.addmm(bias, h_c, weight.t(), out=logits)
         # the kernel turns the chunk's logits into their gradient, in place
-        _launch(logits, t[sl], loss=losses[sl], lse=lse[sl], grad_loss=None, out=logits if grads else None,
+        _launch(logits, t[sl], loss=losses[sl], lse=lse[sl], grad_loss=None, out=logits if in_place else None,
                 n_valid=n_valid, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
-                softcap=softcap, reduction=reduction, block=block, in_place=grads)
-        if not grads:
-            continue
-        torch.mm(logits, weight, out=dh_rows[sl])
-        if start == 0:
+                softcap=softcap, reduction=reduction, block=block, in_place=in_place)
+        if dh is not None:
+            torch.mm(logits, weight, out=dh_rows[sl])
+        if dw is not None and start == 0:
             torch.mm(logits.t(), h_c, out=dw)
-        else:
+        elif dw is not None:
             dw.addmm_(logits.t(), h_c)
         if db is not None:
             db += logits.sum(0, dtype=torch.float32)
