@@ -1,10 +1,16 @@
 """The benchmarks' timing protocol (torch_flash/bench/_common.py): interleaved rounds with a
-rotating start, failures dropped for good, ratios as medians of the rounds' ratios."""
+rotating start, failures dropped for good, ratios as medians of the rounds' ratios; and each
+suite's smoke run on CPU (python -m torch_flash.bench)."""
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
+import torch
 
 from torch_flash.bench import _common
+from torch_flash.bench.__main__ import main
 
 
 @pytest.fixture
@@ -56,3 +62,31 @@ def test_ratio_is_the_median_of_the_rounds_ratios():
 
 def test_no_alternatives_no_rounds():
     assert _common.time_rounds({}) == {}
+
+
+# --------------------------------------------------------------------------------------
+# The suites themselves, on their CPU shapes under the Triton interpreter
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("suite", ["norm", "cross_entropy", "linear_cross_entropy", "rotary", "decode"])
+def test_suite_smoke_run_on_cpu(suite, tmp_path, monkeypatch):
+    """`python -m torch_flash.bench SUITE` runs end to end where there is no GPU, on the Triton
+    kernels (main() forces that backend there, not the reference path), and writes rows in
+    which every variant of ours has a time."""
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU the suites run their full shapes (docs/perf)")
+    monkeypatch.setenv("TORCH_FLASH_BACKEND", "unset")  # so that teardown removes what main() sets
+    monkeypatch.delenv("TORCH_FLASH_BACKEND")
+    main([suite, "--out", str(tmp_path)])
+    assert os.environ["TORCH_FLASH_BACKEND"] == "triton"
+    rows = json.loads((tmp_path / f"{suite}.json").read_text())["rows"]
+    ours = [r for r in rows if r["impl"].startswith("ours")]
+    assert ours and all(r["ms"] is not None and r["ms"] > 0 for r in ours), rows
+
+
+def test_suites_refuse_cpu_without_the_interpreter(monkeypatch, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without a GPU")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(SystemExit):
+        main(["norm", "--out", "unused"])
+    assert "no CUDA GPU here" in capsys.readouterr().err

@@ -32,6 +32,13 @@ def main(argv=None) -> None:
             mod = importlib.import_module(f"torch_flash.bench.{data['suite']}")
             mod.plot(data, os.path.splitext(path)[0] + ".png")
         return
+    import torch
+    if not torch.cuda.is_available():
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            p.error("no CUDA GPU here: the benchmarks time GPU kernels. For a smoke run of the code "
+                    "on CPU (tiny shapes, meaningless times), set TRITON_INTERPRET=1")
+        # on CPU the ops would take the plain-PyTorch reference path: run the Triton kernels
+        os.environ.setdefault("TORCH_FLASH_BACKEND", "triton")
     mod = importlib.import_module(f"torch_flash.bench.{args.suite}")
     # Launchers called outside a torch.library.triton_op go through wrap_triton's tracing
     # hook (a Python cost per launch that hid the kernels' own time); the ops themselves
