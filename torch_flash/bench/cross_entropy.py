@@ -53,10 +53,11 @@ def copy_row(rows: list[dict], nbytes: int, device: str, **labels) -> None:
     print(f"  {'copy':>22}: {nbytes / bw * 1e3:9.3f} ms {bw / 1e12:6.2f} TB/s")
 
 
-def with_grad(f: Callable, *inputs: torch.Tensor) -> Callable[[], object]:
+def with_grad(f: Callable, *inputs: torch.Tensor, frozen: tuple[int, ...] = ()) -> Callable[[], object]:
     """Forward with a graph and the backward of f(*inputs)'s scalar loss (first output if a
-    tuple), for the floating-point inputs."""
-    leaves = [t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs]
+    tuple), for the floating-point inputs but those at the positions in frozen."""
+    leaves = [t.detach().requires_grad_(i not in frozen) if t.is_floating_point() else t
+              for i, t in enumerate(inputs)]
 
     def run():
         out = f(*leaves)

@@ -5,6 +5,7 @@ computes the gradients too and the backward hands them out, so fwd+bwd is timed 
 the forward with a graph then torch.autograd.grad; "fwd" runs the op without grad, which skips
 the gradients), eager F.linear then F.cross_entropy on the logits upcast to fp32 (HF),
 torch.compile of it, and Liger-Kernel's LigerFusedLinearCrossEntropyFunction where installed.
+"fwd+bwd, frozen lm-head" differentiates for the hidden states alone, as LoRA training does.
 No bias, mean reduction, upstream gradient 1. Compute-bound: ms and peak memory only (peak_mb:
 beyond what existed before the call, the gradients included). Rows: {op, shape, pass, impl, ms,
 tbps (None), peak_mb}.
@@ -54,10 +55,10 @@ def run(args) -> list[dict]:
                "eager": no_grad(_eager, h, w, t), "compile": no_grad(compiled, h, w, t),
                "liger": None if liger is None else no_grad(liger, h, w, t)}
         measure(rows, fwd, None, **labels, **{"pass": "fwd"})
-        both = {"ours": with_grad(linear_cross_entropy, h, w, t), "eager": with_grad(_eager, h, w, t),
-                "compile": with_grad(compiled, h, w, t),
-                "liger": None if liger is None else with_grad(liger, h, w, t)}
-        measure(rows, both, None, **labels, **{"pass": "fwd+bwd"})
+        for pass_, frozen in (("fwd+bwd", ()), ("fwd+bwd, frozen lm-head", (1,))):
+            impls = {"ours": linear_cross_entropy, "eager": _eager, "compile": compiled, "liger": liger}
+            measure(rows, {k: None if f is None else with_grad(f, h, w, t, frozen=frozen) for k, f in impls.items()},
+                    None, **labels, **{"pass": pass_})
     return rows
 
 

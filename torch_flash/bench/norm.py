@@ -1,8 +1,9 @@
-"""RMSNorm and LayerNorm, forward and backward, bf16: `python -m torch_flash.bench norm`.
+"""RMSNorm and LayerNorm, alone and with the fused residual add, forward and backward, bf16:
+`python -m torch_flash.bench norm`.
 
 Implementations: ours (the Triton launchers of torch_flash/kernels/triton/norm.py), eager
-(F.rms_norm / F.layer_norm), torch.compile of the naive model code, and Liger-Kernel where it
-is installed. Bytes moved = each input read once + each output written once; GB/s is set
+(F.rms_norm / F.layer_norm after the add), torch.compile of the naive model code, and
+Liger-Kernel where it is installed (no fused-residual LayerNorm there). Bytes moved = each input read once + each output written once; GB/s is set
 against a device copy of the same byte count timed in the same run (the ceiling).
 Rows: {op, shape, pass, impl, ms, gbps, frac_of_copy}.
 """
@@ -47,10 +48,14 @@ def plot_bars(data: dict, path: str, panel_keys: tuple[str, ...]) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in data["rows"] if r["impl"] != "copy"]
-    panels = sorted({tuple(r[k] for k in panel_keys) for r in rows})
+    panels = list(dict.fromkeys(tuple(r[k] for k in panel_keys) for r in rows))  # in run order
     impls = list(dict.fromkeys(r["impl"] for r in rows))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
-    for ax, panel in zip(axes[0], panels):
+    cols = min(len(panels), 4)
+    grid_rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(grid_rows, cols, figsize=(4.5 * cols, 4 * grid_rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, panel in zip(axes.flat, panels):
         sub = [r for r in rows if tuple(r[k] for k in panel_keys) == panel]
         shapes = list(dict.fromkeys(str(tuple(r["shape"])) for r in sub))
         width = 0.8 / len(impls)
@@ -62,7 +67,7 @@ def plot_bars(data: dict, path: str, panel_keys: tuple[str, ...]) -> None:
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], shapes, fontsize=8, rotation=30, ha="right")
         ax.set_title(" ".join(map(str, panel)))
         ax.set_ylabel("fraction of copy bandwidth")
-    axes[0][0].legend(fontsize=8)
+    axes.flat[0].legend(fontsize=8)
     fig.suptitle(f"{data['suite']} on {data['env']['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -80,15 +85,42 @@ def _naive_ln(x, w, b, eps: float = EPS):
     return (hc * torch.rsqrt(hc.pow(2).mean(-1, keepdim=True) + eps) * w.float() + b.float()).to(x.dtype)
 
 
-def _liger(is_rms: bool):
+def _with_residual(norm):
+    """norm(x, w, b) as f(x, r, w, b): with a residual r, the decoder layer's
+    `residual = x + residual; x = norm(residual)`, returning (y, residual)."""
+    def f(x, r, w, b):
+        if r is None:
+            return norm(x, w, b)
+        h = x + r
+        return norm(h, w, b), h
+    return f
+
+
+def _naive(is_rms: bool):
+    return _with_residual((lambda x, w, b: _naive_rms(x, w)) if is_rms else _naive_ln)
+
+
+def _eager(is_rms: bool):
+    return _with_residual((lambda x, w, b: F.rms_norm(x, x.shape[-1:], w, EPS)) if is_rms
+                          else (lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b, EPS)))
+
+
+def _liger(is_rms: bool, residual: bool):
+    """Liger-Kernel's function for this norm as f(x, r, w, b), None where it has none (no fused
+    residual LayerNorm) or is not installed."""
     try:
+        if is_rms and residual:
+            from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
+            return lambda x, r, w, b: LigerFusedAddRMSNormFunction.apply(x, r, w, EPS, 0.0, "llama", False)
         if is_rms:
             from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-            return lambda x, w, b: LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", False)
-        from liger_kernel.ops.layer_norm import LigerLayerNormFunction
-        return lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, EPS)
+            return lambda x, r, w, b: LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", False)
+        if not residual:
+            from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+            return lambda x, r, w, b: LigerLayerNormFunction.apply(x, w, b, EPS)
     except ImportError:
-        return None
+        pass
+    return None
 
 
 def autograd_pair(f, inputs: list, grads):
@@ -110,37 +142,46 @@ def autograd_pair(f, inputs: list, grads):
     return fwd, bwd
 
 
+# (op, RMSNorm?, fused residual?)
+OPS = (("rms_norm", True, False), ("layer_norm", False, False),
+       ("add_rms_norm", True, True), ("add_layer_norm", False, True))
+
+
 def run(args) -> list[dict]:
     from ..kernels.triton.norm import norm_bwd, norm_fwd
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = CPU_SHAPES if device == "cpu" else (QUICK if args.quick else SHAPES)
     rows: list[dict] = []
-    for op, is_rms in (("rms_norm", True), ("layer_norm", False)):
-        naive = (lambda x, w, b: _naive_rms(x, w)) if is_rms else _naive_ln
-        eager = ((lambda x, w, b: F.rms_norm(x, x.shape[-1:], w, EPS)) if is_rms
-                 else (lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b, EPS)))
-        compiled = torch.compile(naive)
-        liger = _liger(is_rms)
+    for op, is_rms, residual in OPS:
+        compiled = torch.compile(_naive(is_rms))
+        liger = _liger(is_rms, residual)
         for shape in shapes:
             m, n = shape
             x = torch.randn(shape, device=device, dtype=torch.bfloat16)
+            r = torch.randn_like(x) if residual else None
             w = torch.randn(n, device=device, dtype=torch.bfloat16)
             b = None if is_rms else torch.randn(n, device=device, dtype=torch.bfloat16)
             g = torch.randn_like(x)
+            grads = (g, torch.randn_like(x)) if residual else g
             kw = dict(eps=EPS, is_rms=is_rms, weight_offset=0.0, cast_before_weight=is_rms)
-            pairs = {"eager": autograd_pair(eager, [x, w, b], g),
-                     "compile": autograd_pair(compiled, [x, w, b], g),
-                     "liger": None if liger is None else autograd_pair(liger, [x, w, b], g)}
-            # the backward as autograd runs it: LayerNorm's reads the forward's saved mean/rstd
-            stats = {} if is_rms else dict(zip(("mean", "rstd"), norm_fwd(
-                x, w, b, None, residual_in_fp32=False, stats=True, **kw)[2:]))
-            ours = (lambda: norm_fwd(x, w, b, None, residual_in_fp32=False, **kw),
-                    lambda: norm_bwd(g, None, x, w, b, out_dtype=x.dtype, **stats, **kw))
+            inputs = [x, r, w, b]
+            pairs = {"eager": autograd_pair(_eager(is_rms), inputs, grads),
+                     "compile": autograd_pair(compiled, inputs, grads),
+                     "liger": None if liger is None else autograd_pair(liger, inputs, grads)}
+            # the backward as autograd runs it: on the normalised tensor (x + r with a residual),
+            # LayerNorm's reading the forward's saved mean/rstd
+            y, h, *stats = norm_fwd(x, w, b, r, residual_in_fp32=False, stats=True, **kw)
+            h = x if h is None else h
+            stats = {} if is_rms else dict(zip(("mean", "rstd"), stats))
+            g_res = grads[1] if residual else None
+            ours = (lambda: norm_fwd(x, w, b, r, residual_in_fp32=False, **kw),
+                    lambda: norm_bwd(g, g_res, h, w, b, out_dtype=x.dtype, **stats, **kw))
             params = 1 if is_rms else 2  # weight (and bias) vectors
             e = x.element_size()
-            fwd_bytes = 2 * m * n * e + params * n * e  # x, params in; y out
-            bwd_bytes = 3 * m * n * e + (1 + params) * n * e  # g, x, w in; dx, dw (, db) out
+            tensors = 2 if residual else 1  # x (and residual): in, y (and residual out): out
+            fwd_bytes = 2 * tensors * m * n * e + params * n * e
+            bwd_bytes = (3 + residual) * m * n * e + (1 + params) * n * e  # dy (, dresidual), x: in; dx: out
             for pass_, i, nbytes in (("forward", 0, fwd_bytes), ("backward", 1, bwd_bytes)):
                 impls = {"ours": ours[i], **{k: None if p is None else p[i] for k, p in pairs.items()}}
                 time_impls(rows, impls, nbytes, device, op=op, shape=list(shape), **{"pass": pass_})
