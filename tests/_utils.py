@@ -17,7 +17,7 @@ Samples = dict[str, Callable[[], Iterable[tuple[tuple, dict]]]]
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.detach().double(), ref.detach().double()
+    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
     denom = ref.norm().item()
     diff = (out - ref).norm().item()
     return diff / denom if denom > 0 else diff

@@ -301,16 +301,21 @@ def _torch_unfused(h, w, t, b, opts, reduction):
 SLACK = 1.5 if torch.cuda.is_available() else 4.0
 
 
-def _check_lce(got, expected, theirs, dtype):
+def _check_lce(got, expected, theirs, dtype, chunks=1):
     """Each of (loss, dh, dw, db) within dtype's tolerance of float64, and no worse than PyTorch's
-    own path by more than SLACK (fp32 paths: within TOL)."""
+    own path by more than SLACK (fp32 paths: within TOL). dweight accumulates in its dtype, one
+    rounding per chunk where PyTorch rounds once: each further chunk may add a rounding's worth
+    (2^-8 relative for bf16). Seen on the H100 at 13 tokens in 5-token chunks with every option:
+    dweight's error 1.29x PyTorch's (median of 150 draws), 1.59x at most; 1.00x in one chunk."""
     for name, g, e, own in zip(("loss", "dhidden", "dweight", "dbias"), got, expected, theirs):
         if e is None:
             assert g is None, name
             continue
         err = assert_rel_close(g, e, TOL[dtype], what=name)
         if dtype != FP32:
-            assert err <= SLACK * rel_err(own, e) + 1e-6, f"{name}: {err:.2e} vs PyTorch's {rel_err(own, e):.2e}"
+            roundings = (chunks - 1) ** 0.5 * 2.0**-8 if name == "dweight" else 0.0
+            assert err <= SLACK * rel_err(own, e) + roundings + 1e-6, \
+                f"{name}: {err:.2e} vs PyTorch's {rel_err(own, e):.2e}"
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
@@ -329,7 +334,7 @@ def test_linear_cross_entropy(dtype, has_bias, opts, reduction):
         assert dh is None and dw is None and db is None
     else:
         assert dh.dtype == dtype and dw.dtype == dtype and dh.is_contiguous() and dw.is_contiguous()
-    _check_lce((loss, dh, dw, db), expected, _torch_unfused(h, w, t, b, opts, reduction), dtype)
+    _check_lce((loss, dh, dw, db), expected, _torch_unfused(h, w, t, b, opts, reduction), dtype, chunks=3)
 
 
 def test_linear_cross_entropy_batch_dims_default_chunk():
@@ -440,4 +445,5 @@ def test_cuda_linear_cross_entropy(reduction):
     opts = OPTIONS["smoothing"]
     h, w, b, t = _lce_inputs(2048, 1024, 32000, BF16, True, opts.ignore_index)
     got = K.lce_fwd(h, w, t, b, chunk_size=512, **_kw(opts, reduction))
-    _check_lce(got, _lce_expected(h, w, t, b, opts, reduction), _torch_unfused(h, w, t, b, opts, reduction), BF16)
+    _check_lce(got, _lce_expected(h, w, t, b, opts, reduction), _torch_unfused(h, w, t, b, opts, reduction), BF16,
+               chunks=4)

@@ -14,6 +14,7 @@ from torch_flash.reference import cross_entropy as ref
 from _utils import TOL, assert_rel_close, rel_err
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernels' device (CPU: interpreter)
 REDUCTIONS = ["mean", "sum", "none"]
 OPTIONS = [{}, {"label_smoothing": 0.1}, {"z_loss": 1e-2}, {"softcap": 3.0},
            {"label_smoothing": 0.2, "z_loss": 1e-3, "softcap": 5.0, "ignore_index": 0}]
@@ -333,15 +334,15 @@ def test_with_lse_and_saved_lse_backward():
 # --------------------------------------------------------------------------------------
 # inplace_backward
 # --------------------------------------------------------------------------------------
-def _producer(batch, n_classes, dtype=torch.float32):
+def _producer(batch, n_classes, dtype=torch.float32, device="cpu"):
     """A leaf that requires grad and the logits computed from it (an intermediate, as a model's
     lm-head output is; doubling is exact): (leaf, logits)."""
-    leaf = _logits((*batch, n_classes), dtype, rg=True)
+    leaf = _logits((*batch, n_classes), dtype).to(device).requires_grad_()
     return leaf, leaf * 2
 
 
 def _grad_like(out):
-    return torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(0))
+    return torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(0)).to(out.device)
 
 
 def _both_ways(logits_fn, t, **kw):
@@ -367,16 +368,17 @@ def test_inplace_backward_matches(monkeypatch, backend, opts, reduction):
     kernels (under the interpreter here), the gradient written over the logits."""
     monkeypatch.setenv("TORCH_FLASH_BACKEND", backend)
     dtype = torch.float32 if backend == "reference" else torch.bfloat16
+    device = DEV if backend == "triton" else "cpu"
     t = _target((3, 4), 70, opts.get("ignore_index", -100))
     seed = torch.seed()
 
-    def make():
+    def make(device=device):
         torch.manual_seed(seed)
-        return _producer((3, 4), 70, dtype)
+        return _producer((3, 4), 70, dtype, device)
 
-    (loss, dleaf, dlogits), (loss_i, dleaf_i, dlogits_i) = _both_ways(make, t, reduction=reduction, **opts)
+    (loss, dleaf, dlogits), (loss_i, dleaf_i, dlogits_i) = _both_ways(make, t.to(device), reduction=reduction, **opts)
     assert torch.equal(loss, loss_i) and torch.equal(dleaf, dleaf_i) and torch.equal(dlogits, dlogits_i)
-    leaf64 = make()[0].detach().double().requires_grad_()
+    leaf64 = make("cpu")[0].detach().double().requires_grad_()
     exact = _naive(leaf64 * 2, t, reduction=reduction, **opts)
     exact.backward(_grad_like(exact))
     assert_rel_close(loss_i, exact, TOL[torch.float32])
@@ -495,8 +497,9 @@ def test_shards_combine_to_whole(monkeypatch, backend, opts):
     the whole gradient (in place too)."""
     monkeypatch.setenv("TORCH_FLASH_BACKEND", backend)
     dtype = torch.float64 if backend == "reference" else torch.float32
-    x = _logits((3, 5, 3 * 11), dtype)
-    t = _target((3, 5), 33, opts.get("ignore_index", -100))
+    device = DEV if backend == "triton" else "cpu"
+    x = _logits((3, 5, 3 * 11), dtype).to(device)
+    t = _target((3, 5), 33, opts.get("ignore_index", -100)).to(device)
     lo = ref.LossOptions(**opts)
     shards = x.split(11, -1)
     stats = [torch.ops.flash.cross_entropy_shard_stats(s, t, vocab_start=11 * r, vocab_size=33,
@@ -507,7 +510,7 @@ def test_shards_combine_to_whole(monkeypatch, backend, opts):
     whole_loss, whole_lse = torch.ops.flash.cross_entropy_with_lse(x, t, **opts, reduction="none")
     torch.testing.assert_close(lse, whole_lse)
     torch.testing.assert_close(ref.loss_from_stats(lse, z_t.sum(0), z_sum.sum(0), t, lo, 33), whole_loss)
-    g = torch.randn(t.shape, dtype=dtype)
+    g = torch.randn(t.shape, dtype=dtype, device=device)
     whole = torch.ops.flash.cross_entropy_backward(g, x, t, **opts, reduction="none")
     for r, s in enumerate(shards):
         kw = dict(**opts, reduction="none", vocab_start=11 * r, vocab_size=33)

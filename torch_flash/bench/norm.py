@@ -154,6 +154,9 @@ def run(args) -> list[dict]:
     shapes = CPU_SHAPES if device == "cpu" else (QUICK if args.quick else SHAPES)
     rows: list[dict] = []
     for op, is_rms, residual in OPS:
+        # the ops' naive functions share one code object (_with_residual's f), whose compiled
+        # variants would pile up against dynamo's recompile limit and fall back to eager
+        torch._dynamo.reset()
         compiled = torch.compile(_naive(is_rms))
         liger = _liger(is_rms, residual)
         for shape in shapes:
