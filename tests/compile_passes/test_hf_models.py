@@ -6,6 +6,8 @@ backward. Each (model, impl) compiles once; the tests share that run."""
 from __future__ import annotations
 
 import functools
+import inspect
+import re
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
@@ -145,11 +147,24 @@ def _flash_ops(gm) -> set:
 
 
 @functools.cache
+def _draws_for_layerdrop(model: str) -> bool:
+    """Whether this transformers' model draws a random number per layer in training and
+    branches on it even with LayerDrop off (OPT in 5.17; 5.23 checks layerdrop > 0 first): a
+    data-dependent branch, so a graph break under every torch.compile backend, whatever the
+    pass does."""
+    source = inspect.getsource(inspect.getmodule(getattr(transformers, model)))
+    return re.search(r"if self\.training:\s+dropout_probability = torch\.rand", source) is not None
+
+
+@functools.cache
 def _run(name: str, impl: str) -> Run:
     """One forward/backward of the model eagerly and through the flash backend. The backend
     hands the rewritten graph to AOTAutograd without Inductor (the graphs are what this
     tests, and Inductor would cost minutes here); the ops stay whole in those graphs."""
     spec = MODELS[name]
+    if _draws_for_layerdrop(spec.model):
+        pytest.xfail(f"{spec.model} in transformers {transformers.__version__} branches on torch.rand "
+                     "for LayerDrop in training: a graph break under any backend")
     cls = getattr(transformers, spec.model)
     if impl == "sdpa" and not cls._supports_sdpa:
         pytest.skip(f"{spec.model} in transformers {transformers.__version__} does not support sdpa")
