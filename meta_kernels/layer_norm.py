@@ -1,7 +1,7 @@
 """Fakes for flash.layer_norm, flash.add_layer_norm, their _with_stats forms and backward ops."""
 import torch
 
-from torch_flash.ops.layer_norm import check_args, check_stats
+from torch_flash.ops.layer_norm import check_args, check_backward_args
 
 
 def _param_grad(param, like):
@@ -27,7 +27,7 @@ def layer_norm_with_stats(x, weight=None, bias=None, eps=1e-5, *, weight_offset=
 
 @torch.library.register_fake("flash::layer_norm_backward")
 def layer_norm_backward(grad_y, x, weight, bias, eps, weight_offset, mean=None, rstd=None):
-    check_stats("layer_norm_backward", x, mean, rstd)
+    check_backward_args("layer_norm_backward", grad_y, None, x, weight, bias, eps, mean, rstd)
     return torch.empty_like(x), _param_grad(weight, x), _param_grad(bias, x)
 
 
@@ -51,5 +51,6 @@ def add_layer_norm_with_stats(x, residual, weight=None, bias=None, eps=1e-5, *, 
 @torch.library.register_fake("flash::add_layer_norm_backward")
 def add_layer_norm_backward(grad_y, grad_residual_out, residual_out, weight, bias, eps, weight_offset,
                             mean=None, rstd=None):
-    check_stats("add_layer_norm_backward", residual_out, mean, rstd)
+    check_backward_args("add_layer_norm_backward", grad_y, grad_residual_out, residual_out, weight, bias, eps,
+                        mean, rstd, "residual_out")
     return torch.empty_like(residual_out), _param_grad(weight, residual_out), _param_grad(bias, residual_out)

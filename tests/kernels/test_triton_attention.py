@@ -179,7 +179,7 @@ def test_finfo_min_mask(dtype):
     bias[0, 0, :, 15:] = torch.finfo(dtype).min
     bias[1, 0, 4] = torch.finfo(dtype).min
     v = rand(2, 2, 21, 32, dtype=dtype)
-    live = torch.ones(2, 1, 17, 1, device=DEVICE)
+    live = torch.ones(2, 1, 17, 1, device=DEVICE, dtype=dtype)  # grad_out in out's dtype
     live[1, 0, 4] = 0
     out, _, _ = run_case(rand(2, 2, 17, 32, dtype=dtype), rand(2, 2, 21, 32, dtype=dtype), v, bias,
                          bias_grad=True, dout_mask=live)

@@ -461,6 +461,27 @@ def test_bad_inputs(bad, match):
         bad()
 
 
+@pytest.mark.parametrize("change,match", [
+    (dict(grad_out=lambda g: g[..., :1]), r"grad_out has shape \(2, 4, 5, 1\), expected out's \(2, 4, 5, 8\)"),
+    (dict(grad_out=lambda g: g.double()), "grad_out has dtype torch.float64, expected out's torch.float32"),
+    (dict(grad_lse=lambda g: g[:, :1]), r"grad_lse has shape \(2, 1, 5\), expected lse's \(2, 4, 5\)"),
+    (dict(out=lambda o: o[:1]), r"out has shape \(1, 4, 5, 8\) and dtype torch.float32; the forward's"),
+    (dict(lse=lambda l: l.double()), "lse has shape .* and dtype torch.float64; the forward's"),
+])
+def test_backward_checks_saved_tensors_and_gradients(change, match):
+    """The backward op is public: mis-shaped or mistyped out, lse or upstream gradients raise
+    (a smaller one would broadcast into a silently wrong answer, or make a kernel read out of
+    bounds; a float32 grad_out with bf16 q broke the Triton kernel's compilation)."""
+    q, k, v = _qkv()
+    out, lse = torch.ops.flash.attention_with_lse(q, k, v)
+    args = dict(grad_out=torch.randn_like(out), grad_lse=torch.randn_like(lse), out=out, lse=lse)
+    (name, f), = change.items()
+    args[name] = f(args[name])
+    with pytest.raises(ValueError, match=f"flash.attention_backward: {match}"):
+        torch.ops.flash.attention_backward(args["grad_out"], args["grad_lse"], q, k, v, None, args["out"],
+                                           args["lse"], 0.35, False, -1, -1, 0.0, 0.0, None, False)
+
+
 def test_bad_inputs_fail_at_trace_time():
     q, k, v = _qkv()
     with torch._subclasses.fake_tensor.FakeTensorMode() as mode:

@@ -343,3 +343,19 @@ def test_bad_stats(make, match, add):
             torch.ops.flash.add_layer_norm_backward(g, None, x, None, None, 1e-5, 0.0, mean, rstd)
         else:
             torch.ops.flash.layer_norm_backward(g, x, None, None, 1e-5, 0.0, mean=mean, rstd=rstd)
+
+
+@pytest.mark.parametrize("add", [False, True], ids=["ln", "add-ln"])
+def test_backward_checks_the_upstream_gradient(add):
+    """A gradient that would broadcast against x raises, naming the op and the argument."""
+    x, w, b = torch.randn(4, 8), torch.randn(8), torch.randn(8)
+    if add:
+        with pytest.raises(ValueError, match=r"flash.add_layer_norm_backward: grad_y has shape \(1, 8\), "
+                                             r"expected residual_out's \(4, 8\)"):
+            torch.ops.flash.add_layer_norm_backward(torch.randn(1, 8), None, x, w, b, 1e-5, 0.0)
+        with pytest.raises(ValueError, match="flash.add_layer_norm_backward: grad_residual_out has shape"):
+            torch.ops.flash.add_layer_norm_backward(torch.randn(4, 8), torch.randn(8), x, w, b, 1e-5, 0.0)
+    else:
+        with pytest.raises(ValueError, match=r"flash.layer_norm_backward: grad_y has shape \(1, 8\), "
+                                             r"expected x's \(4, 8\)"):
+            torch.ops.flash.layer_norm_backward(torch.randn(1, 8), x, w, b, 1e-5, 0.0)

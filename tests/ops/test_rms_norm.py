@@ -156,3 +156,22 @@ def test_inputs_untouched():
     torch_flash.add_rms_norm(x, r, w)
     for a, b in zip((x, r, w), copies):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("grad,match", [
+    (torch.randn(8), r"grad_y has shape \(8,\), expected x's \(4, 8\)"),  # would broadcast
+    (torch.randn(4, 8).to("meta"), "all tensors must be on one device"),
+    (torch.randint(0, 3, (4, 8)), "grad_y has dtype torch.int64"),
+])
+def test_backward_checks_the_upstream_gradient(grad, match):
+    """The backward ops are public: a mis-shaped gradient raises instead of broadcasting into a
+    silently wrong answer (or a kernel reading out of bounds)."""
+    x, w = torch.randn(4, 8), torch.randn(8)
+    with pytest.raises(ValueError, match=f"flash.rms_norm_backward: {match}"):
+        torch.ops.flash.rms_norm_backward(grad, x, w, 1e-6, 0.0, True)
+    add_match = match.replace("x's", "residual_out's")
+    with pytest.raises(ValueError, match=f"flash.add_rms_norm_backward: {add_match}"):
+        torch.ops.flash.add_rms_norm_backward(grad, None, x, w, 1e-6, 0.0, True, torch.float32)
+    with pytest.raises(ValueError, match=r"flash.add_rms_norm_backward: grad_residual_out has shape \(4, 1\)"):
+        torch.ops.flash.add_rms_norm_backward(torch.randn(4, 8), torch.randn(4, 1), x, w, 1e-6, 0.0, True,
+                                              torch.float32)

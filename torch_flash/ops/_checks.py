@@ -38,6 +38,18 @@ def check_tensor(op: str, name: str, t, *, ndim: int | tuple[int, ...] | None = 
               f"{name} has dtype {t.dtype}; expected one of {', '.join(str(d) for d in dtypes)}")
 
 
+def check_like(op: str, name: str, t, like, like_name: str, *, same_dtype: bool = False) -> None:
+    """t (a gradient, a saved output) is a floating tensor of exactly like's shape, on its device
+    (and of its dtype with same_dtype): a broadcastable or smaller tensor would give wrong
+    gradients silently, or reads out of bounds in a kernel."""
+    check_tensor(op, name, t)
+    check(tuple(t.shape) == tuple(like.shape), op,
+          f"{name} has shape {tuple(t.shape)}, expected {like_name}'s {tuple(like.shape)}")
+    if same_dtype:
+        check(t.dtype == like.dtype, op, f"{name} has dtype {t.dtype}, expected {like_name}'s {like.dtype}")
+    check_same_device(op, **{like_name: like, name: t})
+
+
 def check_same_device(op: str, **tensors) -> None:
     present = {k: v for k, v in tensors.items() if v is not None}
     devices = {v.device for v in present.values()}

@@ -19,7 +19,7 @@ from .. import _dispatch, _extension
 from ..reference import attention as ref
 from ..reference._common import compute_dtype
 from ._autograd import grad_or_empty, register_autograd_via
-from ._checks import (FLOAT_DTYPES, check, check_last_dim_contiguous, check_probability,
+from ._checks import (FLOAT_DTYPES, check, check_last_dim_contiguous, check_like, check_probability,
                       check_same_device, check_same_dtype, check_tensor)
 
 
@@ -74,6 +74,22 @@ def out_shapes(q, v) -> tuple[tuple, tuple, torch.dtype]:
     """(out shape, lse shape, lse dtype)."""
     b, hq, sq, _ = q.shape
     return (b, hq, sq, v.shape[-1]), (b, hq, sq), compute_dtype(q.dtype)
+
+
+def check_saved_and_grads(op: str, q, v, out, lse, grad_out, grad_lse, shapes) -> None:
+    """The backward ops' out and lse, as the forward returned them (shapes: out_shapes), and
+    the upstream gradients: grad_out like out and in its dtype (the kernels' matmuls take it
+    with v's), grad_lse (or None) like lse. A broadcastable or smaller gradient would give
+    wrong gradients silently or make a kernel read out of bounds."""
+    out_shape, lse_shape, lse_dtype = shapes
+    for name, t, shape, dtype in (("out", out, out_shape, q.dtype), ("lse", lse, lse_shape, lse_dtype)):
+        check_tensor(op, name, t)
+        check(tuple(t.shape) == tuple(shape) and t.dtype == dtype, op,
+              f"{name} has shape {tuple(t.shape)} and dtype {t.dtype}; the forward's is {tuple(shape)} {dtype}")
+        check_same_device(op, q=q, **{name: t})
+    check_like(op, "grad_out", grad_out, out, "out", same_dtype=True)
+    if grad_lse is not None:
+        check_like(op, "grad_lse", grad_lse, lse, "lse")
 
 
 def spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p,
@@ -188,6 +204,9 @@ def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
     """(dq, dk, dv, dbias); dbias has attn_bias's shape, or is empty unless bias_requires_grad.
     Deterministic: the Triton path computes dq in its own pass instead of with atomics,
     which measured faster on the H100 at every point of the benchmark grid as well."""
+    op = "attention_backward"
+    check_args(op, q, k, v, attn_bias, softcap, dropout_p, dropout_seed, window_left, window_right)
+    check_saved_and_grads(op, q, v, out, lse, grad_out, grad_lse, out_shapes(q, v))
     spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
     if use_triton("attention_backward", q, k, v, attn_bias, dropout_p):
         from ..kernels.triton.attention import attention_bwd

@@ -19,7 +19,7 @@ from ..reference import attention_varlen as ref
 from ..reference._common import compute_dtype
 from ..reference.attention import resolve_scale
 from ._checks import INDEX_DTYPES, check, check_same_device, check_tensor
-from .attention import check_common, kernel_flags, op_kwargs, spec_of, use_triton
+from .attention import check_common, check_saved_and_grads, kernel_flags, op_kwargs, spec_of, use_triton
 
 
 def check_cu_seqlens(op: str, name: str, cu_seqlens) -> None:
@@ -93,6 +93,10 @@ def _attention_varlen_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: 
                                softcap: float, dropout_p: float,
                                dropout_seed: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv)."""
+    op = "attention_varlen_backward"
+    check_args(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softcap,
+               dropout_p, dropout_seed, window_left, window_right)
+    check_saved_and_grads(op, q, v, out, lse, grad_out, grad_lse, out_shapes(q, v))
     spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
     if use_triton("attention_varlen_backward", q, k, v, None, dropout_p):
         from ..kernels.triton.attention import attention_varlen_bwd

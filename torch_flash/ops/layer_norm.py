@@ -18,8 +18,8 @@ from torch.library import triton_op
 from ..reference import layer_norm as ref
 from ._autograd import grad_or_empty, register_autograd_via
 from ._checks import check, check_same_device, check_tensor
-from .rms_norm import triton_backward, triton_forward
 from .rms_norm import check_args as _check_x_weight_residual
+from .rms_norm import check_grads, triton_backward, triton_forward
 
 
 def check_args(op: str, x, weight, bias, eps, residual=None) -> None:
@@ -29,6 +29,15 @@ def check_args(op: str, x, weight, bias, eps, residual=None) -> None:
         check(bias.shape[0] == x.shape[-1], op,
               f"bias has {bias.shape[0]} elements but x has hidden size {x.shape[-1]}")
         check_same_device(op, x=x, bias=bias)
+
+
+def check_backward_args(op: str, grad_y, grad_residual_out, x, weight, bias, eps, mean, rstd,
+                        x_name: str = "x") -> None:
+    """The backward ops' arguments (x: residual_out in the add variant): as the forward's, the
+    upstream gradients shaped like x, the forward's statistics if given."""
+    check_args(op, x, weight, bias, eps)
+    check_grads(op, grad_y, grad_residual_out, x, x_name)
+    check_stats(op, x, mean, rstd)
 
 
 def check_stats(op: str, x, mean, rstd) -> None:
@@ -75,7 +84,8 @@ def _layer_norm_with_stats(x: Tensor, weight: Optional[Tensor] = None, bias: Opt
 def _backward(op: str, grad_y, grad_residual_out, x, weight, bias, eps, weight_offset, mean, rstd):
     """(dx + grad_residual_out, dweight or None, dbias or None), dx in the compute dtype or x's.
     The reference recomputes the statistics (exact in fp64, where fp32 stats would not be)."""
-    check_stats(op, x, mean, rstd)
+    check_backward_args(op, grad_y, grad_residual_out, x, weight, bias, eps, mean, rstd,
+                        "residual_out" if op.startswith("add_") else "x")
     grads = triton_backward(op, grad_y, grad_residual_out, x, weight, bias, eps=eps, is_rms=False,
                             weight_offset=weight_offset, cast_before_weight=False, out_dtype=x.dtype,
                             mean=mean, rstd=rstd)

@@ -16,7 +16,7 @@ from torch.library import triton_op
 from .. import _dispatch
 from ..reference import rms_norm as ref
 from ._autograd import grad_or_empty
-from ._checks import check, check_same_device, check_tensor
+from ._checks import check, check_like, check_same_device, check_tensor
 
 
 def check_args(op: str, x, weight, eps, residual=None) -> None:
@@ -32,6 +32,19 @@ def check_args(op: str, x, weight, eps, residual=None) -> None:
               f"residual shape {tuple(residual.shape)} differs from x shape {tuple(x.shape)}")
     check(eps >= 0.0, op, f"eps must be >= 0, got {eps}")
     check_same_device(op, x=x, weight=weight, residual=residual)
+
+
+def check_grads(op: str, grad_y, grad_residual_out, x, x_name: str) -> None:
+    """The norm backward ops' upstream gradients: shaped like x, the tensor normalised (x_name:
+    residual_out in the add variants)."""
+    check_like(op, "grad_y", grad_y, x, x_name)
+    if grad_residual_out is not None:
+        check_like(op, "grad_residual_out", grad_residual_out, x, x_name)
+
+
+def check_backward_args(op: str, grad_y, grad_residual_out, x, weight, eps, x_name: str = "x") -> None:
+    check_args(op, x, weight, eps)
+    check_grads(op, grad_y, grad_residual_out, x, x_name)
 
 
 def out_dtype(x_dtype: torch.dtype, weight, cast_before_weight: bool) -> torch.dtype:
@@ -85,6 +98,7 @@ def _rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, *,
 @triton_op("flash::rms_norm_backward", mutates_args=())
 def _rms_norm_backward(grad_y: Tensor, x: Tensor, weight: Optional[Tensor], eps: float,
                        weight_offset: float, cast_before_weight: bool) -> tuple[Tensor, Tensor]:
+    check_backward_args("rms_norm_backward", grad_y, None, x, weight, eps)
     grads = triton_backward("rms_norm_backward", grad_y, None, x, weight, None, eps=eps, is_rms=True,
                             weight_offset=weight_offset, cast_before_weight=cast_before_weight,
                             out_dtype=x.dtype)
@@ -111,6 +125,8 @@ def _add_rms_norm_backward(grad_y: Tensor, grad_residual_out: Optional[Tensor], 
                            weight: Optional[Tensor], eps: float, weight_offset: float,
                            cast_before_weight: bool, x_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Returns (d(x + residual), dweight); the caller casts the first to x's and residual's dtypes."""
+    check_backward_args("add_rms_norm_backward", grad_y, grad_residual_out, residual_out, weight, eps,
+                        "residual_out")
     grads = triton_backward("add_rms_norm_backward", grad_y, grad_residual_out, residual_out, weight,
                             None, eps=eps, is_rms=True, weight_offset=weight_offset,
                             cast_before_weight=cast_before_weight, out_dtype=x_dtype)
