@@ -2,7 +2,7 @@
 Hopper forward flash.attention_fwd_sm90."""
 import torch
 
-from torch_flash.ops.attention import check_args, check_saved_and_grads, check_sm90_args, out_shapes
+from torch_flash.ops.attention import check_args, check_backward_args, check_sm90_args, out_shapes
 
 
 def _forward(op, q, k, v, attn_bias, softcap, dropout_p, dropout_seed, window_left, window_right):
@@ -29,9 +29,8 @@ def attention_with_lse(q, k, v, attn_bias=None, dropout_seed=None, *, scale=None
 def attention_backward(grad_out, grad_lse, q, k, v, attn_bias, out, lse, scale, causal,
                        window_left, window_right, softcap, dropout_p, dropout_seed,
                        bias_requires_grad):
-    op = "attention_backward"
-    check_args(op, q, k, v, attn_bias, softcap, dropout_p, dropout_seed, window_left, window_right)
-    check_saved_and_grads(op, q, v, out, lse, grad_out, grad_lse, out_shapes(q, v))
+    check_backward_args("attention_backward", grad_out, grad_lse, q, k, v, attn_bias, out, lse, softcap,
+                        dropout_p, dropout_seed, window_left, window_right)
     dbias = attn_bias.new_empty(attn_bias.shape) if bias_requires_grad else q.new_empty(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 

@@ -1,8 +1,7 @@
 """Fakes for flash.attention_varlen and flash.attention_varlen_backward."""
 import torch
 
-from torch_flash.ops.attention import check_saved_and_grads
-from torch_flash.ops.attention_varlen import check_args, out_shapes
+from torch_flash.ops.attention_varlen import check_args, check_backward_args, out_shapes
 
 
 @torch.library.register_fake("flash::attention_varlen")
@@ -19,8 +18,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 def attention_varlen_backward(grad_out, grad_lse, q, k, v, cu_seqlens_q, cu_seqlens_k,
                               max_seqlen_q, max_seqlen_k, out, lse, scale, causal, window_left,
                               window_right, softcap, dropout_p, dropout_seed):
-    op = "attention_varlen_backward"
-    check_args(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softcap,
-               dropout_p, dropout_seed, window_left, window_right)
-    check_saved_and_grads(op, q, v, out, lse, grad_out, grad_lse, out_shapes(q, v))
+    check_backward_args("attention_varlen_backward", grad_out, grad_lse, q, k, v, cu_seqlens_q, cu_seqlens_k,
+                        max_seqlen_q, max_seqlen_k, out, lse, softcap, dropout_p, dropout_seed, window_left,
+                        window_right)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)

@@ -1,4 +1,5 @@
-"""Fakes for flash.linear_cross_entropy, flash.linear_cross_entropy_backward and flash.linear_cross_entropy_with_grads."""
+"""Fakes for flash.linear_cross_entropy, flash.linear_cross_entropy_backward and
+flash.linear_cross_entropy_with_grads."""
 import torch
 
 from torch_flash.ops.cross_entropy import LossOptions, check_grad_loss, loss_shape

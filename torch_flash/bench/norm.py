@@ -3,8 +3,9 @@
 
 Implementations: ours (the Triton launchers of torch_flash/kernels/triton/norm.py), eager
 (F.rms_norm / F.layer_norm after the add), torch.compile of the naive model code, and
-Liger-Kernel where it is installed (no fused-residual LayerNorm there). Bytes moved = each input read once + each output written once; GB/s is set
-against a device copy of the same byte count timed in the same run (the ceiling).
+Liger-Kernel where it is installed (no fused-residual LayerNorm there). Bytes moved = each
+input read once + each output written once; GB/s is set against a device copy of the same
+byte count timed in the same run (the ceiling).
 Rows: {op, shape, pass, impl, ms, gbps, frac_of_copy}.
 """
 from __future__ import annotations
@@ -174,7 +175,7 @@ def run(args) -> list[dict]:
                      "liger": None if liger is None else autograd_pair(liger, inputs, grads)}
             # the backward as autograd runs it: on the normalised tensor (x + r with a residual),
             # LayerNorm's reading the forward's saved mean/rstd
-            y, h, *stats = norm_fwd(x, w, b, r, residual_in_fp32=False, stats=True, **kw)
+            _, h, *stats = norm_fwd(x, w, b, r, residual_in_fp32=False, stats=True, **kw)
             h = x if h is None else h
             stats = {} if is_rms else dict(zip(("mean", "rstd"), stats))
             g_res = grads[1] if residual else None

@@ -76,6 +76,12 @@ def out_shapes(q, v) -> tuple[tuple, tuple, torch.dtype]:
     return (b, hq, sq, v.shape[-1]), (b, hq, sq), compute_dtype(q.dtype)
 
 
+def check_backward_args(op: str, grad_out, grad_lse, q, k, v, attn_bias, out, lse, softcap, dropout_p,
+                        dropout_seed, window_left, window_right) -> None:
+    check_args(op, q, k, v, attn_bias, softcap, dropout_p, dropout_seed, window_left, window_right)
+    check_saved_and_grads(op, q, v, out, lse, grad_out, grad_lse, out_shapes(q, v))
+
+
 def check_saved_and_grads(op: str, q, v, out, lse, grad_out, grad_lse, shapes) -> None:
     """The backward ops' out and lse, as the forward returned them (shapes: out_shapes), and
     the upstream gradients: grad_out like out and in its dtype (the kernels' matmuls take it
@@ -204,9 +210,8 @@ def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
     """(dq, dk, dv, dbias); dbias has attn_bias's shape, or is empty unless bias_requires_grad.
     Deterministic: the Triton path computes dq in its own pass instead of with atomics,
     which measured faster on the H100 at every point of the benchmark grid as well."""
-    op = "attention_backward"
-    check_args(op, q, k, v, attn_bias, softcap, dropout_p, dropout_seed, window_left, window_right)
-    check_saved_and_grads(op, q, v, out, lse, grad_out, grad_lse, out_shapes(q, v))
+    check_backward_args("attention_backward", grad_out, grad_lse, q, k, v, attn_bias, out, lse, softcap,
+                        dropout_p, dropout_seed, window_left, window_right)
     spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
     if use_triton("attention_backward", q, k, v, attn_bias, dropout_p):
         from ..kernels.triton.attention import attention_bwd

@@ -58,6 +58,14 @@ def check_offsets(op: str, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, total_q: 
               f"{name} holds a sequence of {most} tokens, more than max_seqlen_{x}={longest}")
 
 
+def check_backward_args(op: str, grad_out, grad_lse, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                        max_seqlen_k, out, lse, softcap, dropout_p, dropout_seed, window_left,
+                        window_right) -> None:
+    check_args(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softcap,
+               dropout_p, dropout_seed, window_left, window_right)
+    check_saved_and_grads(op, q, v, out, lse, grad_out, grad_lse, out_shapes(q, v))
+
+
 def out_shapes(q, v) -> tuple[tuple, tuple, torch.dtype]:
     """(out shape, lse shape, lse dtype)."""
     return (q.shape[0], q.shape[1], v.shape[-1]), (q.shape[1], q.shape[0]), compute_dtype(q.dtype)
@@ -93,10 +101,9 @@ def _attention_varlen_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: 
                                softcap: float, dropout_p: float,
                                dropout_seed: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv)."""
-    op = "attention_varlen_backward"
-    check_args(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softcap,
-               dropout_p, dropout_seed, window_left, window_right)
-    check_saved_and_grads(op, q, v, out, lse, grad_out, grad_lse, out_shapes(q, v))
+    check_backward_args("attention_varlen_backward", grad_out, grad_lse, q, k, v, cu_seqlens_q, cu_seqlens_k,
+                        max_seqlen_q, max_seqlen_k, out, lse, softcap, dropout_p, dropout_seed, window_left,
+                        window_right)
     spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
     if use_triton("attention_varlen_backward", q, k, v, None, dropout_p):
         from ..kernels.triton.attention import attention_varlen_bwd
