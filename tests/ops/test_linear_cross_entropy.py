@@ -377,6 +377,25 @@ def test_frozen_inputs_get_no_gradient_computed(monkeypatch, backend, reduction,
             assert_rel_close(x.grad.cpu(), e, TOL[x.dtype], what=name)
 
 
+def test_frozen_weight_traced_graph_carries_the_flags():
+    """Traced (make_fx, as torch.compile's AOTAutograd traces), the forward asks for dhidden
+    alone when the weight is frozen, and the graph's gradient is right."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    h, w, t, _ = _inputs((6,), 16, 40)
+
+    def grads(h, w):
+        leaf = h.detach().requires_grad_()
+        return torch.autograd.grad(linear_cross_entropy(leaf, w, t, chunk_size=4), leaf)
+
+    gm = make_fx(grads)(h, w)
+    calls = [n.kwargs for n in gm.graph.nodes if n.target is torch.ops.flash.linear_cross_entropy_with_grads.default]
+    assert len(calls) == 1 and calls[0]["grad_weight"] is False and calls[0]["grad_bias"] is False
+    h64 = h.double().requires_grad_()
+    F.cross_entropy(h64 @ w.double().t(), t).backward()
+    assert_rel_close(gm(h, w)[0], h64.grad, TOL[torch.float32])
+
+
 def test_gradient_flags_return_empty():
     """grad_*=False: that output is an empty tensor, not computed; the others are unchanged."""
     h, w, t, b = _inputs((3, 4), 8, 19, torch.float64)
