@@ -259,14 +259,18 @@ def _check_grads(got, h, w, t, b, grad_loss, reduction="mean", **opts):
 
 
 class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
-    """Names of the aten ops run (a plain dispatch mode: eager, not tracing)."""
+    """Names of the ops run, in order (a plain dispatch mode: eager, not tracing), and
+    {flash op name: its keyword arguments} of the flash ops among them."""
 
     def __init__(self):
         super().__init__()
         self.ops = []
+        self.flash_kwargs = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(str(func.overloadpacket.__name__))
+        if func.namespace == "flash":
+            self.flash_kwargs[func.overloadpacket.__name__] = kwargs or {}
         return func(*args, **(kwargs or {}))
 
 
@@ -334,19 +338,6 @@ def test_retain_graph_backward_twice(monkeypatch, backend, first):
     _check_grads((h.grad, w.grad, b.grad), h, w, t, b, 2.0, **LCE_OPTS)
 
 
-class _FlashCalls(torch.utils._python_dispatch.TorchDispatchMode):
-    """{flash op name: its keyword arguments} of the flash ops run."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "flash":
-            self.calls[func.overloadpacket.__name__] = kwargs or {}
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("frozen", [("weight", "bias"), ("hidden",), ("bias",)], ids="+".join)
@@ -360,13 +351,13 @@ def test_frozen_inputs_get_no_gradient_computed(monkeypatch, backend, reduction,
     for name, x in leaves.items():
         x.requires_grad_(name not in frozen)
     wanted = {f"grad_{name}": name not in frozen for name in leaves}
-    with _FlashCalls() as log:
+    with _OpLog() as log:
         loss = linear_cross_entropy(h, w, t, b, reduction=reduction, chunk_size=5, **LCE_OPTS)
         grad_loss = torch.rand_like(loss)
         loss.backward(grad_loss)
     op = "linear_cross_entropy_backward" if reduction == "none" else "linear_cross_entropy_with_grads"
     # the dispatcher leaves out arguments at their default (True)
-    assert {k: log.calls[op].get(k, True) for k in wanted} == wanted, log.calls
+    assert {k: log.flash_kwargs[op].get(k, True) for k in wanted} == wanted, log.flash_kwargs
     h64, w64, b64 = (x.detach().cpu().double() for x in (h, w, b))
     expect = ref.linear_cross_entropy_backward(grad_loss.cpu().double(), h64, w64, t.cpu(), b64,
                                                ref.LossOptions(**LCE_OPTS), reduction)
