@@ -109,7 +109,15 @@ def fuse_residual(gm: fx.GraphModule, norm: fx.Node, fused_op) -> bool:
             or s is not top and len(s.users) != 1):
         return False
     a, b = s.args
-    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node) and same_meta(val(a), val(b))):
+    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)
+            and all(isinstance(val(t), torch.Tensor) and val(t).dtype.is_floating_point for t in (a, b))
+            and tuple(val(a).shape) == tuple(val(b).shape) == tuple(val(s).shape)):
+        return False
+    # the op stores the sum in x's dtype: x is the operand the sum's type promotion kept
+    # (autocast's fp32 residual stream plus a bf16 branch sums in fp32)
+    if dtype_of(a) != dtype_of(s):
+        a, b = b, a
+    if dtype_of(a) != dtype_of(s):
         return False
     # users of the sum may sit between it and the norm, so the fused op goes right after the
     # value it replaces: the norm's other arguments (weight, bias) must already exist there

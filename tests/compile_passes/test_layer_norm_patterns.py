@@ -24,6 +24,15 @@ def test_train_pre_ln_block(norm):
     assert torch_flash.counters == {"flash.layer_norm": 1, "flash.add_layer_norm": 1}
 
 
+def test_train_autocast_residual_stream():
+    """bf16 autocast over an fp32 model: the fp32 residual stream plus the bf16 branch sums
+    in fp32; the fused op takes the fp32 operand as x, so sum and norm stay fp32."""
+    torch.manual_seed(0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        check_training(PreLNBlock(), torch.randn(2, 5, 32))
+    assert torch_flash.counters == {"flash.layer_norm": 1, "flash.add_layer_norm": 1}
+
+
 def test_bf16_inference_fp32_statistics():
     """A half model computing the statistics in fp32 (cast back before the weight): the op
     reads the bf16 x itself, and is no further from fp64 than the model."""

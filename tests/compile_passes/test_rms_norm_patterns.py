@@ -46,6 +46,16 @@ def test_train_pre_norm_block(norm):
     assert torch_flash.counters == {"flash.rms_norm": 1, "flash.add_rms_norm": 1}
 
 
+@pytest.mark.parametrize("norm", ["nn.RMSNorm", "llama", "gemma"])
+def test_train_autocast_residual_stream(norm):
+    """bf16 autocast over an fp32 model: the residual stream (fp32) plus a branch's bf16
+    output sums in fp32, and the sum still fuses into the norm."""
+    torch.manual_seed(0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        check_training(PreLNBlock(norm=NORMS[norm]), torch.randn(2, 5, 32))
+    assert torch_flash.counters == {"flash.rms_norm": 1, "flash.add_rms_norm": 1}
+
+
 @pytest.mark.parametrize("norm", ["nn.RMSNorm", "llama", "gemma", "t5"])
 def test_bf16_inference(norm):
     """A bf16 model: each spelling's dtype rule is kept, and the result is no further from
