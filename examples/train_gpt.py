@@ -9,6 +9,7 @@ the corpus, where global sample i of the run is a pure function of (seed, i).
 
     python examples/train_gpt.py                          # CPU preset: about a minute
     python examples/train_gpt.py --preset gpu             # the default when CUDA is there
+    python examples/train_gpt.py --backend inductor       # the baseline: no flash rewrites
     torchrun --nproc_per_node=2 examples/train_gpt.py [--grad-compress bf16 | --parallel fsdp]
     python examples/train_gpt.py --ckpt run.pt --save-every 50    # then add --resume to continue
 
@@ -257,7 +258,9 @@ def parse_args(argv=None):
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                    help="bf16 autocast (FSDP: bf16 parameters); default on for CUDA")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                   help="torch.compile(backend='flash'); --no-compile runs eagerly")
+                   help="torch.compile(backend=BACKEND); --no-compile runs eagerly")
+    p.add_argument("--backend", default="flash",
+                   help="torch.compile backend (inductor: the same compile without the rewrites)")
     p.add_argument("--workers", type=int, default=0, help="DataLoader workers")
     p.add_argument("--ckpt", help="checkpoint file (written by rank 0)")
     p.add_argument("--save-every", type=int, default=0, help="save every N steps (and at the end)")
@@ -297,7 +300,7 @@ def main(argv=None) -> list[float]:
               {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
     step = load_checkpoint(args.ckpt, model, optimizer) if args.resume else 0
-    compiled = torch.compile(model, backend="flash") if args.compile else model
+    compiled = torch.compile(model, backend=args.backend) if args.compile else model
 
     corpus = Path(args.corpus).read_bytes() if args.corpus else make_corpus(args.corpus_chars, args.seed)
     blocks = IdentityMultiEpochDatasetWrapper(TokenBlocks(corpus, args.block))
