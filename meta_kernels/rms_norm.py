@@ -28,6 +28,6 @@ def add_rms_norm(x, residual, weight=None, eps=1e-6, *, weight_offset=0.0,
 def add_rms_norm_backward(grad_y, grad_residual_out, residual_out, weight, eps, weight_offset,
                           cast_before_weight, x_dtype):
     check_backward_args("add_rms_norm_backward", grad_y, grad_residual_out, residual_out, weight, eps,
-                        "residual_out")
+                        "residual_out", x_dtype)
     dw = residual_out.new_empty(0) if weight is None else torch.empty_like(weight)
     return torch.empty_like(residual_out), dw

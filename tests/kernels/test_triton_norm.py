@@ -55,9 +55,12 @@ CASES = [
     (False, BF16, True, BF16, True, False, 0.5, BF16),
     (False, FP16, False, None, False, False, 0.0, FP16),
     (False, None, False, None, True, False, 0.0, BF16),
+    # under autocast: the fp32 residual stream as x, a bf16 branch as residual
+    (True, BF16, False, FP32, False, True, 0.0, FP32),
+    (False, BF16, False, FP32, True, False, 0.0, FP32),
 ]
 CASE_IDS = ["llama", "gemma", "rms-noweight", "add-rms", "add-rms-fp32res-mixed", "ln", "add-ln-fp32res",
-            "add-ln-noaffine", "ln-biasonly"]
+            "add-ln-noaffine", "ln-biasonly", "add-rms-autocast", "add-ln-autocast"]
 
 
 def _inputs(case, shape, device=DEV):

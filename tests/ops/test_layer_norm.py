@@ -55,6 +55,11 @@ def _samples_ln_bwd():
     yield (torch.randn_like(x), x, None, None, 1e-5, 0.0), {}
     yield (torch.randn_like(x), x, _p(32, torch.float32), None, 1e-5, 1.0), {}
     yield (torch.randn_like(x), x, None, _p(32, torch.float32), 1e-5, 0.0), {}
+    # dx has empty_like(x)'s strides whatever the layouts of x and grad_y (the reference's own
+    # result was contiguous for a permuted x, and strided like a last-dim-strided grad_y)
+    x = torch.randn(6, 4, 32).transpose(0, 1)
+    yield (torch.randn(4, 6, 32), x, _p(32, torch.float32), _p(32, torch.float32), 1e-5, 0.0), {}
+    yield (torch.randn(4, 32, 6).transpose(1, 2), torch.randn(4, 6, 32), None, None, 1e-5, 0.0), {}
 
 
 def _samples_add():
@@ -84,6 +89,8 @@ def _samples_add_bwd():
     yield (torch.randn(4, 16), None, randn_rows((4, 16), torch.float32), _p(16, torch.float32), None, 1e-5, 0.0), {}
     s = randn_rows((4, 16), torch.bfloat16)
     yield (torch.randn_like(s), None, s, None, None, 1e-5, 0.0), dict(zip(("mean", "rstd"), _stats(s)))
+    s = torch.randn(6, 4, 16).transpose(0, 1)  # permuted residual_out: d(x + residual) keeps its strides
+    yield (torch.randn(4, 6, 16), torch.randn(4, 6, 16), s, _p(16, torch.float32), None, 1e-5, 0.0), {}
 
 
 OPCHECK_SAMPLES = {
@@ -216,6 +223,17 @@ def test_empty_batch(monkeypatch, backend):
     assert x.grad.shape == x.shape and w.grad.shape == w.shape and b.grad.shape == b.shape
     _, mean, rstd = torch.ops.flash.layer_norm_with_stats(x.detach(), w.detach(), b.detach())
     assert mean.shape == rstd.shape == (0, 5) and mean.dtype == rstd.dtype == torch.float32
+
+
+@pytest.mark.parametrize("stats", [False, True])
+def test_add_outputs_have_x_layout(stats):
+    """y and residual_out have empty_like(x)'s strides, as the fakes say (opcheck cannot see this
+    case: it clones an expanded x contiguous). The reference path gave them the layout of a
+    permuted residual when x was expanded."""
+    x, r = torch.randn(16).expand(4, 6, 16), torch.randn(6, 4, 16).transpose(0, 1)
+    op = torch.ops.flash.add_layer_norm_with_stats if stats else torch.ops.flash.add_layer_norm
+    for out in op(x, r, _p(16, torch.float32), None)[:2]:
+        assert out.stride() == torch.empty_like(x).stride()
 
 
 def test_inputs_untouched():

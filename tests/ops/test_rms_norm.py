@@ -1,6 +1,9 @@
 """flash.rms_norm / flash.add_rms_norm: opcheck, gradcheck, numerics, bad inputs."""
+import contextlib
+
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import torch_flash
 from torch_flash.reference import rms_norm as ref
@@ -8,6 +11,13 @@ from _utils import TOL, assert_rel_close, randn_rows, to64
 
 SHAPES = [(2, 8, 64), (1, 3, 16), (5, 32), (7, 1, 96)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _layout_pairs():
+    """(x, grad_y) whose layouts differ: a permuted x with a contiguous grad_y, a contiguous x
+    with a last-dim-strided grad_y."""
+    yield torch.randn(6, 4, 16).transpose(0, 1), torch.randn(4, 6, 16)
+    yield torch.randn(4, 6, 16), torch.randn(4, 16, 6).transpose(1, 2)
 
 
 def _samples_rms():
@@ -28,6 +38,10 @@ def _samples_rms_bwd():
             yield (torch.randn_like(x), x, torch.randn(shape[-1], dtype=dtype), 1e-5, 0.0, True), {}
     x = randn_rows((4, 32), torch.float32)
     yield (torch.randn_like(x), x, None, 1e-5, 0.0, False), {}
+    # dx has empty_like(x)'s strides whatever the layouts of x and grad_y (the reference's own
+    # result was contiguous for a permuted x, and strided like a last-dim-strided grad_y)
+    for x, g in _layout_pairs():
+        yield (g, x, torch.randn(x.shape[-1]), 1e-5, 0.0, True), {}
 
 
 def _samples_add():
@@ -46,6 +60,8 @@ def _samples_add_bwd():
                 1e-5, 0.0, True, dtype), {})
     yield ((torch.randn(4, 16), None, randn_rows((4, 16), torch.float32), None, 1e-5, 1.0, False,
             torch.float32), {})
+    for s, g in _layout_pairs():
+        yield (g, g, s, torch.randn(16), 1e-5, 0.0, True, torch.float32), {}
 
 
 OPCHECK_SAMPLES = {
@@ -150,6 +166,15 @@ def test_empty_batch():
     assert x.grad.shape == x.shape
 
 
+def test_add_outputs_have_x_layout():
+    """y and residual_out have empty_like(x)'s strides, as the fake says (opcheck cannot see this
+    case: it clones an expanded x contiguous). The reference path gave them the layout of a
+    permuted residual when x was expanded."""
+    x, r = torch.randn(16).expand(4, 6, 16), torch.randn(6, 4, 16).transpose(0, 1)
+    for out in torch_flash.add_rms_norm(x, r, torch.randn(16)):
+        assert out.stride() == torch.empty_like(x).stride()
+
+
 def test_inputs_untouched():
     x, r, w = torch.randn(3, 32), torch.randn(3, 32), torch.randn(32)
     copies = [t.clone() for t in (x, r, w)]
@@ -175,3 +200,13 @@ def test_backward_checks_the_upstream_gradient(grad, match):
     with pytest.raises(ValueError, match=r"flash.add_rms_norm_backward: grad_residual_out has shape \(4, 1\)"):
         torch.ops.flash.add_rms_norm_backward(torch.randn(4, 8), torch.randn(4, 1), x, w, 1e-6, 0.0, True,
                                               torch.float32)
+
+
+def test_backward_checks_x_dtype():
+    """add_rms_norm_backward rounds xhat to x_dtype for dweight: an integer dtype raises instead
+    of rounding it into a silently wrong dweight."""
+    for mode in (contextlib.nullcontext(), FakeTensorMode()):  # the op, then its fake
+        with mode:
+            s, w = torch.randn(4, 8), torch.randn(8)
+            with pytest.raises(ValueError, match="flash.add_rms_norm_backward: x_dtype must be a floating dtype"):
+                torch.ops.flash.add_rms_norm_backward(torch.randn(4, 8), None, s, w, 1e-6, 0.0, True, torch.int32)

@@ -19,7 +19,7 @@ from ..reference import layer_norm as ref
 from ._autograd import grad_or_empty, register_autograd_via
 from ._checks import check, check_same_device, check_tensor
 from .rms_norm import check_args as _check_x_weight_residual
-from .rms_norm import check_grads, triton_backward, triton_forward
+from .rms_norm import check_grads, laid_out_like, triton_backward, triton_forward
 
 
 def check_args(op: str, x, weight, bias, eps, residual=None) -> None:
@@ -63,6 +63,7 @@ def _forward(op: str, x, residual, weight, bias, eps, weight_offset, residual_in
         y, *rest = ref.layer_norm_with_stats(x, weight, bias, eps, weight_offset)
         return (y, None, *rest) if stats else (y, None)
     y, ro, *rest = ref.add_layer_norm_with_stats(x, residual, weight, bias, eps, weight_offset, residual_in_fp32)
+    y, ro = laid_out_like(x, y), laid_out_like(x, ro, ro.dtype)
     return (y, ro, *rest) if stats else (y, ro)
 
 
@@ -82,7 +83,7 @@ def _layer_norm_with_stats(x: Tensor, weight: Optional[Tensor] = None, bias: Opt
 
 
 def _backward(op: str, grad_y, grad_residual_out, x, weight, bias, eps, weight_offset, mean, rstd):
-    """(dx + grad_residual_out, dweight or None, dbias or None), dx in the compute dtype or x's.
+    """(dx + grad_residual_out, dweight or None, dbias or None), dx in x's dtype and layout.
     The reference recomputes the statistics (exact in fp64, where fp32 stats would not be)."""
     check_backward_args(op, grad_y, grad_residual_out, x, weight, bias, eps, mean, rstd,
                         "residual_out" if op.startswith("add_") else "x")
@@ -92,7 +93,7 @@ def _backward(op: str, grad_y, grad_residual_out, x, weight, bias, eps, weight_o
     if grads is not None:
         return grads
     dx, dw, db = ref.layer_norm_backward(grad_y, x, weight, bias, eps, weight_offset)
-    return (dx if grad_residual_out is None else dx + grad_residual_out), dw, db
+    return laid_out_like(x, dx if grad_residual_out is None else dx + grad_residual_out), dw, db
 
 
 @triton_op("flash::layer_norm_backward", mutates_args=())
@@ -102,7 +103,7 @@ def _layer_norm_backward(grad_y: Tensor, x: Tensor, weight: Optional[Tensor], bi
     """Returns (dx, dweight, dbias); dweight/dbias are empty where weight/bias is None. mean and
     rstd: flash.layer_norm_with_stats's, or None to recompute them from x."""
     dx, dw, db = _backward("layer_norm_backward", grad_y, None, x, weight, bias, eps, weight_offset, mean, rstd)
-    return dx.to(x.dtype), grad_or_empty(dw, x), grad_or_empty(db, x)
+    return dx, grad_or_empty(dw, x), grad_or_empty(db, x)
 
 
 @triton_op("flash::add_layer_norm", mutates_args=())
@@ -131,7 +132,7 @@ def _add_layer_norm_backward(grad_y: Tensor, grad_residual_out: Optional[Tensor]
     residual's dtypes. mean and rstd: flash.add_layer_norm_with_stats's, or None."""
     dsum, dw, db = _backward("add_layer_norm_backward", grad_y, grad_residual_out, residual_out, weight, bias,
                              eps, weight_offset, mean, rstd)
-    return dsum.to(residual_out.dtype), grad_or_empty(dw, residual_out), grad_or_empty(db, residual_out)
+    return dsum, grad_or_empty(dw, residual_out), grad_or_empty(db, residual_out)
 
 
 def _present(grad: Tensor, param: Optional[Tensor]) -> Optional[Tensor]:

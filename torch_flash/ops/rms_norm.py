@@ -16,7 +16,7 @@ from torch.library import triton_op
 from .. import _dispatch
 from ..reference import rms_norm as ref
 from ._autograd import grad_or_empty
-from ._checks import check, check_like, check_same_device, check_tensor
+from ._checks import FLOAT_DTYPES, check, check_like, check_same_device, check_tensor
 
 
 def check_args(op: str, x, weight, eps, residual=None) -> None:
@@ -42,9 +42,14 @@ def check_grads(op: str, grad_y, grad_residual_out, x, x_name: str) -> None:
         check_like(op, "grad_residual_out", grad_residual_out, x, x_name)
 
 
-def check_backward_args(op: str, grad_y, grad_residual_out, x, weight, eps, x_name: str = "x") -> None:
+def check_backward_args(op: str, grad_y, grad_residual_out, x, weight, eps, x_name: str = "x",
+                        x_dtype: Optional[torch.dtype] = None) -> None:
+    """x_dtype: add_rms_norm_backward's dtype of the forward's x, that xhat was rounded to (an
+    integer one would round xhat silently into a wrong dweight)."""
     check_args(op, x, weight, eps)
     check_grads(op, grad_y, grad_residual_out, x, x_name)
+    if x_dtype is not None:
+        check(x_dtype in FLOAT_DTYPES, op, f"x_dtype must be a floating dtype, got {x_dtype}")
 
 
 def out_dtype(x_dtype: torch.dtype, weight, cast_before_weight: bool) -> torch.dtype:
@@ -52,6 +57,14 @@ def out_dtype(x_dtype: torch.dtype, weight, cast_before_weight: bool) -> torch.d
     if weight is not None and cast_before_weight:
         return torch.promote_types(x_dtype, weight.dtype)
     return x_dtype
+
+
+def laid_out_like(like: Tensor, values: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
+    """values (a reference-path result) in empty_like(like)'s strides and dtype (default like's):
+    the layout the fakes promise and the Triton launchers write. The reference's elementwise
+    ops take their layout from whichever operand TensorIterator favours (a contiguous rstd
+    over a permuted x, a permuted residual over an expanded x)."""
+    return torch.empty_like(like, dtype=dtype or like.dtype).copy_(values)
 
 
 def _use_triton(op: str, x: Tensor, weight) -> bool:
@@ -102,9 +115,12 @@ def _rms_norm_backward(grad_y: Tensor, x: Tensor, weight: Optional[Tensor], eps:
     grads = triton_backward("rms_norm_backward", grad_y, None, x, weight, None, eps=eps, is_rms=True,
                             weight_offset=weight_offset, cast_before_weight=cast_before_weight,
                             out_dtype=x.dtype)
-    dx, dw = grads[:2] if grads is not None else ref.rms_norm_backward(
-        grad_y, x, weight, eps, weight_offset, cast_before_weight)
-    return dx.to(x.dtype), grad_or_empty(dw, x)
+    if grads is not None:
+        dx, dw = grads[:2]
+    else:
+        dx, dw = ref.rms_norm_backward(grad_y, x, weight, eps, weight_offset, cast_before_weight)
+        dx = laid_out_like(x, dx)
+    return dx, grad_or_empty(dw, x)
 
 
 @triton_op("flash::add_rms_norm", mutates_args=())
@@ -117,7 +133,9 @@ def _add_rms_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor] = None, 
                            residual_in_fp32=residual_in_fp32)
     if fused is not None:
         return fused
-    return ref.add_rms_norm(x, residual, weight, eps, weight_offset, cast_before_weight, residual_in_fp32)
+    y, residual_out = ref.add_rms_norm(x, residual, weight, eps, weight_offset, cast_before_weight,
+                                       residual_in_fp32)
+    return laid_out_like(x, y, y.dtype), laid_out_like(x, residual_out, residual_out.dtype)
 
 
 @triton_op("flash::add_rms_norm_backward", mutates_args=())
@@ -126,7 +144,7 @@ def _add_rms_norm_backward(grad_y: Tensor, grad_residual_out: Optional[Tensor], 
                            cast_before_weight: bool, x_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Returns (d(x + residual), dweight); the caller casts the first to x's and residual's dtypes."""
     check_backward_args("add_rms_norm_backward", grad_y, grad_residual_out, residual_out, weight, eps,
-                        "residual_out")
+                        "residual_out", x_dtype)
     grads = triton_backward("add_rms_norm_backward", grad_y, grad_residual_out, residual_out, weight,
                             None, eps=eps, is_rms=True, weight_offset=weight_offset,
                             cast_before_weight=cast_before_weight, out_dtype=x_dtype)
@@ -137,7 +155,8 @@ def _add_rms_norm_backward(grad_y: Tensor, grad_residual_out: Optional[Tensor], 
                                          cast_before_weight, out_dtype=x_dtype)
         if grad_residual_out is not None:
             dsum = dsum + grad_residual_out
-    return dsum.to(residual_out.dtype), grad_or_empty(dw, residual_out)
+        dsum = laid_out_like(residual_out, dsum)
+    return dsum, grad_or_empty(dw, residual_out)
 
 
 def _rms_setup(ctx, inputs, keyword_only_inputs, output):
