@@ -256,6 +256,10 @@ def _bad_ce(logits=None, target=None, **kw):
     (_bad_ce(softcap=-2.0), "softcap must be >= 0"),
     (lambda: torch.ops.flash.cross_entropy_backward(torch.randn(4), torch.randn(4, 10),
                                                     torch.zeros(4, dtype=torch.long)), "grad_loss has shape"),
+    # a grad_loss on another device was read as garbage (meta here; a CPU scalar for CUDA logits
+    # is a host pointer handed to the kernel)
+    (lambda: torch.ops.flash.cross_entropy_backward(torch.ones((), device="meta"), torch.randn(4, 10),
+                                                    torch.zeros(4, dtype=torch.long)), "one device, got .*grad_loss on meta"),
     (lambda: torch.ops.flash.cross_entropy_backward(torch.randn(()), torch.randn(4, 10), torch.zeros(4, dtype=torch.long),
                                                     torch.randn(3)), "lse has shape \\(3,\\), expected target's shape \\(4,\\)"),
     (lambda: torch.ops.flash.cross_entropy_backward(torch.randn(()), torch.randn(4, 10), torch.zeros(4, dtype=torch.long),
@@ -418,6 +422,37 @@ def test_inplace_backward_rejects_leaves_and_layouts():
         cross_entropy(leaf, t, inplace_backward=True)
     cross_entropy(leaf.detach(), t, inplace_backward=True)
     assert torch.equal(leaf, before)
+
+
+@pytest.mark.parametrize("view", [False, True], ids=["leaf", "view-of-leaf"])
+def test_inplace_backward_rejects_leaves_under_compile(view):
+    """torch.compile refuses a leaf that requires grad (or a view of one) as eager does; it used
+    to overwrite the leaf, a parameter say, with its gradient silently."""
+    leaf = _logits((6, 10) if view else (4, 10), rg=True)
+    before = leaf.detach().clone()
+    t = _target((4,), 10)
+    compiled = torch.compile(lambda x: cross_entropy(x, t, inplace_backward=True), backend="aot_eager",
+                             fullgraph=True)
+    with pytest.raises(RuntimeError, match="flash.cross_entropy: .*logits is a leaf tensor that requires grad"):
+        compiled(leaf[1:5] if view else leaf).backward()
+    assert torch.equal(leaf.detach(), before)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_create_graph_second_derivative_raises(monkeypatch, backend, inplace):
+    """create_graph=True: the gradient is right and not differentiable again, so a second
+    derivative raises naming the backward op; with inplace_backward it came out silently wrong
+    (autograd took the overwritten logits for the logits, history and all)."""
+    monkeypatch.setenv("TORCH_FLASH_BACKEND", backend)
+    leaf, logits = _producer((4,), 10, device=DEV if backend == "triton" else "cpu")
+    t = _target((4,), 10).to(leaf.device)
+    (got,) = torch.autograd.grad(cross_entropy(logits, t, inplace_backward=inplace), leaf, create_graph=True)
+    leaf64 = leaf.detach().double().requires_grad_()
+    (want,) = torch.autograd.grad(_naive(leaf64 * 2, t), leaf64)
+    assert_rel_close(got, want, TOL[torch.float32], what="dleaf")
+    with pytest.raises(RuntimeError, match="flash.cross_entropy_backward"):
+        torch.autograd.grad(got.square().sum() + leaf.sum(), leaf)
 
 
 def test_inplace_backward_detects_logits_needed_later():

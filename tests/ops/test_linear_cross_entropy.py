@@ -214,6 +214,13 @@ def test_bad_target_values_raise_on_every_op(device):
             call()
 
 
+def test_backward_grad_loss_on_another_device():
+    """The backward op refuses a grad_loss on another device (it read a meta one as garbage)."""
+    h, w, t, b = _inputs((4,), 8, 10)
+    with pytest.raises(ValueError, match="flash.linear_cross_entropy_backward: .*one device, got .*grad_loss on meta"):
+        torch.ops.flash.linear_cross_entropy_backward(torch.ones((), device="meta"), h, w, t, b)
+
+
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_empty_batch(reduction):
     h, w, t, b = _inputs((0, 3), 8, 10, rg=(True, True, True))
@@ -223,6 +230,21 @@ def test_empty_batch(reduction):
     out.sum().backward()
     assert h.grad.shape == h.shape
     assert torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(b.grad, torch.zeros_like(b))
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_zero_hidden_size(monkeypatch, backend):
+    """H = 0 (logits = bias, as F.linear gives): it crashed in a reshape of the empty hidden."""
+    monkeypatch.setenv("TORCH_FLASH_BACKEND", backend)
+    h, w, t, b = (x.to(DEV if backend == "triton" else "cpu") for x in _inputs((2, 3), 0, 10, rg=(True, True, True)))
+    out = linear_cross_entropy(h, w, t, b)
+    b64 = b.detach().cpu().double().requires_grad_()
+    expect = F.cross_entropy(b64.expand(6, 10), t.reshape(-1).cpu())
+    out.backward()
+    expect.backward()
+    assert_rel_close(out.cpu(), expect, TOL[torch.float32])
+    assert_rel_close(b.grad.cpu(), b64.grad, TOL[torch.float32], what="dbias")
+    assert h.grad.shape == h.shape and w.grad.shape == w.shape
 
 
 def test_inputs_untouched():
@@ -336,6 +358,25 @@ def test_retain_graph_backward_twice(monkeypatch, backend, first):
     loss.backward(retain_graph=True)
     loss.backward()  # accumulates into .grad: twice the gradient
     _check_grads((h.grad, w.grad, b.grad), h, w, t, b, 2.0, **LCE_OPTS)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_create_graph_second_derivative_raises(monkeypatch, backend, reduction):
+    """create_graph=True: the gradients are not differentiable again, so a second derivative
+    through them raises naming the backward op (as flash.cross_entropy's), never comes out
+    silently without its Hessian term; the first derivative is still right."""
+    monkeypatch.setenv("TORCH_FLASH_BACKEND", backend)
+    h, w, t, b = _leaves(backend)
+    loss = linear_cross_entropy(h, w, t, b, reduction=reduction, chunk_size=5, **LCE_OPTS)
+    grad_loss = torch.rand_like(loss)
+    got = torch.autograd.grad(loss, (h, w, b), grad_loss, create_graph=True)
+    want = ref.linear_cross_entropy_backward(grad_loss.cpu().double(), *(x.detach().cpu().double() for x in (h, w)),
+                                             t.cpu(), b.detach().cpu().double(), ref.LossOptions(**LCE_OPTS), reduction)
+    for g, e, name in zip(got, want, GRAD_NAMES):
+        assert_rel_close(g.cpu(), e, TOL[torch.float32], what=name)
+    with pytest.raises(RuntimeError, match="flash.linear_cross_entropy_backward"):
+        torch.autograd.grad(got[0].square().sum() + h.sum(), h)
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])

@@ -22,6 +22,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.functional_tensor import FunctionalTensor
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.library import triton_op
 
 from .. import _dispatch
@@ -55,6 +57,7 @@ def check_grad_loss(op: str, grad_loss, target, reduction: str) -> None:
     want = tuple(target.shape) if reduction == "none" else ()
     check(tuple(grad_loss.shape) == want, op,
           f"grad_loss has shape {tuple(grad_loss.shape)}, expected {want} for reduction={reduction!r}")
+    check_same_device(op, target=target, grad_loss=grad_loss)
 
 
 class TargetCheck:
@@ -131,8 +134,11 @@ def check_inplace_layout(op: str, logits) -> None:
 
 def check_inplace_owner(op: str, logits: Tensor) -> None:
     """The values of a leaf that requires grad (a parameter) must survive the backward. Reads
-    autograd metadata, which traced (fake) tensors do not carry faithfully: eager calls only."""
-    if torch.compiler.is_compiling() or is_fake(logits):
+    autograd metadata, which real tensors and Dynamo's fake tensors (mirroring the caller's leaves
+    and views) carry faithfully, unlike the functional or proxied tensors of AOTAutograd and make_fx;
+    Dynamo's symbolic pass over Python (the vocab-parallel mode) cannot read it."""
+    if (torch.compiler.is_dynamo_compiling() or get_proxy_mode() is not None
+            or isinstance(logits, FunctionalTensor) or torch._is_functional_tensor(logits)):
         return
     base = logits if logits._base is None else logits._base
     check(not (base.is_leaf and base.requires_grad), op,
@@ -283,8 +289,11 @@ _OPTIONS = (*LossOptions._fields, "reduction")
 
 def _grad_logits(inplace: bool, grad_loss: Tensor, logits: Tensor, target: Tensor, lse: Tensor,
                  **options) -> Tensor:
-    """The backward of both modes: dlogits as a new tensor, or written over logits (returned)."""
-    if inplace:
+    """The backward of both modes: dlogits as a new tensor, or written over logits (returned).
+    create_graph=True (grad mode on here) takes the new tensor: autograd would take overwritten
+    logits for the logits, history and all (a silently wrong second derivative), where the
+    out-of-place op raises for want of an autograd formula."""
+    if inplace and not torch.is_grad_enabled():
         torch.ops.flash.cross_entropy_backward_inplace(grad_loss, logits, target, lse, **options)
         return logits
     return torch.ops.flash.cross_entropy_backward(grad_loss, logits, target, lse, **options)
@@ -401,7 +410,9 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
     are destroyed then (they stay intact until the backward). logits must be an intermediate
     (not a leaf that requires grad, nor a view of one), with evenly spaced non-overlapping rows,
     and nothing else may need its values after the loss's backward: an op that saved logits for
-    its own backward fails with PyTorch's "modified by an inplace operation" error.
+    its own backward fails with PyTorch's "modified by an inplace operation" error. A backward with
+    create_graph=True writes a new tensor instead (as flash.cross_entropy_backward; neither is
+    differentiable again).
 
     process_group (vocab-parallel, as Megatron's VocabParallel cross-entropy): logits (..., V_local)
     is this rank's shard of the vocabulary, the classes [rank * V_local, (rank + 1) * V_local),

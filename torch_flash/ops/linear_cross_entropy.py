@@ -6,9 +6,10 @@ options, output shape and dtype. Token chunks of `chunk_size` rows (0: as many a
 chunk's logits, in the inputs' dtype, within a fixed budget) mean the (N, V) logits never
 exist. With gradients needed (mean/sum), the forward runs flash.linear_cross_entropy_with_grads,
 which also computes the gradients chunk by chunk, and the backward hands them out scaled in
-place (no second dweight-sized buffer; no pass at all for an upstream gradient of 1); "none", and a
-second backward through a retained graph, recompute each chunk's logits in the backward
-(flash.linear_cross_entropy_backward). See torch_flash/reference/linear_cross_entropy.py.
+place (no second dweight-sized buffer; no pass at all for an upstream gradient of 1); "none", a
+second backward through a retained graph, and create_graph=True recompute each chunk's logits in
+the backward (flash.linear_cross_entropy_backward, which is not differentiable again).
+See torch_flash/reference/linear_cross_entropy.py.
 """
 from __future__ import annotations
 
@@ -185,11 +186,11 @@ def _scale_unless_one_(grads, grad_loss: Tensor) -> None:
 
 def _backward(ctx, grad_loss):
     grads = ctx.grads
-    if grads is not None and (_symbolic(grad_loss) or grad_loss.requires_grad):
-        # traced: a pure multiply, the compiler plans the memory; create_graph: the result must
-        # depend on grad_loss. ctx.grads stays intact for a later backward.
+    if grads is not None and _symbolic(grad_loss):
+        # traced: a pure multiply, the compiler plans the memory. ctx.grads stays intact for a
+        # later backward.
         dh, dw, db = (t * grad_loss.to(t.dtype) for t in grads)
-    elif grads is not None:
+    elif grads is not None and not torch.is_grad_enabled():
         # eager, first backward: give the forward's gradients away (the graph, alive as long
         # as the loss, stops holding a dweight-sized buffer, and AccumulateGrad can take them
         # without a copy) and scale them in place
@@ -197,8 +198,10 @@ def _backward(ctx, grad_loss):
         dh, dw, db = grads
         _scale_unless_one_(grads, grad_loss)
     else:
-        # reduction="none", or a later backward through a retained graph: the first one's
-        # results belong to the caller now, so recompute
+        # reduction="none", a later backward through a retained graph (the first one's results
+        # belong to the caller now), or create_graph=True (grad mode on here): the forward's
+        # gradients are constants, a second derivative through them would silently lack its
+        # Hessian term, where the backward op raises for want of an autograd formula. Recompute
         hidden, weight, target, bias = ctx.saved_tensors
         dh, dw, db = torch.ops.flash.linear_cross_entropy_backward(
             grad_loss, hidden, weight, target, bias, **ctx.options, **ctx.flags)

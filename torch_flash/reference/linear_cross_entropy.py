@@ -27,7 +27,7 @@ def chunk_logits(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tens
 
 def _rows(hidden: Tensor, weight: Tensor, chunk_size: int):
     """hidden as (N, H) and the row slices of its chunks."""
-    h = hidden.reshape(-1, hidden.shape[-1])
+    h = hidden.reshape(hidden.shape[:-1].numel(), hidden.shape[-1])  # not -1: H may be 0
     return h, ce.row_slices(h.shape[0], ce.rows_per_chunk(weight.shape[0], hidden.dtype, chunk_size))
 
 

@@ -370,7 +370,8 @@ def lce_fwd(hidden, weight, target, bias, *, ignore_index, label_smoothing, z_lo
     PyTorch's unfused bf16 path (4 chunks 1.13x), the bf16 logits' own rounding dominating.
     """
     n_cols, hid = weight.shape
-    h, t = hidden.reshape(-1, hid), _flat(target)
+    t = _flat(target)
+    h = hidden.reshape(t.shape[0], hid)  # not -1: H may be 0
     n_rows = h.shape[0]
     losses = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
     lse = torch.empty_like(losses)
@@ -385,7 +386,7 @@ def lce_fwd(hidden, weight, target, bias, *, ignore_index, label_smoothing, z_lo
     in_place = want_dh or want_dw or want_db
     rows = lce_chunk_rows(n_rows, n_cols, hidden.dtype, chunk_size)
     buf = h.new_empty(min(rows, n_rows), n_cols)
-    dh_rows = None if dh is None else dh.view(-1, hid)
+    dh_rows = None if dh is None else dh.view(h.shape)
     for start in range(0, n_rows, rows):
         sl = slice(start, start + rows)
         h_c = h[sl]
