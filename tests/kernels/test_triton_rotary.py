@@ -139,7 +139,7 @@ def test_conjugate_inverts(interleaved):
 
 
 def test_positions_outside_table_left_unrotated():
-    """A tensor offset past the table (caught by the op on the reference path) never reads out
+    """A tensor offset past the table (caught by the op in eager calls) never reads out
     of bounds: those tokens are copied unrotated."""
     x = _bshd(2, 2, 4, 8, torch.float32)
     cos, sin = _tables(6, 8)
@@ -253,6 +253,18 @@ def test_cuda_qk_gqa_shape(launches):
     for out, x in zip(back, (q, k)):
         assert_rel_close(out, x, TOL[torch.bfloat16])
     assert launches == ["_rotary_qk_kernel"] * 2
+
+
+@pytest.mark.cuda
+def test_cuda_batch_past_grid_axis_limit(launches):
+    """More sequences than a second CUDA grid axis holds (65535), one token each (decode
+    steps of a large batch), q and k in one launch."""
+    q, k = _bshd(70000, 2, 1, 16, torch.bfloat16), _bshd(70000, 1, 1, 16, torch.bfloat16)
+    cos, sin = _tables(64, 16)
+    offs = torch.randint(0, 63, (70000,), device="cuda")
+    for out, x in zip(_apply_qk(q, k, cos, sin, seqlen_offsets=offs), (q, k)):
+        assert_rel_close(out, _dense_expected(x, cos, sin, offs[:, None], False), TOL[torch.bfloat16])
+    assert launches == ["_rotary_qk_kernel"]
 
 
 @pytest.mark.cuda

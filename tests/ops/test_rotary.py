@@ -233,6 +233,10 @@ def _bad_cases():
         (lambda: rotary(xp, c, s, seqlen_offsets=6, cu_seqlens=cu), "8 positions, but a token sits at position 8"),
         (lambda: rotary(xp, c[None], s[None], cu_seqlens=cu), "need x of shape \\(B, H, S, D\\), not packed"),
         (lambda: rotary(x, c[:, :0], s[:, :0]), "rotary_dim // 2 > 0"),
+        # a gradient for the tables would be dropped silently
+        (lambda: rotary(x, c.detach().requires_grad_(), s), "cos/sin require grad"),
+        (lambda: rotary(x.clone(), c, s.detach().requires_grad_(), inplace=True),
+         "^flash.rotary_: cos/sin require grad"),
         (lambda: rotary_cos_sin(8, 7), "rotary_dim must be even"),
         (lambda: rotary_cos_sin(8, 8, base=0.0), "base must be > 0"),
     ]
@@ -241,6 +245,7 @@ def _bad_cases():
 def _bad_qk_cases():
     c, s = _tables(8, 8)
     q, k = _qk(2, 4, 2, 4, 8)
+    bshd = _x((2, 4, 4, 8), flash_layout=True)
     qp, cu = _packed([3, 2], 2, 8)
     return [
         (lambda: rotary_qk(q, k[:, :, :3], c, s),
@@ -256,7 +261,9 @@ def _bad_qk_cases():
         (lambda: rotary_qk(q, k, c, s, seqlen_offsets=torch.tensor([0, 5])), "a token sits at position 8"),
         (lambda: rotary(torch.randn(2, 1, 4, 8).expand(2, 3, 4, 8), c, s, inplace=True),
          "x has elements that share memory"),
-        (lambda: rotary_qk(q, q, c, s, inplace=True), "q and k are the same memory"),
+        (lambda: rotary_qk(q, q, c, s, inplace=True), "q and k share memory"),
+        # heads 1 and 2 of one (B, S, H, D) buffer would be rotated twice
+        (lambda: rotary_qk(bshd[:, :2], bshd[:, 1:3], c, s, inplace=True), "q and k share memory"),
         (lambda: rotary(torch.randn(2, 2, 4, 8, requires_grad=True), c, s, inplace=True),
          "x is a leaf tensor \\(or a view of one\\) that requires grad"),
         (lambda: rotary_qk(q * 1, torch.randn(2, 4, 2, 8, requires_grad=True).transpose(1, 2), c, s,
@@ -277,13 +284,31 @@ def test_bad_inputs(case):
         bad()
 
 
-def test_bad_inplace_writes_nothing():
-    """A refused in-place call leaves both tensors as they were."""
+def _unwritable_k(k):
+    """k (non-leaf, requires grad) made into tensors that in-place writes refuse: (k, message,
+    whether q requires grad): a leaf, views autograd will not write, an inference tensor (with
+    and without autograd)."""
+    with torch.no_grad():
+        no_grad_view = k[:]
+    with torch.inference_mode():
+        inference = k.detach().clone()
+    view = "k is a view autograd cannot write in place"
+    return [(k.detach().requires_grad_(), "k is a leaf", False),
+            (torch.cat((k, k), -1).chunk(2, -1)[0], view, False),
+            (no_grad_view, view, True),
+            (inference, "k is an inference tensor", False),
+            (inference, "k is an inference tensor", True)]
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_bad_inplace_writes_nothing(case):
+    """A refused in-place call leaves both tensors as they were, q too when k is refused."""
     c, s = _tables(8, 8)
-    q, k = _qk(2, 4, 2, 4, 8)
-    k.requires_grad_()
-    q_before = q.clone()
-    with pytest.raises(ValueError, match="flash.rotary_qk_: k is a leaf"):
+    q, k = _qk(2, 4, 2, 4, 8, rg=True)
+    k, match, q_grad = _unwritable_k(k)[case]
+    q = q if q_grad else q.detach()
+    q_before = q.detach().clone()
+    with pytest.raises(ValueError, match=f"flash.rotary_qk_: {match}"):
         rotary_qk(q, k, c, s, inplace=True)
     assert torch.equal(q, q_before)
 

@@ -20,6 +20,7 @@ from typing import Optional, Union
 
 import torch
 from torch import Tensor
+from torch._C._autograd import CreationMeta
 from torch._subclasses.fake_tensor import is_fake
 from torch.library import triton_op
 
@@ -93,8 +94,8 @@ def values_known(t) -> bool:
 
 
 def check_data(op: str, x, cos, seqlen_offset, seqlen_offsets, cu_seqlens) -> None:
-    """The checks that read index values: eager calls on the reference path only (a trace
-    has no values, and the kernels trust their callers)."""
+    """The checks that read index values: eager calls on every path (a trace has no values,
+    and the kernels trust their callers)."""
     if not values_known(x):
         return
     if cu_seqlens is not None:
@@ -111,10 +112,49 @@ def check_data(op: str, x, cos, seqlen_offset, seqlen_offsets, cu_seqlens) -> No
               f"cos/sin have {cos.shape[0]} positions, but a token sits at position {last}")
 
 
+def _rows_overlap(a: Tensor, b: Tensor, width: int) -> bool:
+    """Whether the first `width` elements of a row of a and of a row of b (what an in-place
+    rotation reads and writes) share memory. Exact, from shapes and strides alone (no device
+    work), for views of one buffer with the same strides: q and k of a fused qkv projection may
+    be written in place, two overlapping head ranges may not. Other layouts that meet in one
+    buffer count as overlapping."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    (lo_a, hi_a), (lo_b, hi_b) = (
+        (t.storage_offset(), t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape[:-1], t.stride())) + width)
+        for t in (a, b))
+    if hi_a <= lo_b or hi_b <= lo_a:
+        return False
+    if a.stride() != b.stride() or a.dim() != b.dim():
+        return True
+    # Rows start at offset + sum(i_k * s_k). They meet where some index difference d (d_k in
+    # (-nb_k, na_k)) gives sum(d_k * s_k) within width of b's offset minus a's: enumerate d over
+    # all dims but the longest, and solve that one's range of d in closed form.
+    dims = list(zip(a.shape[:-1], b.shape[:-1], a.stride()[:-1]))
+    longest = max(range(len(dims)), key=lambda i: dims[i][0] + dims[i][1])
+    combos = 1
+    for i, (na, nb, _) in enumerate(dims):
+        combos *= 1 if i == longest else na + nb - 1
+    if combos > 2**20:
+        return True
+    rest = torch.zeros((), dtype=torch.long)
+    for i, (na, nb, st) in enumerate(dims):
+        if i != longest:
+            rest = rest[..., None] + torch.arange(1 - nb, na) * st
+    need = b.storage_offset() - a.storage_offset() - rest.flatten()  # d_longest * s within width of this
+    na, nb, st = dims[longest]
+    if st == 0:
+        return bool((need.abs() < width).any())
+    low = torch.clamp(-torch.div(width - 1 - need, st, rounding_mode="floor"), min=1 - nb)  # ceil((need-w+1)/s)
+    high = torch.clamp(torch.div(need + width - 1, st, rounding_mode="floor"), max=na - 1)
+    return bool((low <= high).any())
+
+
 def check_inplace_args(op: str, tensors: dict, cos, sin, seqlen_offset, seqlen_offsets, cu_seqlens) -> None:
     """The tensors an in-place op writes, {"x": x} or {"q": q, "k": k}: check_args or
-    check_qk_args; and in eager calls (as check_data) no element shared within one (an
-    expanded view) or between two (q is k)."""
+    check_qk_args; and in eager calls (as check_data) writable (not inference tensors outside
+    inference mode), with no element shared within one (an expanded view) or between two
+    (q is k, or overlapping views), so that no refusal comes after q is written."""
     xs = list(tensors.values())
     if len(xs) == 1:
         check_args(op, xs[0], cos, sin, seqlen_offset, seqlen_offsets, cu_seqlens, *tensors)
@@ -123,11 +163,15 @@ def check_inplace_args(op: str, tensors: dict, cos, sin, seqlen_offset, seqlen_o
     if not values_known(xs[0]):
         return
     for name, t in tensors.items():
+        check(not t.is_inference() or torch.is_inference_mode_enabled(), op,
+              f"{name} is an inference tensor, writable in place only under torch.inference_mode(); "
+              f"rotate a copy, or use inplace=False")
         check(torch._debug_has_internal_overlap(t) != 1, op,
               f"{name} has elements that share memory (strides {t.stride()}); in place needs distinct ones")
     if len(xs) == 2:
-        check(xs[0].numel() == 0 or xs[0].data_ptr() != xs[1].data_ptr(), op,
-              "{} and {} are the same memory".format(*tensors))
+        check(not _rows_overlap(*xs, 2 * cos.shape[-1]), op,
+              "{} and {} share memory (the same tensor, or overlapping views); in place needs distinct "
+              "ones".format(*tensors))
 
 
 def _rotate(op: str, xs: tuple[Tensor, ...], inplace: bool, cos, sin, seqlen_offsets, cu_seqlens, interleaved,
@@ -220,10 +264,21 @@ def _rotary_qk_inplace(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, seqlen_of
 # ---- autograd. The rotation is orthogonal: each op's gradient is the rotation of the incoming
 # gradients by the opposite angle; only the tables are saved.
 
-def _setup(ctx, inputs, keyword_only_inputs, output):
-    *_, cos, sin, seqlen_offsets, cu_seqlens = inputs
-    ctx.save_for_backward(cos, sin, seqlen_offsets, cu_seqlens)
-    ctx.flags = dict(keyword_only_inputs)
+def check_tables_no_grad(op: str, cos, sin) -> None:
+    """The tables get no gradient (as in FlashAttention): refuse tables that require one
+    rather than leave it silently unset."""
+    check(not (cos.requires_grad or sin.requires_grad), op,
+          "cos/sin require grad, but no gradient flows to the tables; pass them detached "
+          "(computed under torch.no_grad(), as models do)")
+
+
+def _setup_context(op: str):
+    def setup(ctx, inputs, keyword_only_inputs, output):
+        *_, cos, sin, seqlen_offsets, cu_seqlens = inputs
+        check_tables_no_grad(op, cos, sin)
+        ctx.save_for_backward(cos, sin, seqlen_offsets, cu_seqlens)
+        ctx.flags = dict(keyword_only_inputs)
+    return setup
 
 
 def _rotate_grads(op_name: str, ctx, grads) -> tuple[Tensor, ...]:
@@ -245,7 +300,7 @@ def _backward_via(op_name: str):
 
 for _op, _grad_op in ((_rotary, "rotary_backward"), (_rotary_backward, "rotary"),
                       (_rotary_qk, "rotary_qk_backward"), (_rotary_qk_backward, "rotary_qk")):
-    _op.register_autograd(_backward_via(_grad_op), setup_context=_setup)
+    _op.register_autograd(_backward_via(_grad_op), setup_context=_setup_context(_op._name))
 
 
 def _register_inplace_autograd(opdef, functional: str) -> None:
@@ -265,6 +320,8 @@ def _register_inplace_autograd(opdef, functional: str) -> None:
         given = {**defaults, **dict(zip(names, args)), **kwargs}
         tensors = {n: given.pop(n) for n in mutated}
         xs = list(tensors.values())
+        if torch.is_grad_enabled():  # before the kernel path, which would drop their graph
+            check_tables_no_grad(op_name, given["cos"], given["sin"])
         if not (torch.is_grad_enabled() and any(x.requires_grad for x in xs)):
             with torch._C._AutoDispatchBelowAutograd():
                 return opdef._opoverload(*args, **kwargs)
@@ -278,6 +335,10 @@ def _register_inplace_autograd(opdef, functional: str) -> None:
             check(not (base.is_leaf and base.requires_grad), op_name,
                   f"{name} is a leaf tensor (or a view of one) that requires grad; rotate a copy, "
                   f"or use inplace=False")
+            # autograd refuses to write such views only at the copy below, after q is written
+            check(not x._is_view() or torch._C._autograd._get_creation_meta(x) == CreationMeta.DEFAULT, op_name,
+                  f"{name} is a view autograd cannot write in place (an output of split, chunk or unbind, "
+                  f"or a view made under no_grad); rotate a copy, or use inplace=False")
         rd = 2 * given["cos"].shape[-1]
         rotated = getattr(torch.ops.flash, functional)(*(x[..., :rd] for x in xs), **given)
         for x, r in zip(xs, rotated if isinstance(rotated, tuple) else (rotated,)):

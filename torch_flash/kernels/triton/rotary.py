@@ -8,11 +8,12 @@ s + seqlen_offset + seqlen_offsets[b].
 The first rd = 2 * cos.shape[-1] dims rotate, in halves (GPT-NeoX: x[i] with x[i + rd/2]) or
 in pairs (GPT-J: x[2i] with x[2i + 1]); the rest pass through. conjugate rotates by -theta
 (the backward). fp32 math, output in x's dtype. A position outside the table (only possible
-with tensor offsets, which the op validates on the reference path) leaves its token unrotated
+with tensor offsets, which the op validates in eager calls) leaves its token unrotated
 rather than reading out of bounds.
 
 A program rotates BLOCK_S tokens of BLOCK_H heads of one sequence, loading cos/sin once for
-all its heads; grid axis 0 runs over head blocks first, then token blocks. _rotary_qk_kernel
+all its heads; the 1-D grid runs over head blocks first, then token blocks, then sequences
+(any batch size: CUDA caps a second grid axis at 65535). _rotary_qk_kernel
 rotates q and k (same shape but for their head counts, GQA) in one launch: its head blocks
 are q's, then k's. Packed sequences find their sequence by a binary search in cu_seqlens, so
 the grid needs no max_seqlen and no host synchronisation.
@@ -106,12 +107,15 @@ def _tables(COS, SIN, CU_SEQLENS, OFFSETS, pid_b, s, seqlen, seqlen_ro, seqlen_o
 
 
 @triton.jit
-def _token_and_head_block(head_blocks):
-    """(token block, head block) of this program: axis 0 runs over the head blocks first, so
-    programs launched together cover all heads of the same tokens (one stretch of memory for
-    (B, S, H, D) layouts, one read of the tokens' cos/sin)."""
+def _program_block(seqlen, head_blocks, BLOCK_S: tl.constexpr):
+    """(sequence, token block, head block) of this program: the one grid axis runs over the
+    head blocks first, so programs launched together cover all heads of the same tokens (one
+    stretch of memory for (B, S, H, D) layouts, one read of the tokens' cos/sin), then the
+    token blocks, then the batch (on one axis: a second one holds at most 65535 on CUDA)."""
     pid = tl.program_id(0).to(tl.int64)
-    return pid // head_blocks, pid % head_blocks
+    per_seq = tl.cdiv(seqlen, BLOCK_S) * head_blocks
+    block = pid % per_seq
+    return pid // per_seq, block // head_blocks, block % head_blocks
 
 
 _KEY = ["RD2", "TAIL", "INTERLEAVED", "IS_VARLEN", "PER_TOKEN"]
@@ -126,8 +130,7 @@ def _rotary_kernel(X, OUT, COS, SIN, CU_SEQLENS, OFFSETS,
                    CONJUGATE: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_OFFSETS: tl.constexpr,
                    PER_TOKEN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TAIL: tl.constexpr,
                    BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr):
-    pid_b = tl.program_id(1).to(tl.int64)
-    pid_s, pid_h = _token_and_head_block(tl.cdiv(nheads, BLOCK_H))
+    pid_b, pid_s, pid_h = _program_block(seqlen, tl.cdiv(nheads, BLOCK_H), BLOCK_S)
     s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
     cos, sin, in_range = _tables(COS, SIN, CU_SEQLENS, OFFSETS, pid_b, s, seqlen, seqlen_ro, seqlen_offset, nseq,
                                  search_steps, stride_cb, stride_cs, RD2, CONJUGATE, IS_VARLEN, HAS_OFFSETS,
@@ -150,10 +153,9 @@ def _rotary_qk_kernel(Q, QOUT, K, KOUT, COS, SIN, CU_SEQLENS, OFFSETS,
                       CONJUGATE: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_OFFSETS: tl.constexpr,
                       PER_TOKEN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TAIL: tl.constexpr,
                       BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr):
-    pid_b = tl.program_id(1).to(tl.int64)
     # the head blocks of q, then those of k
     q_blocks = tl.cdiv(nheads_q, BLOCK_H)
-    pid_s, pid_h = _token_and_head_block(q_blocks + tl.cdiv(nheads_k, BLOCK_H))
+    pid_b, pid_s, pid_h = _program_block(seqlen, q_blocks + tl.cdiv(nheads_k, BLOCK_H), BLOCK_S)
     s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
     cos, sin, in_range = _tables(COS, SIN, CU_SEQLENS, OFFSETS, pid_b, s, seqlen, seqlen_ro, seqlen_offset, nseq,
                                  search_steps, stride_cb, stride_cs, RD2, CONJUGATE, IS_VARLEN, HAS_OFFSETS,
@@ -224,7 +226,7 @@ def _launch(pairs, cos, sin, interleaved, seqlen_offset, seqlen_offsets, cu_seql
         return (0, t.stride(1), t.stride(0)) if packed else (t.stride(0), t.stride(1), t.stride(2))
 
     def grid(meta):
-        return triton.cdiv(seqlen, meta["BLOCK_S"]) * sum(triton.cdiv(h, meta["BLOCK_H"]) for h in heads), nbatch
+        return nbatch * triton.cdiv(seqlen, meta["BLOCK_S"]) * sum(triton.cdiv(h, meta["BLOCK_H"]) for h in heads),
 
     kernel = _rotary_kernel if len(pairs) == 1 else _rotary_qk_kernel
     torch.library.wrap_triton(kernel)[grid](
