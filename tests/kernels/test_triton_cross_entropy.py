@@ -154,7 +154,7 @@ def test_vocab_shards(dtype, opts):
         cols = slice(150 * r, 150 * (r + 1))
         shard = x[..., cols].contiguous()
         got = K.ce_stats(shard, t, ignore_index=opts.ignore_index, softcap=opts.softcap, vocab_start=150 * r,
-                         block=BLOCK)
+                         vocab_size=450, block=BLOCK)
         expect = ce_ref.row_stats(x64[..., cols].reshape(-1, 150), t.reshape(-1), opts, vocab_start=150 * r)
         for name, a, b in zip(("lse", "z_target", "z_sum"), got, expect):
             assert a.dtype == FP32 and a.shape == t.shape
@@ -180,7 +180,7 @@ def test_masked_classes(dtype, opts):
     for reduction in REDUCTIONS:
         _check_ce(x, t, opts, reduction)
     lse, z_t, _ = K.ce_stats(x[:, :BLOCK].contiguous(), t, ignore_index=opts.ignore_index, softcap=0.0,
-                             block=BLOCK // 2)
+                             vocab_size=200, block=BLOCK // 2)
     valid = t != opts.ignore_index
     assert (lse[valid] == float("-inf")).all() and (z_t == 0).all()
 
@@ -239,6 +239,25 @@ def test_all_rows_ignored(reduction):
     assert (grad == 0).all() and (lse == 0).all()
     dx = K.ce_bwd(_grad_loss(t, reduction), x, t, lse, block=BLOCK, **_kw(OPTIONS["plain"], reduction))
     assert (dx == 0).all()
+
+
+def test_target_out_of_range_is_nan():
+    """A target outside [0, V) that is not ignore_index (too large, negative): NaN lse, loss and
+    gradient rows, in one launch and in shard statistics (a compiled call skips the op's host
+    check); the other rows stay exact."""
+    x, opts = _logits((4, 100), FP32), OPTIONS["smoothing"]
+    t = torch.tensor([73, 100, -1, -100], device=DEV)  # in range, too large, negative, ignored
+    loss, lse, grad = K.ce_fwd(x, t, grad_logits_out=torch.empty_like(x), block=BLOCK, **_kw(opts, "none"))
+    for got in (loss, lse, grad):
+        assert got[1:3].isnan().all() and not got[[0, 3]].isnan().any()
+    assert_rel_close(loss[0], ce_ref.cross_entropy(x[:1].double(), t[:1], opts, "none")[0], TOL[FP32])
+    for start in (0, 50):  # row 0's target in this shard and in the other
+        shard_lse, _, _ = K.ce_stats(x[:, start:start + 50], t, ignore_index=-100, softcap=0.0,
+                                     vocab_start=start, vocab_size=100, block=BLOCK)
+        assert shard_lse[1:3].isnan().all() and not shard_lse[[0, 3]].isnan().any()
+    h, w = _logits((4, 16), FP32), _logits((100, 16), FP32)
+    lce_loss, dh, dw, _ = K.lce_fwd(h, w, t, None, block=BLOCK, **_kw(opts, "sum"))
+    assert lce_loss.isnan() and dh[1:3].isnan().all() and not dh[[0, 3]].isnan().any()
 
 
 def test_empty_batch():

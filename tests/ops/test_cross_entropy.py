@@ -284,7 +284,7 @@ def test_bad_inputs(bad, match):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_bad_target_values_raise_on_every_op(device):
     """Out-of-range targets raise naming the op on every op that reads them (on CUDA the check
-    runs behind the kernels, which mask such targets), and the in-place backward raises before
+    runs behind the kernels, which make such rows NaN), and the in-place backward raises before
     it writes over the logits."""
     x = torch.randn(4, 10, device=device)
     t = torch.tensor([0, 3, 10, 1], device=device)
@@ -299,6 +299,22 @@ def test_bad_target_values_raise_on_every_op(device):
         with pytest.raises(ValueError, match=f"flash.{op}: target contains 10, outside \\[0, 10\\)"):
             call()
     assert torch.equal(x, keep)
+
+
+@pytest.mark.cuda
+def test_cuda_bad_target_compiled_never_silent():
+    """Compiled, the host check cannot run where Inductor calls the Triton kernels itself: the
+    call raises, or its loss and gradient are NaN (the kernel's signal), never a finite answer."""
+    x = torch.randn(4, 10, device="cuda", requires_grad=True)
+    t = torch.tensor([0, 3, 10, 1], device="cuda")
+    torch._dynamo.reset()
+    try:
+        loss = torch.compile(lambda x, t: cross_entropy(x * 2, t), fullgraph=True)(x, t)
+        loss.backward()
+    except ValueError as e:
+        assert "target contains 10" in str(e)
+    else:
+        assert loss.isnan() and x.grad[2].isnan().all()
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)

@@ -67,9 +67,9 @@ class TargetCheck:
     non-ignored target) copied to pinned host memory behind an event: raise_if_bad() waits for
     that event only,
     not for the kernels queued after it, so an op starts the check, launches its kernels (which
-    mask such targets: no out-of-bounds reads) and raises before returning. Real tensors only:
-    traced graphs, and CUDA graph captures, rely on the kernels' masking and gather's bounds
-    check."""
+    read no logit out of bounds for such targets, and make their rows NaN) and raises before
+    returning. Real tensors only: traced graphs, and CUDA graph captures, get the kernels' NaN or
+    gather's bounds check."""
 
     def __init__(self, op: str, target: Tensor, n_classes: int, ignore_index: int):
         self.op, self.n_classes, self.ignore_index = op, n_classes, ignore_index
@@ -277,7 +277,8 @@ def _cross_entropy_shard_stats(logits: Tensor, target: Tensor, *, vocab_start: i
     targets = TargetCheck(op, target, vocab_size or logits.shape[-1], ignore_index)
     if _backend(op, logits, target) == "triton":
         from ..kernels.triton.cross_entropy import ce_stats
-        stats = ce_stats(logits, target, ignore_index=ignore_index, softcap=softcap, vocab_start=vocab_start)
+        stats = ce_stats(logits, target, ignore_index=ignore_index, softcap=softcap, vocab_start=vocab_start,
+                         vocab_size=vocab_size)
         targets.raise_if_bad()
         return tuple(s.to(compute_dtype(logits.dtype)) for s in stats)
     targets.raise_if_bad()

@@ -112,6 +112,9 @@ def _ce_kernel(X, T, Loss, Lse, ZT, ZSum, G, Out, NValid, n_cols, n_classes, voc
             lse2 = m2 + tl.log2(d)
             z_t, _ = _capped(tl.load(x_row + t_col, mask=hit, other=0.0).to(tl.float32),
                              softcap, inv_softcap, SOFTCAP)
+        # a target outside the vocabulary (not ignore_index) makes lse, so loss and gradient, NaN:
+        # the signal compiled calls get, where eager calls also raise (ops/cross_entropy.py)
+        lse2 = tl.where(valid & ((t < 0) | (t >= n_classes)), float("nan"), lse2)
         lse = lse2 * _LN2
         tl.store(Lse + row, lse)
         if STATS:
@@ -267,7 +270,8 @@ def ce_fwd(logits, target, *, ignore_index, label_smoothing, z_loss, softcap, re
     """Cross-entropy of logits (..., V) against target (...): (loss, lse, grad or None).
 
     loss: fp32, target's shape for reduction="none", else a scalar. lse: fp32 (...), the
-    log-sum-exp of each row's (capped) logits, 0 on ignored rows. grad_logits_out (shaped like
+    log-sum-exp of each row's (capped) logits, 0 on ignored rows, NaN (so loss and gradient too)
+    where the target is outside [0, V) and not ignore_index. grad_logits_out (shaped like
     logits, any dtype of DTYPES; may be logits itself) receives d(loss)/d(logits) for an upstream
     gradient of 1 (per row for "none"), in a second sweep over each row; the backward then only
     scales it by grad_loss. block forces the vocabulary block (a power of 2).
@@ -286,16 +290,17 @@ def ce_fwd(logits, target, *, ignore_index, label_smoothing, z_loss, softcap, re
     return _reduce(losses, target, n_valid, reduction), lse.view(target.shape), grad_logits_out
 
 
-def ce_stats(logits, target, *, ignore_index, softcap, vocab_start=0, block=None):
-    """Row statistics of logits (..., V_local), the classes from vocab_start of a sharded
-    vocabulary: (lse, z_target, z_sum), fp32 (...), 0 on ignored rows; z_target is 0 where the
-    row's target lies in another shard. One read of the logits."""
+def ce_stats(logits, target, *, ignore_index, softcap, vocab_start=0, vocab_size=None, block=None):
+    """Row statistics of logits (..., V_local), the classes from vocab_start of a vocabulary of
+    vocab_size (default V_local): (lse, z_target, z_sum), fp32 (...), 0 on ignored rows; z_target
+    is 0 where the row's target lies in another shard, lse NaN where it lies outside the
+    vocabulary. One read of the logits."""
     n_cols = logits.shape[-1]
     x, t = _as_rows(logits, n_cols), _flat(target)
     lse, z_t, z_sum = (torch.empty(t.shape[0], dtype=torch.float32, device=logits.device) for _ in range(3))
     _launch(x, t, loss=None, lse=lse, grad_loss=None, out=None, n_valid=None, ignore_index=ignore_index,
             label_smoothing=0.0, z_loss=0.0, softcap=softcap, reduction="none", block=block,
-            stats=(z_t, z_sum), vocab_start=vocab_start)
+            stats=(z_t, z_sum), vocab_start=vocab_start, vocab_size=vocab_size)
     return lse.view(target.shape), z_t.view(target.shape), z_sum.view(target.shape)
 
 
