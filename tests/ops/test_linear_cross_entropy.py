@@ -236,7 +236,9 @@ def test_empty_batch(reduction):
 def test_zero_hidden_size(monkeypatch, backend):
     """H = 0 (logits = bias, as F.linear gives): it crashed in a reshape of the empty hidden."""
     monkeypatch.setenv("TORCH_FLASH_BACKEND", backend)
-    h, w, t, b = (x.to(DEV if backend == "triton" else "cpu") for x in _inputs((2, 3), 0, 10, rg=(True, True, True)))
+    dev = DEV if backend == "triton" else "cpu"
+    h, w, t, b = (x.detach().to(dev).requires_grad_(x.requires_grad)  # leaves on dev
+                  for x in _inputs((2, 3), 0, 10, rg=(True, True, True)))
     out = linear_cross_entropy(h, w, t, b)
     b64 = b.detach().cpu().double().requires_grad_()
     expect = F.cross_entropy(b64.expand(6, 10), t.reshape(-1).cpu())
