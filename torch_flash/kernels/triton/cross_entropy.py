@@ -198,12 +198,15 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).contiguous()
 
 
-def _writable_rows(out: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, bool]:
-    """(rows the kernel writes for out, whether they are a buffer to copy into out afterwards)."""
+def _writable_rows(out: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, int, bool]:
+    """(what the kernel writes for out, its row stride, whether it is a buffer to copy into out
+    afterwards). out itself where its rows are evenly spaced, not a row view of it: Inductor
+    (which traces into the ops) clones a view a kernel writes and copies it back, a pass over
+    the whole gradient."""
     rows = _row_view(out, shape[1])
     if rows is not None and (shape[0] <= 1 or rows.stride(0) >= shape[1]):  # rows must not overlap
-        return rows, False
-    return torch.empty(shape, dtype=out.dtype, device=out.device), True
+        return out, rows.stride(0), False
+    return torch.empty(shape, dtype=out.dtype, device=out.device), shape[1], True
 
 
 def _n_valid(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -212,10 +215,11 @@ def _n_valid(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
 
 
 def _launch(x, t, *, loss, lse, grad_loss, out, n_valid, ignore_index, label_smoothing, z_loss,
-            softcap, reduction, block=None, stats=None, vocab_start=0, vocab_size=None, in_place=False):
+            softcap, reduction, block=None, stats=None, vocab_start=0, vocab_size=None, in_place=False,
+            out_stride=None):
     """One _ce_kernel launch over the rows of x (N, V). loss and stats None: read lse instead of
-    writing it; stats (z_t, z_sum): write those instead of the loss; out None: no gradient;
-    in_place: out is x's memory; grad_loss None: an upstream gradient of 1. x holds the classes
+    writing it; stats (z_t, z_sum): write those instead of the loss; out None: no gradient, else
+    rows out_stride apart (default out.stride(0)); in_place: out is x's memory; grad_loss None: an upstream gradient of 1. x holds the classes
     from vocab_start of vocab_size (default: x is the whole vocabulary)."""
     n_rows, n_cols = x.shape
     if n_rows == 0:
@@ -225,7 +229,8 @@ def _launch(x, t, *, loss, lse, grad_loss, out, n_valid, ignore_index, label_smo
     z_t, z_sum = (None, None) if stats is None else stats
     torch.library.wrap_triton(_ce_kernel)[(n_rows,)](
         x, t, loss, lse, z_t, z_sum, g, out, n_valid, n_cols, vocab_size or n_cols, vocab_start,
-        x.stride(0), 0 if out is None else out.stride(0), 0 if g is None or g.numel() == 1 else g.stride(0),
+        x.stride(0), 0 if out is None else out_stride or out.stride(0),
+        0 if g is None or g.numel() == 1 else g.stride(0),
         ignore_index, label_smoothing, z_loss, softcap, 1.0 / softcap if softcap > 0 else 0.0,
         FORWARD=loss is not None or stats is not None, STATS=stats is not None, WRITE_GRAD=out is not None,
         HAS_GRAD_LOSS=g is not None, MEAN=reduction == "mean", SUM_Z=label_smoothing > 0 or stats is not None,
@@ -281,10 +286,12 @@ def ce_fwd(logits, target, *, ignore_index, label_smoothing, z_loss, softcap, re
     losses = torch.empty(t.shape[0], dtype=torch.float32, device=logits.device)
     lse = torch.empty_like(losses)
     n_valid = _n_valid(t, ignore_index)
-    dst, copy_back = (None, False) if grad_logits_out is None else _writable_rows(grad_logits_out, x.shape)
+    dst, dst_stride, copy_back = ((None, None, False) if grad_logits_out is None
+                                  else _writable_rows(grad_logits_out, x.shape))
     _launch(x, t, loss=losses, lse=lse, grad_loss=None, out=dst, n_valid=n_valid,
             ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-            reduction=reduction, block=block, in_place=grad_logits_out is logits and not copy_back)
+            reduction=reduction, block=block, in_place=grad_logits_out is logits and not copy_back,
+            out_stride=dst_stride)
     if copy_back:
         grad_logits_out.copy_(dst.view(grad_logits_out.shape))
     return _reduce(losses, target, n_valid, reduction), lse.view(target.shape), grad_logits_out
@@ -315,14 +322,14 @@ def ce_bwd(grad_loss, logits, target, lse, *, ignore_index, label_smoothing, z_l
     x, t = _as_rows(logits, n_cols), _flat(target)
     if out is None:
         out = logits.new_empty(logits.shape)
-    dst, copy_back = _writable_rows(out, x.shape)
+    dst, dst_stride, copy_back = _writable_rows(out, x.shape)
     scratch = torch.empty(t.shape[0], dtype=torch.float32, device=x.device) if lse is None else None
     _launch(x, t, loss=scratch, lse=torch.empty_like(scratch) if lse is None else _flat(lse),
             grad_loss=grad_loss, out=dst,
             n_valid=_n_valid(t, ignore_index) if reduction == "mean" else None,
             ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
             reduction=reduction, block=block, vocab_start=vocab_start, vocab_size=vocab_size,
-            in_place=out is logits and not copy_back)
+            in_place=out is logits and not copy_back, out_stride=dst_stride)
     if copy_back:
         out.copy_(dst.view(out.shape))
     return out

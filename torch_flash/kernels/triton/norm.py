@@ -418,19 +418,23 @@ def _in_rows(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
     return rows if rows is not None else t.contiguous().view(-1, n)
 
 
-def _out(like: torch.Tensor, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, rows): out shaped like `like` with empty_like's strides (what the fakes promise),
-    rows the (M, n) view the kernel writes. When a permutation of the leading dims leaves out
-    without one row stride, rows is a contiguous buffer; _finish copies it into out."""
+def _out(like: torch.Tensor, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(out, dst, row_stride): out shaped like `like` with empty_like's strides (what the fakes
+    promise); the kernel writes the rows of dst, row_stride apart. dst is out itself where its
+    rows share one stride: the kernel is handed out, not a row view of it, because Inductor (which
+    traces into the op) clones a view a kernel writes and copies it back, a pass over every
+    output. Where a permutation of the leading dims leaves out without one row stride, dst is a
+    contiguous (M, n) buffer that _finish copies into out."""
     out = torch.empty_like(like, dtype=dtype)
     rows = _rows(out, n)
-    return out, (rows if rows is not None else torch.empty(out.numel() // n, n, dtype=dtype,
-                                                          device=out.device))
+    if rows is not None:
+        return out, out, rows.stride(0)
+    return out, torch.empty(out.numel() // n, n, dtype=dtype, device=out.device), n
 
 
-def _finish(out: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    if _rows(out, out.shape[-1]) is None:
-        out.copy_(rows.view(out.shape))
+def _finish(out: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    if dst is not out:
+        out.copy_(dst.view(out.shape))
     return out
 
 
@@ -471,10 +475,11 @@ def norm_fwd(x, weight, bias, residual, *, eps, is_rms, weight_offset, cast_befo
     n = x.shape[-1]
     y_dtype = (torch.promote_types(x.dtype, weight.dtype) if weight is not None and cast_before_weight
                else x.dtype)
-    y, y_rows = _out(x, n, y_dtype)
-    ro = ro_rows = None
+    y, y_dst, y_stride = _out(x, n, y_dtype)
+    ro = ro_dst = None
+    ro_stride = 0
     if residual is not None:
-        ro, ro_rows = _out(x, n, torch.float32 if residual_in_fp32 else x.dtype)
+        ro, ro_dst, ro_stride = _out(x, n, torch.float32 if residual_in_fp32 else x.dtype)
     mean = rstd = None
     if stats:
         mean, rstd = (torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device) for _ in range(2))
@@ -485,15 +490,14 @@ def norm_fwd(x, weight, bias, residual, *, eps, is_rms, weight_offset, cast_befo
     x_rows, r_rows = _in_rows(x, n), _in_rows(residual, n)
     block, rows_per_tile = _blocks(n, FWD_MAX_BLOCK, block_n)
     torch.library.wrap_triton(_norm_fwd_kernel)[(triton.cdiv(m, rows_per_tile),)](
-        x_rows, r_rows, _vector(weight), _vector(bias), y_rows, ro_rows, mean, rstd, m, n,
-        x_rows.stride(0), 0 if r_rows is None else r_rows.stride(0), y_rows.stride(0),
-        0 if ro_rows is None else ro_rows.stride(0), eps, weight_offset,
+        x_rows, r_rows, _vector(weight), _vector(bias), y_dst, ro_dst, mean, rstd, m, n,
+        x_rows.stride(0), 0 if r_rows is None else r_rows.stride(0), y_stride, ro_stride, eps, weight_offset,
         IS_RMS=is_rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
         CAST_BEFORE_W=cast_before_weight, ROUND=_ROUND_CODE[x.dtype], STORE_STATS=stats,
         ONE_BLOCK=block >= n, BLOCK_N=block, ROWS=rows_per_tile)
-    _finish(y, y_rows)
+    _finish(y, y_dst)
     if ro is not None:
-        _finish(ro, ro_rows)
+        _finish(ro, ro_dst)
     return out
 
 
@@ -510,7 +514,7 @@ def norm_bwd(grad_y, grad_residual_out, x_or_residual_out, weight, bias, *, eps,
     """
     x = x_or_residual_out
     n = x.shape[-1]
-    dx, dx_rows = _out(x, n, x.dtype)
+    dx, dx_dst, dx_stride = _out(x, n, x.dtype)
     m = x.numel() // n
     if m == 0:
         return (dx, None if weight is None else torch.zeros_like(weight),
@@ -525,8 +529,8 @@ def norm_bwd(grad_y, grad_residual_out, x_or_residual_out, weight, bias, *, eps,
     dwp = parts[0] if weight is not None else None
     dbp = parts[-1] if bias is not None else None
     torch.library.wrap_triton(_norm_bwd_kernel)[(programs,)](
-        g_rows, gr_rows, x_rows, _vector(weight), _vector(mean), _vector(rstd), dx_rows, dwp, dbp, m, n,
-        g_rows.stride(0), 0 if gr_rows is None else gr_rows.stride(0), x_rows.stride(0), dx_rows.stride(0),
+        g_rows, gr_rows, x_rows, _vector(weight), _vector(mean), _vector(rstd), dx_dst, dwp, dbp, m, n,
+        g_rows.stride(0), 0 if gr_rows is None else gr_rows.stride(0), x_rows.stride(0), dx_stride,
         eps, weight_offset,
         IS_RMS=is_rms, HAS_GRES=grad_residual_out is not None, HAS_W=weight is not None,
         HAS_DW=dwp is not None, HAS_DB=dbp is not None, CAST_BEFORE_W=cast_before_weight,
@@ -540,4 +544,4 @@ def norm_bwd(grad_y, grad_residual_out, x_or_residual_out, weight, bias, *, eps,
         torch.library.wrap_triton(_sum_parts_kernel)[(triton.cdiv(n, SUM_BLOCK), len(outs))](
             parts, outs[0], outs[1] if len(outs) == 2 else None, programs, n, HAS_OUT1=len(outs) == 2,
             BLOCK=SUM_BLOCK, ROWS=SUM_ROWS)
-    return _finish(dx, dx_rows), dw, db
+    return _finish(dx, dx_dst), dw, db
