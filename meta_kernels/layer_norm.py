@@ -14,15 +14,15 @@ def _stats(x):
 
 
 @torch.library.register_fake("flash::layer_norm")
-def layer_norm(x, weight=None, bias=None, eps=1e-5, *, weight_offset=0.0):
-    check_args("layer_norm", x, weight, bias, eps)
-    return torch.empty_like(x)
+def layer_norm(x, weight=None, bias=None, eps=1e-5, *, weight_offset=0.0, out_dtype=None):
+    check_args("layer_norm", x, weight, bias, eps, out_dtype=out_dtype)
+    return torch.empty_like(x, dtype=out_dtype)
 
 
 @torch.library.register_fake("flash::layer_norm_with_stats")
-def layer_norm_with_stats(x, weight=None, bias=None, eps=1e-5, *, weight_offset=0.0):
-    check_args("layer_norm_with_stats", x, weight, bias, eps)
-    return torch.empty_like(x), *_stats(x)
+def layer_norm_with_stats(x, weight=None, bias=None, eps=1e-5, *, weight_offset=0.0, out_dtype=None):
+    check_args("layer_norm_with_stats", x, weight, bias, eps, out_dtype=out_dtype)
+    return torch.empty_like(x, dtype=out_dtype), *_stats(x)
 
 
 @torch.library.register_fake("flash::layer_norm_backward")
@@ -31,21 +31,23 @@ def layer_norm_backward(grad_y, x, weight, bias, eps, weight_offset, mean=None, 
     return torch.empty_like(x), _param_grad(weight, x), _param_grad(bias, x)
 
 
-def _add_outputs(op, x, residual, weight, bias, eps, residual_in_fp32):
-    check_args(op, x, weight, bias, eps, residual)
-    return torch.empty_like(x), torch.empty_like(x, dtype=torch.float32 if residual_in_fp32 else x.dtype)
+def _add_outputs(op, x, residual, weight, bias, eps, residual_in_fp32, out_dtype):
+    check_args(op, x, weight, bias, eps, residual, out_dtype)
+    return (torch.empty_like(x, dtype=out_dtype),
+            torch.empty_like(x, dtype=torch.float32 if residual_in_fp32 else x.dtype))
 
 
 @torch.library.register_fake("flash::add_layer_norm")
 def add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5, *, weight_offset=0.0,
-                   residual_in_fp32=False):
-    return _add_outputs("add_layer_norm", x, residual, weight, bias, eps, residual_in_fp32)
+                   residual_in_fp32=False, out_dtype=None):
+    return _add_outputs("add_layer_norm", x, residual, weight, bias, eps, residual_in_fp32, out_dtype)
 
 
 @torch.library.register_fake("flash::add_layer_norm_with_stats")
 def add_layer_norm_with_stats(x, residual, weight=None, bias=None, eps=1e-5, *, weight_offset=0.0,
-                              residual_in_fp32=False):
-    return *_add_outputs("add_layer_norm_with_stats", x, residual, weight, bias, eps, residual_in_fp32), *_stats(x)
+                              residual_in_fp32=False, out_dtype=None):
+    return (*_add_outputs("add_layer_norm_with_stats", x, residual, weight, bias, eps, residual_in_fp32, out_dtype),
+            *_stats(x))
 
 
 @torch.library.register_fake("flash::add_layer_norm_backward")

@@ -1,13 +1,13 @@
 """Fakes for flash.rms_norm, flash.add_rms_norm and their backward ops."""
 import torch
 
-from torch_flash.ops.rms_norm import check_args, check_backward_args, out_dtype
+from torch_flash.ops.rms_norm import check_args, check_backward_args, y_dtype
 
 
 @torch.library.register_fake("flash::rms_norm")
-def rms_norm(x, weight=None, eps=1e-6, *, weight_offset=0.0, cast_before_weight=True):
-    check_args("rms_norm", x, weight, eps)
-    return torch.empty_like(x, dtype=out_dtype(x.dtype, weight, cast_before_weight))
+def rms_norm(x, weight=None, eps=1e-6, *, weight_offset=0.0, cast_before_weight=True, out_dtype=None):
+    check_args("rms_norm", x, weight, eps, out_dtype=out_dtype)
+    return torch.empty_like(x, dtype=y_dtype(x.dtype, weight, cast_before_weight, out_dtype))
 
 
 @torch.library.register_fake("flash::rms_norm_backward")
@@ -18,9 +18,9 @@ def rms_norm_backward(grad_y, x, weight, eps, weight_offset, cast_before_weight)
 
 @torch.library.register_fake("flash::add_rms_norm")
 def add_rms_norm(x, residual, weight=None, eps=1e-6, *, weight_offset=0.0,
-                 cast_before_weight=True, residual_in_fp32=False):
-    check_args("add_rms_norm", x, weight, eps, residual)
-    y = torch.empty_like(x, dtype=out_dtype(x.dtype, weight, cast_before_weight))
+                 cast_before_weight=True, residual_in_fp32=False, out_dtype=None):
+    check_args("add_rms_norm", x, weight, eps, residual, out_dtype)
+    y = torch.empty_like(x, dtype=y_dtype(x.dtype, weight, cast_before_weight, out_dtype))
     return y, torch.empty_like(x, dtype=torch.float32 if residual_in_fp32 else x.dtype)
 
 

@@ -140,6 +140,27 @@ def fuse_residual(gm: fx.GraphModule, norm: fx.Node, fused_op) -> bool:
     return True
 
 
+# ops autocast runs in its half dtype, casting each floating operand to it first
+AUTOCAST_MATMULS = (A.linear.default, A.mm.default, A.matmul.default, A.bmm.default, A.addmm.default,
+                    A.baddbmm.default)
+
+
+def write_autocast_dtype(graph: fx.Graph, norm: fx.Node) -> fx.Node:
+    """norm (a flash norm op) again with out_dtype=D where its y is fp32 and every reader of y is
+    a matmul whose output is half dtype D (autocast runs it in D, casting y first): the op then
+    writes y in D itself, no cast pass after it, and its backward reads the matmul's D gradient
+    without a cast pass back. Same values: one rounding of the fp32 y either way."""
+    readers = list(norm.users)
+    dtypes = {dtype_of(u) for u in readers}
+    if (dtype_of(norm) != torch.float32 or not readers or not all(is_op(u, *AUTOCAST_MATMULS) for u in readers)
+            or len(dtypes) != 1 or not dtypes <= {torch.bfloat16, torch.float16}):
+        return norm
+    new = insert_call(graph, norm, norm.target, norm.args, {**norm.kwargs, "out_dtype": dtypes.pop()})
+    norm.replace_all_uses_with(new)
+    graph.erase_node(norm)
+    return new
+
+
 def rewrite_norms(gm: fx.GraphModule, report, anchors, op: str, fused_op: str, label: str,
                   direct: str, call_args) -> None:
     """The site loop of the norm families. anchors: (node, anchor name, match) with match(node)
@@ -165,7 +186,7 @@ def rewrite_norms(gm: fx.GraphModule, report, anchors, op: str, fused_op: str, l
         site.reason = node if isinstance(node, str) else replace(gm.graph, m.out, node, op)
         if not site.reason:
             site.op = op
-            rewritten[node] = site
+            rewritten[write_autocast_dtype(gm.graph, node)] = site
     gm.graph.eliminate_dead_code()
     for node, site in rewritten.items():
         if fuse_residual(gm, node, getattr(flash, fused_op).default):

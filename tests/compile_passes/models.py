@@ -3,6 +3,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import torch_flash
+
 
 class LlamaRMSNorm(nn.Module):  # transformers' LlamaRMSNorm
     def __init__(self, d, eps=1e-6):
@@ -222,6 +224,20 @@ class RotaryQK(nn.Module):
             t_rot, t_pass = t[..., : self.rd], t[..., self.rd:]
             return torch.cat((t_rot * cos + rotate_half(t_rot) * sin, t_pass), dim=-1)
         return rope(q), rope(k)
+
+
+def flash_calls(model, *args) -> list[tuple[str, dict]]:
+    """(op, kwargs) of each flash op in the graph the flash backend hands to Inductor."""
+    calls = []
+
+    def capture(gm, example_inputs):
+        calls.extend((str(n.target), dict(n.kwargs)) for n in gm.graph.nodes if str(n.target).startswith("flash."))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=torch_flash.backend(inner=capture))(*args)
+    torch._dynamo.reset()
+    return calls
 
 
 def check_training(model, *args, atol=1e-5, rtol=1e-4, **compile_kwargs):

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_flash
-from models import HandLayerNorm, LlamaRMSNorm, PreLNBlock, TokenFlatBlock, check_training
+from models import HandLayerNorm, LlamaRMSNorm, PreLNBlock, TokenFlatBlock, check_training, flash_calls
 
 # the backend falls back to the unrewritten graph with a warning: here that is a failure
 pytestmark = pytest.mark.filterwarnings("error:torch_flash")
@@ -26,11 +26,31 @@ def test_train_pre_ln_block(norm):
 
 def test_train_autocast_residual_stream():
     """bf16 autocast over an fp32 model: the fp32 residual stream plus the bf16 branch sums
-    in fp32; the fused op takes the fp32 operand as x, so sum and norm stay fp32."""
+    in fp32; the fused op takes the fp32 operand as x, so the sum and the statistics stay
+    fp32, and y, read only by linears that autocast runs in bf16, is written in bf16."""
     torch.manual_seed(0)
+    model, x = PreLNBlock(), torch.randn(2, 5, 32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        check_training(PreLNBlock(), torch.randn(2, 5, 32))
-    assert torch_flash.counters == {"flash.layer_norm": 1, "flash.add_layer_norm": 1}
+        check_training(model, x)
+        assert torch_flash.counters == {"flash.layer_norm": 1, "flash.add_layer_norm": 1}
+        calls = flash_calls(model, x)
+    assert [(op, kw.get("out_dtype")) for op, kw in calls] == [
+        ("flash.layer_norm.default", torch.bfloat16), ("flash.add_layer_norm.default", torch.bfloat16)]
+
+
+def test_fp32_reader_keeps_fp32():
+    """Under autocast a norm whose y is also read by an fp32 op (here the block's output) stays
+    fp32: out_dtype is only for a y that every reader casts."""
+    torch.manual_seed(0)
+    norm, w = torch.nn.LayerNorm(32), torch.randn(8, 32)
+
+    def model(x):
+        y = norm(x)
+        return y + F.linear(y, w).sum()
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        calls = flash_calls(model, torch.randn(2, 32))
+    assert calls == [("flash.layer_norm.default", {})]
 
 
 def test_bf16_inference_fp32_statistics():

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_flash
-from models import GemmaRMSNorm, LlamaRMSNorm, PlainRMSNorm, PreLNBlock, check_training
+from models import GemmaRMSNorm, LlamaRMSNorm, PlainRMSNorm, PreLNBlock, check_training, flash_calls
 
 # the backend falls back to the unrewritten graph with a warning: here that is a failure
 pytestmark = pytest.mark.filterwarnings("error:torch_flash")
@@ -49,11 +49,16 @@ def test_train_pre_norm_block(norm):
 @pytest.mark.parametrize("norm", ["nn.RMSNorm", "llama", "gemma"])
 def test_train_autocast_residual_stream(norm):
     """bf16 autocast over an fp32 model: the residual stream (fp32) plus a branch's bf16
-    output sums in fp32, and the sum still fuses into the norm."""
+    output sums in fp32, and the sum still fuses into the norm; y, read only by linears that
+    autocast runs in bf16, is written in bf16 by the op (no cast pass)."""
     torch.manual_seed(0)
+    model, x = PreLNBlock(norm=NORMS[norm]), torch.randn(2, 5, 32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        check_training(PreLNBlock(norm=NORMS[norm]), torch.randn(2, 5, 32))
-    assert torch_flash.counters == {"flash.rms_norm": 1, "flash.add_rms_norm": 1}
+        check_training(model, x)
+        assert torch_flash.counters == {"flash.rms_norm": 1, "flash.add_rms_norm": 1}
+        calls = flash_calls(model, x)
+    assert [(op, kw.get("out_dtype")) for op, kw in calls] == [
+        ("flash.rms_norm.default", torch.bfloat16), ("flash.add_rms_norm.default", torch.bfloat16)]
 
 
 @pytest.mark.parametrize("norm", ["nn.RMSNorm", "llama", "gemma", "t5"])

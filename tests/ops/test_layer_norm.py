@@ -28,6 +28,7 @@ def _samples_ln():
     yield (randn_rows((3, 16), torch.float32, True), None, None, 1e-6), {}
     yield (randn_rows((3, 16), torch.float32, True), _p(16, torch.float32, True), None, 1e-6), {"weight_offset": 1.0}
     yield (randn_rows((3, 16), torch.bfloat16, True), None, _p(16, torch.float32, True), 1e-6), {}
+    yield (randn_rows((3, 16), torch.float32, True), _p(16, torch.float32, True), None, 1e-6), {"out_dtype": torch.bfloat16}
     yield (randn_rows((3, 16), torch.float32, True).t(), _p(3, torch.float32, True), _p(3, torch.float32), 1e-5), {}
 
 
@@ -70,6 +71,8 @@ def _samples_add():
                 yield ((randn_rows(shape, dtype, rg), randn_rows(shape, dtype, rg, noncontig=True), _p(n, dtype, rg),
                         _p(n, dtype, rg), 1e-5), {"residual_in_fp32": rg})
     yield (randn_rows((3, 16), torch.float32, True), randn_rows((3, 16), torch.float32, True), None, None, 1e-5), {}
+    yield ((randn_rows((3, 16), torch.float32, True), randn_rows((3, 16), torch.bfloat16, True),
+            _p(16, torch.float32, True), _p(16, torch.float32, True), 1e-5), {"out_dtype": torch.bfloat16})
 
 
 def _samples_add_with_stats():
@@ -179,6 +182,23 @@ def test_add_layer_norm_numerics_and_grads(dtype):
     torch.autograd.backward((y64, s64), (gy.double(), gs.double()))
     for a, e, name in zip(leaves, leaves64, ("dx", "dresidual", "dweight", "dbias")):
         assert_rel_close(a.grad, e.grad, 2 * TOL[dtype], what=name)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_out_dtype(monkeypatch, backend):
+    """out_dtype gives y as the op's own y cast to it (one rounding on the Triton path: within
+    one bf16 ulp, the interpreter truncating); gradients as the cast's."""
+    monkeypatch.setenv("TORCH_FLASH_BACKEND", backend)
+    x, r = torch.randn(3, 5, 64, requires_grad=True), torch.randn(3, 5, 64, dtype=torch.bfloat16, requires_grad=True)
+    w, b = torch.randn(64, requires_grad=True), torch.randn(64, requires_grad=True)
+    for fn in (lambda **kw: torch_flash.layer_norm(x, w, b, **kw),
+               lambda **kw: torch_flash.add_layer_norm(x, r, w, b, **kw)[0]):
+        y, cast = fn(out_dtype=torch.bfloat16), fn().to(torch.bfloat16)
+        assert y.dtype == torch.bfloat16
+        torch.testing.assert_close(y, cast, atol=0, rtol=2**-7)
+        g = torch.randn_like(y)
+        for a, c in zip(torch.autograd.grad(y, (x, w, b), g), torch.autograd.grad(cast, (x, w, b), g)):
+            torch.testing.assert_close(a, c)
 
 
 def test_residual_in_fp32():

@@ -29,6 +29,9 @@ def _samples_rms():
                     yield (randn_rows(shape, dtype, rg, nc), w, 1e-5), {"cast_before_weight": nc}
     yield (randn_rows((3, 16), torch.float32, True), None, 1e-6), {}
     yield (randn_rows((3, 16), torch.bfloat16, True), torch.randn(16, requires_grad=True), 1e-6), {"weight_offset": 1.0}
+    # autocast's fp32 y written in bf16, and a bf16 y widened
+    yield (randn_rows((3, 16), torch.float32, True), torch.randn(16, requires_grad=True), 1e-6), {"out_dtype": torch.bfloat16}
+    yield (randn_rows((3, 16), torch.bfloat16, True), None, 1e-6), {"out_dtype": torch.float32}
 
 
 def _samples_rms_bwd():
@@ -51,6 +54,8 @@ def _samples_add():
                 w = torch.randn(shape[-1], dtype=dtype, requires_grad=rg)
                 yield ((randn_rows(shape, dtype, rg), randn_rows(shape, dtype, rg, noncontig=True), w, 1e-5),
                        {"residual_in_fp32": rg})
+    yield ((randn_rows((3, 16), torch.float32, True), randn_rows((3, 16), torch.bfloat16, True),
+            torch.randn(16, requires_grad=True), 1e-5), {"out_dtype": torch.bfloat16})
 
 
 def _samples_add_bwd():
@@ -131,6 +136,22 @@ def test_add_rms_norm_numerics_and_grads(dtype):
     torch.autograd.backward((y64, s64), (gy.double(), gs.double()))
     for a, b, name in zip(leaves, leaves64, ("dx", "dresidual", "dweight")):
         assert_rel_close(a.grad, b.grad, 2 * TOL[dtype], what=name)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_out_dtype(monkeypatch, backend):
+    """out_dtype gives y as the op's own y cast to it (the Triton path writes it so in one
+    rounding: within one bf16 ulp, the interpreter truncating); gradients as the cast's."""
+    monkeypatch.setenv("TORCH_FLASH_BACKEND", backend)
+    x, r = torch.randn(3, 5, 64, requires_grad=True), torch.randn(3, 5, 64, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(64, requires_grad=True)
+    for fn in (lambda **kw: torch_flash.rms_norm(x, w, **kw), lambda **kw: torch_flash.add_rms_norm(x, r, w, **kw)[0]):
+        y, cast = fn(out_dtype=torch.bfloat16), fn().to(torch.bfloat16)
+        assert y.dtype == torch.bfloat16
+        torch.testing.assert_close(y, cast, atol=0, rtol=2**-7)
+        g = torch.randn_like(y)
+        for a, b in zip(torch.autograd.grad(y, (x, w), g), torch.autograd.grad(cast, (x, w), g)):
+            torch.testing.assert_close(a, b)
 
 
 def test_residual_in_fp32():

@@ -22,8 +22,8 @@ from .rms_norm import check_args as _check_x_weight_residual
 from .rms_norm import check_grads, laid_out_like, triton_backward, triton_forward
 
 
-def check_args(op: str, x, weight, bias, eps, residual=None) -> None:
-    _check_x_weight_residual(op, x, weight, eps, residual)
+def check_args(op: str, x, weight, bias, eps, residual=None, out_dtype=None) -> None:
+    _check_x_weight_residual(op, x, weight, eps, residual, out_dtype)
     if bias is not None:
         check_tensor(op, "bias", bias, ndim=1)
         check(bias.shape[0] == x.shape[-1], op,
@@ -52,33 +52,37 @@ def check_stats(op: str, x, mean, rstd) -> None:
     check_same_device(op, x=x, mean=mean, rstd=rstd)
 
 
-def _forward(op: str, x, residual, weight, bias, eps, weight_offset, residual_in_fp32, stats: bool):
+def _forward(op: str, x, residual, weight, bias, eps, weight_offset, residual_in_fp32, stats: bool, out_dtype):
     """(y, residual_out or None), plus (mean, rstd) with stats, on the path select() picks."""
-    check_args(op, x, weight, bias, eps, residual)
+    check_args(op, x, weight, bias, eps, residual, out_dtype)
     fused = triton_forward(op, x, weight, bias, residual, eps=eps, is_rms=False, weight_offset=weight_offset,
-                           cast_before_weight=False, residual_in_fp32=residual_in_fp32, stats=stats)
+                           cast_before_weight=False, residual_in_fp32=residual_in_fp32, stats=stats,
+                           out_dtype=out_dtype)
     if fused is not None:
         return fused
     if residual is None:
         y, *rest = ref.layer_norm_with_stats(x, weight, bias, eps, weight_offset)
+        y = y if out_dtype is None else y.to(out_dtype)
         return (y, None, *rest) if stats else (y, None)
     y, ro, *rest = ref.add_layer_norm_with_stats(x, residual, weight, bias, eps, weight_offset, residual_in_fp32)
-    y, ro = laid_out_like(x, y), laid_out_like(x, ro, ro.dtype)
+    y, ro = laid_out_like(x, y, out_dtype), laid_out_like(x, ro, ro.dtype)
     return (y, ro, *rest) if stats else (y, ro)
 
 
 @triton_op("flash::layer_norm", mutates_args=())
 def _layer_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None,
-                eps: float = 1e-5, *, weight_offset: float = 0.0) -> Tensor:
-    return _forward("layer_norm", x, None, weight, bias, eps, weight_offset, False, False)[0]
+                eps: float = 1e-5, *, weight_offset: float = 0.0, out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    return _forward("layer_norm", x, None, weight, bias, eps, weight_offset, False, False, out_dtype)[0]
 
 
 @triton_op("flash::layer_norm_with_stats", mutates_args=())
 def _layer_norm_with_stats(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None,
-                           eps: float = 1e-5, *, weight_offset: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+                           eps: float = 1e-5, *, weight_offset: float = 0.0,
+                           out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(y, mean, rstd): flash.layer_norm and each row's fp32 statistics (x.shape[:-1]) as the
     forward used them, for flash.layer_norm_backward (the autograd forward of flash.layer_norm)."""
-    y, _, mean, rstd = _forward("layer_norm_with_stats", x, None, weight, bias, eps, weight_offset, False, True)
+    y, _, mean, rstd = _forward("layer_norm_with_stats", x, None, weight, bias, eps, weight_offset, False, True,
+                                out_dtype)
     return y, mean, rstd
 
 
@@ -109,18 +113,20 @@ def _layer_norm_backward(grad_y: Tensor, x: Tensor, weight: Optional[Tensor], bi
 @triton_op("flash::add_layer_norm", mutates_args=())
 def _add_layer_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor] = None,
                     bias: Optional[Tensor] = None, eps: float = 1e-5, *, weight_offset: float = 0.0,
-                    residual_in_fp32: bool = False) -> tuple[Tensor, Tensor]:
-    return _forward("add_layer_norm", x, residual, weight, bias, eps, weight_offset, residual_in_fp32, False)
+                    residual_in_fp32: bool = False, out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
+    return _forward("add_layer_norm", x, residual, weight, bias, eps, weight_offset, residual_in_fp32, False,
+                    out_dtype)
 
 
 @triton_op("flash::add_layer_norm_with_stats", mutates_args=())
 def _add_layer_norm_with_stats(x: Tensor, residual: Tensor, weight: Optional[Tensor] = None,
                                bias: Optional[Tensor] = None, eps: float = 1e-5, *, weight_offset: float = 0.0,
-                               residual_in_fp32: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                               residual_in_fp32: bool = False,
+                               out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(y, residual_out, mean, rstd): flash.add_layer_norm and the fp32 statistics of each row of
     residual_out (x.shape[:-1]), for flash.add_layer_norm_backward."""
     return _forward("add_layer_norm_with_stats", x, residual, weight, bias, eps, weight_offset,
-                    residual_in_fp32, True)
+                    residual_in_fp32, True, out_dtype)
 
 
 @triton_op("flash::add_layer_norm_backward", mutates_args=())
@@ -181,22 +187,24 @@ register_autograd_via(_add_layer_norm, forward=_add_ln_forward, setup_context=_a
 
 
 def layer_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None,
-               eps: float = 1e-5, *, weight_offset: float = 0.0) -> Tensor:
+               eps: float = 1e-5, *, weight_offset: float = 0.0, out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """LayerNorm over the last dimension of x (..., N), as F.layer_norm(x, (N,), weight, bias, eps).
 
     weight_offset adds a constant to the weight (1.0 for models that store w - 1).
-    Returns a tensor shaped like x, in x's dtype.
+    Returns a tensor shaped like x, in x's dtype or cast to out_dtype (written so by the
+    kernel where x is fp32: autocast's fp32 residual stream feeding bf16 matmuls).
     """
-    return torch.ops.flash.layer_norm(x, weight, bias, eps, weight_offset=weight_offset)
+    return torch.ops.flash.layer_norm(x, weight, bias, eps, weight_offset=weight_offset, out_dtype=out_dtype)
 
 
 def add_layer_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor] = None,
                    bias: Optional[Tensor] = None, eps: float = 1e-5, *, weight_offset: float = 0.0,
-                   residual_in_fp32: bool = False) -> tuple[Tensor, Tensor]:
+                   residual_in_fp32: bool = False, out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
     """Pre-norm residual block: returns (layer_norm(x + residual), x + residual).
 
     The sum is returned in x's dtype, or fp32 with residual_in_fp32=True (and the norm
-    then reads the fp32 sum). One pass over memory instead of an add and a norm.
+    then reads the fp32 sum). One pass over memory instead of an add and a norm. residual may
+    have another float dtype than x. out_dtype: as in layer_norm.
     """
     return torch.ops.flash.add_layer_norm(x, residual, weight, bias, eps, weight_offset=weight_offset,
-                                          residual_in_fp32=residual_in_fp32)
+                                          residual_in_fp32=residual_in_fp32, out_dtype=out_dtype)

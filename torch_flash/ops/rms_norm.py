@@ -19,7 +19,7 @@ from ._autograd import grad_or_empty
 from ._checks import FLOAT_DTYPES, check, check_like, check_same_device, check_tensor
 
 
-def check_args(op: str, x, weight, eps, residual=None) -> None:
+def check_args(op: str, x, weight, eps, residual=None, out_dtype=None) -> None:
     check_tensor(op, "x", x, min_ndim=1)
     check(x.shape[-1] > 0, op, f"x must have a non-empty last dimension, got shape {tuple(x.shape)}")
     if weight is not None:
@@ -31,6 +31,7 @@ def check_args(op: str, x, weight, eps, residual=None) -> None:
         check(residual.shape == x.shape, op,
               f"residual shape {tuple(residual.shape)} differs from x shape {tuple(x.shape)}")
     check(eps >= 0.0, op, f"eps must be >= 0, got {eps}")
+    check(out_dtype is None or out_dtype in FLOAT_DTYPES, op, f"out_dtype must be a floating dtype, got {out_dtype}")
     check_same_device(op, x=x, weight=weight, residual=residual)
 
 
@@ -52,11 +53,15 @@ def check_backward_args(op: str, grad_y, grad_residual_out, x, weight, eps, x_na
         check(x_dtype in FLOAT_DTYPES, op, f"x_dtype must be a floating dtype, got {x_dtype}")
 
 
-def out_dtype(x_dtype: torch.dtype, weight, cast_before_weight: bool) -> torch.dtype:
-    """dtype of y: the model's own rule (see the reference)."""
+def y_dtype(x_dtype: torch.dtype, weight, cast_before_weight: bool,
+            out_dtype: Optional[torch.dtype] = None) -> torch.dtype:
+    """dtype of y: out_dtype where given, else the model's own rule (see the reference)."""
+    if out_dtype is not None:
+        return out_dtype
     if weight is not None and cast_before_weight:
         return torch.promote_types(x_dtype, weight.dtype)
     return x_dtype
+
 
 
 def laid_out_like(like: Tensor, values: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
@@ -98,14 +103,16 @@ def triton_backward(op: str, grad_y, grad_residual_out, x, weight, bias, **flags
 
 @triton_op("flash::rms_norm", mutates_args=())
 def _rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, *,
-              weight_offset: float = 0.0, cast_before_weight: bool = True) -> Tensor:
-    check_args("rms_norm", x, weight, eps)
+              weight_offset: float = 0.0, cast_before_weight: bool = True,
+              out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    check_args("rms_norm", x, weight, eps, out_dtype=out_dtype)
     fused = triton_forward("rms_norm", x, weight, None, None, eps=eps, is_rms=True,
                            weight_offset=weight_offset, cast_before_weight=cast_before_weight,
-                           residual_in_fp32=False)
+                           residual_in_fp32=False, out_dtype=out_dtype)
     if fused is not None:
         return fused[0]
-    return ref.rms_norm(x, weight, eps, weight_offset, cast_before_weight)
+    y = ref.rms_norm(x, weight, eps, weight_offset, cast_before_weight)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 @triton_op("flash::rms_norm_backward", mutates_args=())
@@ -126,16 +133,16 @@ def _rms_norm_backward(grad_y: Tensor, x: Tensor, weight: Optional[Tensor], eps:
 @triton_op("flash::add_rms_norm", mutates_args=())
 def _add_rms_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, *,
                   weight_offset: float = 0.0, cast_before_weight: bool = True,
-                  residual_in_fp32: bool = False) -> tuple[Tensor, Tensor]:
-    check_args("add_rms_norm", x, weight, eps, residual)
+                  residual_in_fp32: bool = False, out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
+    check_args("add_rms_norm", x, weight, eps, residual, out_dtype)
     fused = triton_forward("add_rms_norm", x, weight, None, residual, eps=eps, is_rms=True,
                            weight_offset=weight_offset, cast_before_weight=cast_before_weight,
-                           residual_in_fp32=residual_in_fp32)
+                           residual_in_fp32=residual_in_fp32, out_dtype=out_dtype)
     if fused is not None:
         return fused
     y, residual_out = ref.add_rms_norm(x, residual, weight, eps, weight_offset, cast_before_weight,
                                        residual_in_fp32)
-    return laid_out_like(x, y, y.dtype), laid_out_like(x, residual_out, residual_out.dtype)
+    return laid_out_like(x, y, out_dtype or y.dtype), laid_out_like(x, residual_out, residual_out.dtype)
 
 
 @triton_op("flash::add_rms_norm_backward", mutates_args=())
@@ -197,25 +204,29 @@ _add_rms_norm.register_autograd(_add_rms_backward, setup_context=_add_rms_setup)
 
 
 def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, *,
-             weight_offset: float = 0.0, cast_before_weight: bool = True) -> Tensor:
+             weight_offset: float = 0.0, cast_before_weight: bool = True,
+             out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """RMSNorm over the last dimension of x (..., N).
 
     weight_offset=1.0 gives Gemma's (1 + w). cast_before_weight=True follows HF LLaMA
     (normalise in fp32, cast to x.dtype, then multiply by w); False follows Gemma
-    (multiply in fp32, then cast). Returns a tensor shaped like x.
+    (multiply in fp32, then cast). Returns a tensor shaped like x, cast to out_dtype if given
+    (written so by the kernel where y is fp32: autocast's fp32 residual stream feeding bf16
+    matmuls needs no cast pass).
     """
     return torch.ops.flash.rms_norm(x, weight, eps, weight_offset=weight_offset,
-                                    cast_before_weight=cast_before_weight)
+                                    cast_before_weight=cast_before_weight, out_dtype=out_dtype)
 
 
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, *,
                  weight_offset: float = 0.0, cast_before_weight: bool = True,
-                 residual_in_fp32: bool = False) -> tuple[Tensor, Tensor]:
+                 residual_in_fp32: bool = False, out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
     """Pre-norm residual block: returns (rms_norm(x + residual), x + residual).
 
     The sum is returned in x's dtype, or fp32 with residual_in_fp32=True (and the norm
-    then reads the fp32 sum). One pass over memory instead of an add and a norm.
+    then reads the fp32 sum). One pass over memory instead of an add and a norm. residual may
+    have another float dtype than x. out_dtype: as in rms_norm.
     """
     return torch.ops.flash.add_rms_norm(x, residual, weight, eps, weight_offset=weight_offset,
                                         cast_before_weight=cast_before_weight,
-                                        residual_in_fp32=residual_in_fp32)
+                                        residual_in_fp32=residual_in_fp32, out_dtype=out_dtype)

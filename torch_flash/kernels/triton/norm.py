@@ -464,17 +464,20 @@ def norm_supports(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
 
 
 def norm_fwd(x, weight, bias, residual, *, eps, is_rms, weight_offset, cast_before_weight,
-             residual_in_fp32, stats=False, block_n=None):
+             residual_in_fp32, stats=False, out_dtype=None, block_n=None):
     """y = norm(x [+ residual]) over the last dim of x (..., N); returns (y, residual_out or None),
     and with stats=True also (mean, rstd): each row's statistics as this kernel used them, fp32,
     shaped x.shape[:-1] (RMSNorm's mean is 0), for norm_bwd.
 
-    weight, bias: (N,) or None (RMSNorm takes no bias). block_n forces the column block (a
-    power of 2; tests use a small one so that the multi-block loop runs).
+    weight, bias: (N,) or None (RMSNorm takes no bias). out_dtype: y as cast to it, stored so
+    by the kernel where y is computed in fp32 (one rounding either way). block_n forces the
+    column block (a power of 2; tests use a small one so that the multi-block loop runs).
     """
     n = x.shape[-1]
     y_dtype = (torch.promote_types(x.dtype, weight.dtype) if weight is not None and cast_before_weight
                else x.dtype)
+    if out_dtype is not None and y_dtype == torch.float32:
+        y_dtype = out_dtype
     y, y_dst, y_stride = _out(x, n, y_dtype)
     ro = ro_dst = None
     ro_stride = 0
@@ -486,7 +489,7 @@ def norm_fwd(x, weight, bias, residual, *, eps, is_rms, weight_offset, cast_befo
     out = (y, ro, mean, rstd) if stats else (y, ro)
     m = x.numel() // n
     if m == 0:
-        return out
+        return (y.to(out_dtype or y.dtype), *out[1:])
     x_rows, r_rows = _in_rows(x, n), _in_rows(residual, n)
     block, rows_per_tile = _blocks(n, FWD_MAX_BLOCK, block_n)
     torch.library.wrap_triton(_norm_fwd_kernel)[(triton.cdiv(m, rows_per_tile),)](
@@ -498,6 +501,8 @@ def norm_fwd(x, weight, bias, residual, *, eps, is_rms, weight_offset, cast_befo
     _finish(y, y_dst)
     if ro is not None:
         _finish(ro, ro_dst)
+    if out_dtype is not None and y.dtype != out_dtype:
+        out = (y.to(out_dtype), *out[1:])
     return out
 
 
