@@ -99,7 +99,8 @@ def _transposed(n) -> fx.Node | None:
 
 def _lm_head(n: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
     """(hidden, weight (V, H), bias (V,) or None) for F.linear(h, W, b) or h @ W.t() with
-    a plain weight (and bias) of hidden's dtype."""
+    a plain weight (and bias) of hidden's dtype, or, under autocast (a half result from fp32
+    operands), of fp32 and the result's dtype: the caller casts them as autocast does."""
     if is_op(n, A.linear.default):
         h, w, b = n.args[0], n.args[1], arg(n, "bias")
     elif is_op(n, A.matmul.default) and _transposed(n.args[1]) is not None:
@@ -107,8 +108,9 @@ def _lm_head(n: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
     else:
         return None
     plain = val(w).dim() == 2 and (b is None or val(b).dim() == 1)
-    same_dtype = dtype_of(h) == dtype_of(w) and (b is None or dtype_of(b) == dtype_of(w))
-    return (h, w, b) if plain and same_dtype else None
+    dtypes = {dtype_of(t) for t in (h, w, b) if t is not None}
+    autocast = dtype_of(n) in HALF and dtypes <= {torch.float32, dtype_of(n)}
+    return (h, w, b) if plain and (len(dtypes) == 1 or autocast) else None
 
 
 def _class_last(x: fx.Node) -> fx.Node | str:
@@ -197,7 +199,8 @@ def _rewrite(gm: fx.GraphModule, loss: Loss, want_log_softmax: bool, site: Site)
     source, row_ops, passed = walked
     head = _lm_head(source)
     if head is not None and all(len(p.users) == 1 for p in (source, *passed)):
-        hidden, weight, bias = head
+        hidden, weight, bias = (t if t is None or dtype_of(t) == dtype_of(source)
+                                else insert_call(graph, loss.out, A.to.dtype, (t, dtype_of(source))) for t in head)
         hidden = _replay(graph, loss.out, row_ops, hidden)
         name, args = "linear_cross_entropy", (hidden, weight, loss.target, bias)
     elif len(passed) > len(row_ops):  # a cast or log_softmax to skip: read the source itself

@@ -226,12 +226,16 @@ class RotaryQK(nn.Module):
         return rope(q), rope(k)
 
 
-def flash_calls(model, *args) -> list[tuple[str, dict]]:
-    """(op, kwargs) of each flash op in the graph the flash backend hands to Inductor."""
+def flash_calls(model, *args) -> list[tuple[str, dict, list]]:
+    """(op, kwargs, dtypes of the tensor arguments) of each flash op in the graph the flash
+    backend hands to Inductor."""
     calls = []
 
     def capture(gm, example_inputs):
-        calls.extend((str(n.target), dict(n.kwargs)) for n in gm.graph.nodes if str(n.target).startswith("flash."))
+        for n in gm.graph.nodes:
+            if str(n.target).startswith("flash."):
+                dtypes = [a.meta["val"].dtype for a in n.args if isinstance(a, torch.fx.Node)]
+                calls.append((str(n.target), dict(n.kwargs), dtypes))
         return gm.forward
 
     torch._dynamo.reset()

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_flash
-from models import TinyCausalLM, check_training
+from models import TinyCausalLM, check_training, flash_calls
 
 # the backend falls back to the unrewritten graph with a warning: here that is a failure
 pytestmark = pytest.mark.filterwarnings("error:torch_flash")
@@ -33,6 +33,20 @@ def test_train(loss, options, op):
     model = TinyCausalLM(loss=loss, **options)
     check_training(model, *_batch(ignore=loss != "lse"))  # gather takes no -100
     assert torch_flash.counters == {f"flash.{op}": 1}
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_train_autocast(bias):
+    """bf16 autocast over an fp32 model: the lm-head runs in bf16 from fp32 hidden states and
+    weight, so linear_cross_entropy gets them cast to bf16 as autocast would (not fp32 GEMMs)."""
+    torch.manual_seed(0)
+    model, batch = TinyCausalLM(bias=bias), _batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        check_training(model, *batch, atol=1e-2, rtol=1e-2)  # bf16 logits rounded in other orders
+        assert torch_flash.counters == {"flash.linear_cross_entropy": 1}
+        (op, _, dtypes), = flash_calls(model, *batch)
+    assert op == "flash.linear_cross_entropy.default"
+    assert dtypes == [torch.bfloat16, torch.bfloat16, torch.int64] + [torch.bfloat16] * bias
 
 
 def test_bf16():

@@ -57,7 +57,7 @@ def test_train_autocast_residual_stream(norm):
         check_training(model, x)
         assert torch_flash.counters == {"flash.rms_norm": 1, "flash.add_rms_norm": 1}
         calls = flash_calls(model, x)
-    assert [(op, kw.get("out_dtype")) for op, kw in calls] == [
+    assert [(op, kw.get("out_dtype")) for op, kw, _ in calls] == [
         ("flash.rms_norm.default", torch.bfloat16), ("flash.add_rms_norm.default", torch.bfloat16)]
 
 

@@ -189,8 +189,10 @@ def test_out_dtype(monkeypatch, backend):
     """out_dtype gives y as the op's own y cast to it (one rounding on the Triton path: within
     one bf16 ulp, the interpreter truncating); gradients as the cast's."""
     monkeypatch.setenv("TORCH_FLASH_BACKEND", backend)
-    x, r = torch.randn(3, 5, 64, requires_grad=True), torch.randn(3, 5, 64, dtype=torch.bfloat16, requires_grad=True)
-    w, b = torch.randn(64, requires_grad=True), torch.randn(64, requires_grad=True)
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"  # else the interpreter
+    x = torch.randn(3, 5, 64, device=dev, requires_grad=True)
+    r = torch.randn(3, 5, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    w, b = (torch.randn(64, device=dev, requires_grad=True) for _ in range(2))
     for fn in (lambda **kw: torch_flash.layer_norm(x, w, b, **kw),
                lambda **kw: torch_flash.add_layer_norm(x, r, w, b, **kw)[0]):
         y, cast = fn(out_dtype=torch.bfloat16), fn().to(torch.bfloat16)

@@ -143,8 +143,10 @@ def test_out_dtype(monkeypatch, backend):
     """out_dtype gives y as the op's own y cast to it (the Triton path writes it so in one
     rounding: within one bf16 ulp, the interpreter truncating); gradients as the cast's."""
     monkeypatch.setenv("TORCH_FLASH_BACKEND", backend)
-    x, r = torch.randn(3, 5, 64, requires_grad=True), torch.randn(3, 5, 64, dtype=torch.bfloat16, requires_grad=True)
-    w = torch.randn(64, requires_grad=True)
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"  # else the interpreter
+    x = torch.randn(3, 5, 64, device=dev, requires_grad=True)
+    r = torch.randn(3, 5, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(64, device=dev, requires_grad=True)
     for fn in (lambda **kw: torch_flash.rms_norm(x, w, **kw), lambda **kw: torch_flash.add_rms_norm(x, r, w, **kw)[0]):
         y, cast = fn(out_dtype=torch.bfloat16), fn().to(torch.bfloat16)
         assert y.dtype == torch.bfloat16
