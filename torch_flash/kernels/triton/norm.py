@@ -486,24 +486,21 @@ def norm_fwd(x, weight, bias, residual, *, eps, is_rms, weight_offset, cast_befo
     mean = rstd = None
     if stats:
         mean, rstd = (torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device) for _ in range(2))
-    out = (y, ro, mean, rstd) if stats else (y, ro)
     m = x.numel() // n
-    if m == 0:
-        return (y.to(out_dtype or y.dtype), *out[1:])
-    x_rows, r_rows = _in_rows(x, n), _in_rows(residual, n)
-    block, rows_per_tile = _blocks(n, FWD_MAX_BLOCK, block_n)
-    torch.library.wrap_triton(_norm_fwd_kernel)[(triton.cdiv(m, rows_per_tile),)](
-        x_rows, r_rows, _vector(weight), _vector(bias), y_dst, ro_dst, mean, rstd, m, n,
-        x_rows.stride(0), 0 if r_rows is None else r_rows.stride(0), y_stride, ro_stride, eps, weight_offset,
-        IS_RMS=is_rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
-        CAST_BEFORE_W=cast_before_weight, ROUND=_ROUND_CODE[x.dtype], STORE_STATS=stats,
-        ONE_BLOCK=block >= n, BLOCK_N=block, ROWS=rows_per_tile)
-    _finish(y, y_dst)
-    if ro is not None:
-        _finish(ro, ro_dst)
-    if out_dtype is not None and y.dtype != out_dtype:
-        out = (y.to(out_dtype), *out[1:])
-    return out
+    if m > 0:
+        x_rows, r_rows = _in_rows(x, n), _in_rows(residual, n)
+        block, rows_per_tile = _blocks(n, FWD_MAX_BLOCK, block_n)
+        torch.library.wrap_triton(_norm_fwd_kernel)[(triton.cdiv(m, rows_per_tile),)](
+            x_rows, r_rows, _vector(weight), _vector(bias), y_dst, ro_dst, mean, rstd, m, n,
+            x_rows.stride(0), 0 if r_rows is None else r_rows.stride(0), y_stride, ro_stride, eps, weight_offset,
+            IS_RMS=is_rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
+            CAST_BEFORE_W=cast_before_weight, ROUND=_ROUND_CODE[x.dtype], STORE_STATS=stats,
+            ONE_BLOCK=block >= n, BLOCK_N=block, ROWS=rows_per_tile)
+        _finish(y, y_dst)
+        if ro is not None:
+            _finish(ro, ro_dst)
+    y = y.to(out_dtype or y.dtype)  # no pass where the kernel stored out_dtype
+    return (y, ro, mean, rstd) if stats else (y, ro)
 
 
 def norm_bwd(grad_y, grad_residual_out, x_or_residual_out, weight, bias, *, eps, is_rms, weight_offset,
