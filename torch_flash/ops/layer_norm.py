@@ -62,7 +62,7 @@ def _forward(op: str, x, residual, weight, bias, eps, weight_offset, residual_in
         return fused
     if residual is None:
         y, *rest = ref.layer_norm_with_stats(x, weight, bias, eps, weight_offset)
-        y = y if out_dtype is None else y.to(out_dtype)
+        y = y.to(out_dtype or y.dtype)
         return (y, None, *rest) if stats else (y, None)
     y, ro, *rest = ref.add_layer_norm_with_stats(x, residual, weight, bias, eps, weight_offset, residual_in_fp32)
     y, ro = laid_out_like(x, y, out_dtype), laid_out_like(x, ro, ro.dtype)

@@ -112,7 +112,7 @@ def _rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, *,
     if fused is not None:
         return fused[0]
     y = ref.rms_norm(x, weight, eps, weight_offset, cast_before_weight)
-    return y if out_dtype is None else y.to(out_dtype)
+    return y.to(out_dtype or y.dtype)
 
 
 @triton_op("flash::rms_norm_backward", mutates_args=())
