@@ -393,7 +393,7 @@ def test_linear_cross_entropy_some_grads(wanted):
 
 
 def test_lce_chunk_rows():
-    """The default rule: within LCE_CHUNK_BYTES, spread evenly, GEMM-aligned rows."""
+    """The default rule: within LCE_CHUNK_BYTES (or a third of dweight), spread evenly, GEMM-aligned rows."""
     assert K.lce_chunk_rows(8192, 128256, BF16) == 1024  # 1/8 of the batch, 263 MB
     assert K.lce_chunk_rows(8192, 256000, BF16) == 512
     assert K.lce_chunk_rows(8192, 128256, FP32) == 512
@@ -404,6 +404,14 @@ def test_lce_chunk_rows():
     for n, v in ((9000, 128256), (3000, 50000), (1, 7)):
         rows = K.lce_chunk_rows(n, v, BF16)
         assert rows * v * 2 <= K.LCE_CHUNK_BYTES and rows >= 1
+    # computing dweight: at least hidden / 3 rows, the logits a third of dweight's bytes at most
+    assert K.lce_chunk_rows(8192, 128256, BF16, dweight_hidden=4096) == 1280  # 7 chunks, 328 MB
+    assert K.lce_chunk_rows(8192, 256000, BF16, dweight_hidden=4096) == 1280
+    assert K.lce_chunk_rows(8192, 32000, BF16, dweight_hidden=4096) == 4096  # the byte budget is more
+    assert K.lce_chunk_rows(8192, 128256, BF16, chunk_size=300, dweight_hidden=4096) == 300
+    for n, v, hid in ((9000, 128256, 4096), (3000, 50000, 2048), (8192, 262144, 1536)):
+        rows = K.lce_chunk_rows(n, v, BF16, dweight_hidden=hid)
+        assert rows * v * 2 <= max(K.LCE_CHUNK_BYTES, v * hid * 2 // K.LCE_DWEIGHT_SHARE)
 
 
 @pytest.mark.parametrize("dtype", [FP32, BF16])

@@ -50,7 +50,7 @@ def run(args) -> list[dict]:
         labels = dict(op="linear_cross_entropy", shape=[n, hid, v])
         ref = _eager(h, w, t).item()
         got = linear_cross_entropy(h, w, t).item()
-        print(f"{n}x{hid}x{v}: {lce_chunk_rows(n, v, h.dtype)}-token chunks; loss ours {got:.6f}, eager {ref:.6f}")
+        print(f"{n}x{hid}x{v}: {lce_chunk_rows(n, v, h.dtype, dweight_hidden=hid)}-token chunks with dweight; loss ours {got:.6f}, eager {ref:.6f}")
         fwd = {"ours": no_grad(linear_cross_entropy, h, w, t),
                "eager": no_grad(_eager, h, w, t), "compile": no_grad(compiled, h, w, t),
                "liger": None if liger is None else no_grad(liger, h, w, t)}

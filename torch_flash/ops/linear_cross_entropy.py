@@ -3,8 +3,8 @@
 Shapes: hidden (..., H), weight (V, H) (nn.Linear layout), bias (V,) or None, target (...);
 loss = cross_entropy(hidden @ weight.T + bias, target, ...) with flash.cross_entropy's
 options, output shape and dtype. Token chunks of `chunk_size` rows (0: as many as keep a
-chunk's logits, in the inputs' dtype, within a fixed budget) mean the (N, V) logits never
-exist. With gradients needed (mean/sum), the forward runs flash.linear_cross_entropy_with_grads,
+chunk's logits, in the inputs' dtype, within a fixed budget, or within a third of dweight
+where that is computed and larger) mean the (N, V) logits never exist. With gradients needed (mean/sum), the forward runs flash.linear_cross_entropy_with_grads,
 which also computes the gradients chunk by chunk, and the backward hands them out scaled in
 place (no second dweight-sized buffer; no pass at all for an upstream gradient of 1); "none", a
 second backward through a retained graph, and create_graph=True recompute each chunk's logits in
@@ -222,8 +222,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
     hidden (..., H), weight (V, H) as nn.Linear's, bias (V,) or None, target (...) class
     indices; options, output shape and dtype as torch_flash.cross_entropy. Tokens are
     processed chunk_size rows at a time (None: picked so a chunk's logits, in the inputs'
-    dtype, stay within a fixed memory budget: 256 MiB; a smaller chunk_size takes less memory
-    and more time). Gradients for hidden, weight and bias.
+    dtype, stay within 256 MiB, or within a third of dweight where the weight needs a gradient
+    and that is more: every chunk reads and writes all of dweight; a smaller chunk_size takes
+    less memory and more time). Gradients for hidden, weight and bias.
     """
     return torch.ops.flash.linear_cross_entropy(
         hidden, weight, target, bias, ignore_index=ignore_index, label_smoothing=label_smoothing,

@@ -47,6 +47,12 @@ MAX_WARPS = 16
 # a 128k bf16 vocabulary, 1/8 of an 8192-token batch; bigger chunks add memory, smaller ones add
 # GEMM launches and dweight roundings (see lce_fwd).
 LCE_CHUNK_BYTES = 256 * 2**20
+# Where dweight is computed, a chunk may hold up to 1/LCE_DWEIGHT_SHARE of dweight's bytes of
+# logits: at least hidden / 3 rows. Every chunk reads and writes the whole dweight (4*V*H bytes
+# in bf16) for 6*rows*V*H FLOPs of GEMMs, so the rows, not the bytes, set that overhead; at the
+# H100's power cap it is paid in joules (docs/perf/README.md, "At the power cap": 1280-row
+# chunks, 7 of them at 8192 x 4096 x 128256, ran 1.5-2 % faster than 1024-row ones).
+LCE_DWEIGHT_SHARE = 3
 # Chunk rows are rounded to a multiple of this (GEMM tile) where the chunk is that large.
 LCE_ROW_ALIGN = 128
 
@@ -350,12 +356,15 @@ def lce_supports(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tenso
             and target.device == hidden.device)
 
 
-def lce_chunk_rows(n_rows: int, n_cols: int, dtype: torch.dtype, chunk_size: int = 0) -> int:
+def lce_chunk_rows(n_rows: int, n_cols: int, dtype: torch.dtype, chunk_size: int = 0,
+                   dweight_hidden: int = 0) -> int:
     """Rows per token chunk: chunk_size if given, else as many as keep the chunk's logits within
-    LCE_CHUNK_BYTES, spread evenly over the chunks that needs (rounded up to LCE_ROW_ALIGN)."""
+    LCE_CHUNK_BYTES, or within 1/LCE_DWEIGHT_SHARE of a (n_cols, dweight_hidden) dweight where
+    one is computed (dweight_hidden > 0) and that is more, spread evenly over the chunks that
+    needs (rounded up to LCE_ROW_ALIGN)."""
     if chunk_size > 0:
         return chunk_size
-    cap = max(1, LCE_CHUNK_BYTES // (n_cols * dtype.itemsize))
+    cap = max(1, LCE_CHUNK_BYTES // (n_cols * dtype.itemsize), dweight_hidden // LCE_DWEIGHT_SHARE)
     if cap >= LCE_ROW_ALIGN:
         cap -= cap % LCE_ROW_ALIGN
     even = triton.cdiv(n_rows, max(1, triton.cdiv(n_rows, cap)))
@@ -375,7 +384,8 @@ def lce_fwd(hidden, weight, target, bias, *, ignore_index, label_smoothing, z_lo
     in the backward, which recomputes) and dbias without a bias.
 
     Memory beyond the inputs: one chunk of logits (lce_chunk_rows), the outputs, and an fp32
-    dbias; at 8192 tokens x 4096 x 128256 bf16: 263 MB + 67 MB + 1.05 GB = 1.38 GB. dweight
+    dbias; at 8192 tokens x 4096 x 128256 bf16: 328 MB + 67 MB + 1.05 GB = 1.45 GB (1280-row
+    chunks; 263 MB in 1024-row ones without dweight). dweight
     accumulates in weight's dtype through cuBLAS (fp32 inside each chunk's GEMM, rounded once
     per chunk): an fp32 accumulator would triple dweight's memory for bf16 weights. Measured
     (CPU, 2048 x 256 x 4000, against float64): 8 chunks put dweight at 1.27x the error of
@@ -396,7 +406,7 @@ def lce_fwd(hidden, weight, target, bias, *, ignore_index, label_smoothing, z_lo
     if dw is not None and n_rows == 0:
         dw.zero_()
     in_place = want_dh or want_dw or want_db
-    rows = lce_chunk_rows(n_rows, n_cols, hidden.dtype, chunk_size)
+    rows = lce_chunk_rows(n_rows, n_cols, hidden.dtype, chunk_size, hid if want_dw else 0)
     buf = h.new_empty(min(rows, n_rows), n_cols)
     dh_rows = None if dh is None else dh.view(h.shape)
     for start in range(0, n_rows, rows):
