@@ -85,9 +85,15 @@ def call_checked(graph: fx.Graph, before: fx.Node, op, args: tuple, kwargs: dict
 
 
 def replace(graph: fx.Graph, old: fx.Node, new: fx.Node, op_name: str) -> str:
-    """Let new (the result of flash.<op_name>) take old's place: "" when done, else why not."""
+    """Let new (the result of flash.<op_name>) take old's place: "" when done, else why not.
+    Under autocast new may be in the half dtype that every reader of an fp32 old computes in
+    (see autocast_dtype): one rounding of the fp32 value either way, as the ops compute in fp32."""
     if same_meta(val(new), val(old)):
         old.replace_all_uses_with(new)
+        return ""
+    if (tuple(val(new).shape) == tuple(val(old).shape) and dtype_of(new) in HALF
+            and autocast_dtype(old) == dtype_of(new)):
+        retype(graph, old, new)
         return ""
     reason = (f"flash.{op_name} would give {dtype_of(new)} {tuple(val(new).shape)} where the model "
               f"computes {dtype_of(old)} {tuple(val(old).shape)}")
@@ -140,23 +146,58 @@ def fuse_residual(gm: fx.GraphModule, norm: fx.Node, fused_op) -> bool:
     return True
 
 
+HALF = (torch.float16, torch.bfloat16)
 # ops autocast runs in its half dtype, casting each floating operand to it first
-AUTOCAST_MATMULS = (A.linear.default, A.mm.default, A.matmul.default, A.bmm.default, A.addmm.default,
-                    A.baddbmm.default)
+AUTOCAST_HALF_OPS = (A.linear.default, A.mm.default, A.matmul.default, A.bmm.default, A.addmm.default,
+                     A.baddbmm.default, A.scaled_dot_product_attention.default)
+# ops that move their first argument's elements without computing on them
+MOVES = (*ROW_RESHAPES, A.transpose.int, A.permute.default, A.t.default, A.unsqueeze.default, A.squeeze.dim,
+         A.slice.Tensor, A.select.int, A.clone.default, A.contiguous.default, A.flatten.using_ints,
+         A.unflatten.int)
+
+
+def autocast_dtype(node: fx.Node) -> torch.dtype | None:
+    """D when node is fp32 and every reader of it, through ops that only move its elements, is
+    an op that autocast runs in the half dtype D (its output D, node cast to D first): the
+    value in D is then all the model uses (the fp32 residual stream read by the next linear,
+    HF's rotary output in fp32 from fp32 cos/sin, read by SDPA). None otherwise."""
+    if dtype_of(node) != torch.float32:
+        return None
+    found, stack = set(), [node]
+    while stack:
+        cur = stack.pop()
+        if not cur.users:
+            return None  # nothing reads it: nothing proves the fp32 value unwanted
+        for u in cur.users:  # a graph output is a reader of neither kind
+            if is_op(u, *MOVES) and u.args[0] is cur:
+                stack.append(u)
+            elif is_op(u, *AUTOCAST_HALF_OPS):
+                found.add(dtype_of(u))
+            else:
+                return None
+    return found.pop() if len(found) == 1 and found <= set(HALF) else None
+
+
+def retype(graph: fx.Graph, old: fx.Node, new: fx.Node) -> None:
+    """Give old's readers new, old's value in the dtype autocast_dtype(old) found: the ops that
+    move elements are made again on new (so their values carry its dtype for the patterns
+    after this one), the autocast ops read new as they are. The old chain is left dead."""
+    for u in list(old.users):
+        if is_op(u, *MOVES) and u.args[0] is old:
+            retype(graph, u, insert_call(graph, u, u.target, (new, *u.args[1:]), dict(u.kwargs)))
+        else:
+            u.replace_input_with(old, new)
 
 
 def write_autocast_dtype(graph: fx.Graph, norm: fx.Node) -> fx.Node:
-    """norm (a flash norm op) again with out_dtype=D where its y is fp32 and every reader of y is
-    a matmul whose output is half dtype D (autocast runs it in D, casting y first): the op then
-    writes y in D itself, no cast pass after it, and its backward reads the matmul's D gradient
-    without a cast pass back. Same values: one rounding of the fp32 y either way."""
-    readers = list(norm.users)
-    dtypes = {dtype_of(u) for u in readers}
-    if (dtype_of(norm) != torch.float32 or not readers or not all(is_op(u, *AUTOCAST_MATMULS) for u in readers)
-            or len(dtypes) != 1 or not dtypes <= {torch.bfloat16, torch.float16}):
+    """norm (a flash norm op) again with out_dtype=D where its y is fp32 and autocast_dtype(y) is
+    D: the op then writes y in D itself, no cast pass after it, and its backward reads the
+    matmul's D gradient without a cast pass back. Same values: one rounding of the fp32 y."""
+    dtype = autocast_dtype(norm)
+    if dtype is None:
         return norm
-    new = insert_call(graph, norm, norm.target, norm.args, {**norm.kwargs, "out_dtype": dtypes.pop()})
-    norm.replace_all_uses_with(new)
+    new = insert_call(graph, norm, norm.target, norm.args, {**norm.kwargs, "out_dtype": dtype})
+    retype(graph, norm, new)
     graph.erase_node(norm)
     return new
 

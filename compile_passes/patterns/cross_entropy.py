@@ -22,10 +22,9 @@ import torch.fx as fx
 
 from ..graph import A, cast_dtype, dtype_of, insert_call, is_op, last_dim, location, number, only_user, val
 from ..report import Report, Site
-from ._shared import ROW_RESHAPES, arg, call_checked, keeps_rows, known_equal, replace, same_value
+from ._shared import HALF, ROW_RESHAPES, arg, call_checked, keeps_rows, known_equal, replace, same_value
 
 FLASH = torch.ops.flash
-HALF = (torch.float16, torch.bfloat16)
 REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}  # at::Reduction
 NLL = (A.nll_loss_nd.default, A.nll_loss.default, A.nll_loss_forward.default)
 LOG_SOFTMAX = (A.log_softmax.int, A._log_softmax.default)

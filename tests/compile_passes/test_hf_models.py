@@ -5,6 +5,7 @@ parameter gradient equal eager's (fp32), and the backward graph runs the fused o
 backward. Each (model, impl) compiles once; the tests share that run."""
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import re
@@ -21,7 +22,7 @@ import torch_flash  # noqa: E402
 from torch_flash._registry import BY_NAME  # noqa: E402
 from torch_flash.compile_passes import Report  # noqa: E402
 
-from _utils import assert_rel_close  # noqa: E402
+from _utils import assert_rel_close, rel_err  # noqa: E402
 
 # the backend falls back to the unrewritten graph with a warning: here that is a failure
 pytestmark = pytest.mark.filterwarnings("error:torch_flash")
@@ -138,6 +139,7 @@ class Run:
     ref_grads: dict
     forward_ops: set  # flash op names in the AOT forward graph
     backward_ops: set
+    exact: tuple | None = None  # (loss, grads) of the model in float64, for autocast runs
 
 
 def _flash_ops(gm) -> set:
@@ -157,10 +159,11 @@ def _draws_for_layerdrop(model: str) -> bool:
 
 
 @functools.cache
-def _run(name: str, impl: str) -> Run:
+def _run(name: str, impl: str, autocast: bool = False) -> Run:
     """One forward/backward of the model eagerly and through the flash backend. The backend
     hands the rewritten graph to AOTAutograd without Inductor (the graphs are what this
-    tests, and Inductor would cost minutes here); the ops stay whole in those graphs."""
+    tests, and Inductor would cost minutes here); the ops stay whole in those graphs.
+    autocast: both forwards under CPU bf16 autocast, and the float64 model's run as well."""
     spec = MODELS[name]
     if _draws_for_layerdrop(spec.model):
         pytest.xfail(f"{spec.model} in transformers {transformers.__version__} branches on torch.rand "
@@ -175,9 +178,10 @@ def _run(name: str, impl: str) -> Run:
     model.loss_type = model.loss_type or "ForCausalLM"
     batch = _batch(spec.task)
 
-    def step(fn):
+    def step(fn, model=model):
         model.zero_grad()
-        loss = fn(**batch)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = fn(**batch)
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -199,7 +203,12 @@ def _run(name: str, impl: str) -> Run:
     with torch._functorch.config.patch(decompose_custom_triton_ops=False):
         loss, grads = step(compiled)
     assert len(graphs) == 2, f"{len(graphs)} AOT graphs: expected one forward and one backward (no graph breaks)"
-    return Run(model.config, report, loss, ref_loss, grads, ref_grads, _flash_ops(graphs[0]), _flash_ops(graphs[1]))
+    exact = None
+    if autocast:
+        exact_model = copy.deepcopy(model).double()
+        exact = step(lambda **kw: exact_model(**kw).loss, exact_model)
+    return Run(model.config, report, loss, ref_loss, grads, ref_grads, _flash_ops(graphs[0]), _flash_ops(graphs[1]),
+               exact)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -245,3 +254,22 @@ def test_fused_backward(name, impl):
         assert any(f == op or f.startswith(op + "_with_") for f in run.forward_ops), (op, run.forward_ops)
         in_forward = BY_NAME[op].family == "loss" and op + "_with_grads" in run.forward_ops
         assert in_forward or BY_NAME[op].backward in run.backward_ops, (op, run.backward_ops)
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma", "gpt_neox"])
+def test_autocast(name, impl):
+    """bf16 autocast over the fp32 model, as mixed-precision training runs it: q and k leave the
+    rotary in fp32 (HF casts cos/sin to the fp32 hidden states' dtype), v is bf16, and attention
+    runs in bf16. Every site is still rewritten (the rotary writes bf16 for the attention that
+    reads it), and the loss and gradients are as close to the float64 model's as eager
+    autocast's are (within 2x, or 1e-2)."""
+    run = _run(name, impl, autocast=True)
+    expected = {op: k for op, k in MODELS[name].ops(run.config).items() if k}
+    assert not [s for s in run.report.sites if not s.rewritten], str(run.report)
+    assert Counter(s.op for s in run.report.sites) == expected, str(run.report)
+    exact_loss, exact_grads = run.exact
+    assert rel_err(run.loss, exact_loss) <= max(2 * rel_err(run.ref_loss, exact_loss), 1e-2)
+    for param, exact in exact_grads.items():
+        allowed = max(2 * rel_err(run.ref_grads[param], exact), 1e-2)
+        assert rel_err(run.grads[param], exact) <= allowed, param

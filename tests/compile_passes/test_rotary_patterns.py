@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import torch_flash
-from models import RotaryQK, check_training, rotate_half
+from models import RotaryQK, check_training, flash_calls, rotate_half
 
 # the backend falls back to the unrewritten graph with a warning: here that is a failure
 pytestmark = pytest.mark.filterwarnings("error:torch_flash")
@@ -19,6 +19,53 @@ def test_train(style):
     torch.manual_seed(0)
     check_training(RotaryQK(style=style), *_inputs())
     assert torch_flash.counters == {"flash.rotary": 2}  # q and k
+
+
+class RotaryAttention(torch.nn.Module):
+    """HF LLaMA's path from the rotary to SDPA: q and k rotated with tables in x's dtype, then
+    attention (GQA through repeat_kv's expand and reshape when kv_heads < heads)."""
+
+    def __init__(self, d=32, heads=4, kv_heads=4):
+        super().__init__()
+        self.rope, self.n = RotaryQK(d, heads), heads // kv_heads
+        self.v, self.o = torch.nn.Linear(d, d, bias=False), torch.nn.Linear(d, d, bias=False)
+
+    def forward(self, x, position_ids):
+        b, s, d = x.shape
+        q, k = self.rope(x, position_ids)
+        if self.n > 1:  # keep k's first kv heads: GQA as transformers' repeat_kv spells it
+            k = k[:, ::self.n]
+            k = k[:, :, None].expand(b, k.shape[1], self.n, s, k.shape[-1]).reshape(q.shape)
+        v = self.v(x).view(b, s, q.shape[1], -1).transpose(1, 2)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(a.transpose(1, 2).reshape(b, s, d))
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_train_autocast_into_attention(kv_heads):
+    """bf16 autocast over an fp32 model: q and k come from bf16 linears, the tables are fp32
+    (HF casts them to the fp32 hidden states' dtype), so the model's rotary output is fp32,
+    read only by SDPA, which autocast runs in bf16. flash.rotary writes it in bf16 directly,
+    and SDPA, then reading q, k and v of one dtype, becomes flash.attention."""
+    torch.manual_seed(0)
+    model, args = RotaryAttention(kv_heads=kv_heads), _inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        check_training(model, *args, atol=2e-2, rtol=2e-2)
+        assert torch_flash.counters == {"flash.rotary": 2, "flash.attention": 1}
+        calls = flash_calls(model, *args)
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert [(op, dtypes) for op, _, dtypes in calls] == [
+        ("flash.rotary.default", [bf16, fp32, fp32]), ("flash.rotary.default", [bf16, fp32, fp32]),
+        ("flash.attention.default", [bf16, bf16, bf16])]
+
+
+def test_autocast_fp32_output_kept():
+    """Under autocast a rotary output the model returns in fp32 stays the model's own: the
+    half result would lose precision that the caller sees."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        report = torch_flash.explain(RotaryQK(), *_inputs())
+    assert [s.op for s in report.sites] == [None, None]
+    assert all("would give torch.bfloat16" in s.reason for s in report.sites)
 
 
 def test_bf16_inference():

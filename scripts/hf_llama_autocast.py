@@ -1,0 +1,82 @@
+"""HF LlamaForCausalLM (fp32 weights) under bf16 autocast on the GPU: a training step
+(forward + backward) through plain torch.compile (Inductor), the flash backend, and the flash
+backend without the rotary family (what the pass did before it retyped autocast's fp32 rotary
+output: attention left unfused). Each backend compiles and is timed in turn: median wall time
+of 20 steps, GPU kernel time from torch.profiler over 5, peak memory. Needs transformers.
+Usage: python scripts/hf_llama_autocast.py OUT.json
+"""
+import json
+import statistics
+import sys
+import time
+
+import torch
+import transformers
+from torch.profiler import ProfilerActivity, profile
+
+import torch_flash
+
+B, S = 4, 2048
+CONFIG = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+              num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096, use_cache=False,
+              attn_implementation="sdpa")
+BACKENDS = {"inductor": "inductor", "flash": "flash",
+            "flash, no rotary family": torch_flash.backend(ops=["attention", "norm", "loss"])}
+
+
+def measure(model, ids, backend) -> dict:
+    torch._dynamo.reset()
+    torch_flash.counters.clear()
+    fn = torch.compile(lambda ids: model(input_ids=ids, labels=ids).loss, backend=backend)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = fn(ids)
+        loss.backward()
+        return loss
+
+    t0 = time.perf_counter()
+    loss = step()
+    torch.cuda.synchronize()
+    print(f"compiled in {time.perf_counter() - t0:.1f} s; rewrites {dict(torch_flash.counters)}", flush=True)
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    ms = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        ms.append((time.perf_counter() - t0) * 1e3)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    top = sorted(events, key=lambda e: -e.self_device_time_total)[:8]
+    return dict(rewrites=dict(torch_flash.counters), step_ms=statistics.median(ms),
+                kernel_ms=sum(e.self_device_time_total for e in events) / 5e3,
+                peak_gib=torch.cuda.max_memory_allocated() / 2**30, loss=loss.item(),
+                top=[(e.key[:70], round(e.self_device_time_total / 5e3, 3)) for e in top])
+
+
+def main(path: str) -> None:
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).cuda()
+    ids = torch.randint(0, CONFIG["vocab_size"], (B, S), device="cuda")
+    out = {"env": {"torch": torch.__version__, "transformers": transformers.__version__,
+                   "device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+           "config": dict(CONFIG, batch=B, seq=S), "rows": []}
+    for name, backend in BACKENDS.items():
+        print(name, flush=True)
+        row = dict(impl=name, **measure(model, ids, backend))
+        out["rows"].append(row)
+        print(row, flush=True)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
