@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..graph import A, dtype_of, fake_call, getitem, insert_call, is_op, last_dim, location, same_meta, val
+from ..graph import A, cast_dtype, dtype_of, fake_call, getitem, insert_call, is_op, last_dim, location, same_meta, val
 
 
 def arg(node: fx.Node, name: str, default: Any = None) -> Any:
@@ -158,9 +158,10 @@ MOVES = (*ROW_RESHAPES, A.transpose.int, A.permute.default, A.t.default, A.unsqu
 
 def autocast_dtype(node: fx.Node) -> torch.dtype | None:
     """D when node is fp32 and every reader of it, through ops that only move its elements, is
-    an op that autocast runs in the half dtype D (its output D, node cast to D first): the
-    value in D is then all the model uses (the fp32 residual stream read by the next linear,
-    HF's rotary output in fp32 from fp32 cos/sin, read by SDPA). None otherwise."""
+    an op that autocast runs in the half dtype D (its output D, node cast to D first) or a
+    cast to D: the value in D is then all the model uses (the fp32 residual stream read by
+    the next linear, HF's rotary output in fp32 from fp32 cos/sin, read by SDPA or cast back
+    to q's dtype). None otherwise."""
     if dtype_of(node) != torch.float32:
         return None
     found, stack = set(), [node]
@@ -171,7 +172,7 @@ def autocast_dtype(node: fx.Node) -> torch.dtype | None:
         for u in cur.users:  # a graph output is a reader of neither kind
             if is_op(u, *MOVES) and u.args[0] is cur:
                 stack.append(u)
-            elif is_op(u, *AUTOCAST_HALF_OPS):
+            elif is_op(u, *AUTOCAST_HALF_OPS) or cast_dtype(u) is not None and u.args[0] is cur:
                 found.add(dtype_of(u))
             else:
                 return None

@@ -59,6 +59,33 @@ def test_train_autocast_into_attention(kv_heads):
         ("flash.attention.default", [bf16, bf16, bf16])]
 
 
+class CastBack(torch.nn.Module):
+    """A bf16 model's rotary with fp32 tables, cast back to q's dtype (and read once more
+    through a transpose before that cast)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("inv_freq", torch.rand(4))
+
+    def forward(self, q):
+        f = torch.outer(torch.arange(q.shape[2], dtype=torch.float32), self.inv_freq)
+        emb = torch.cat((f, f), -1)
+        out = q * emb.cos() + rotate_half(q) * emb.sin()
+        return out.to(q.dtype), out.transpose(1, 2).to(q.dtype)
+
+
+def test_fp32_tables_cast_back():
+    """The fp32 result is only read cast to q's dtype: flash.rotary writes that dtype itself,
+    with the same rounding of the fp32 value."""
+    torch.manual_seed(0)
+    model, q = CastBack(), torch.randn(2, 3, 5, 8, dtype=torch.bfloat16)
+    out = torch.compile(model, backend="flash")(q)
+    assert torch_flash.counters == {"flash.rotary": 1}
+    for o, r in zip(out, model(q)):
+        assert o.dtype == torch.bfloat16
+        torch.testing.assert_close(o, r, atol=0, rtol=8e-3)
+
+
 def test_autocast_fp32_output_kept():
     """Under autocast a rotary output the model returns in fp32 stays the model's own: the
     half result would lose precision that the caller sees."""
