@@ -2,7 +2,9 @@
 (forward + backward) through plain torch.compile (Inductor), the flash backend, and the flash
 backend without the rotary family (what the pass did before it retyped autocast's fp32 rotary
 output: attention left unfused). Each backend compiles and is timed in turn: median wall time
-of 20 steps, GPU kernel time from torch.profiler over 5, peak memory. Needs transformers.
+of 20 steps, GPU kernel time from torch.profiler over 5, peak memory, and the relative error of
+the loss and of all parameter gradients (one vector) against eager in fp32 without autocast.
+Needs transformers.
 Usage: python scripts/hf_llama_autocast.py OUT.json
 """
 import json
@@ -24,7 +26,15 @@ BACKENDS = {"inductor": "inductor", "flash": "flash",
             "flash, no rotary family": torch_flash.backend(ops=["attention", "norm", "loss"])}
 
 
-def measure(model, ids, backend) -> dict:
+def flat_grads(model) -> torch.Tensor:
+    return torch.cat([p.grad.flatten().double() for p in model.parameters()])
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def measure(model, ids, backend, reference) -> dict:
     torch._dynamo.reset()
     torch_flash.counters.clear()
     fn = torch.compile(lambda ids: model(input_ids=ids, labels=ids).loss, backend=backend)
@@ -40,6 +50,7 @@ def measure(model, ids, backend) -> dict:
     loss = step()
     torch.cuda.synchronize()
     print(f"compiled in {time.perf_counter() - t0:.1f} s; rewrites {dict(torch_flash.counters)}", flush=True)
+    errors = dict(loss_err=rel(loss, reference[0]), grad_err=rel(flat_grads(model), reference[1]))
     for _ in range(5):
         step()
     torch.cuda.synchronize()
@@ -56,7 +67,7 @@ def measure(model, ids, backend) -> dict:
         torch.cuda.synchronize()
     events = prof.key_averages()
     top = sorted(events, key=lambda e: -e.self_device_time_total)[:8]
-    return dict(rewrites=dict(torch_flash.counters), step_ms=statistics.median(ms),
+    return dict(rewrites=dict(torch_flash.counters), **errors, step_ms=statistics.median(ms),
                 kernel_ms=sum(e.self_device_time_total for e in events) / 5e3,
                 peak_gib=torch.cuda.max_memory_allocated() / 2**30, loss=loss.item(),
                 top=[(e.key[:70], round(e.self_device_time_total / 5e3, 3)) for e in top])
@@ -69,9 +80,19 @@ def main(path: str) -> None:
     out = {"env": {"torch": torch.__version__, "transformers": transformers.__version__,
                    "device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
            "config": dict(CONFIG, batch=B, seq=S), "rows": []}
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    reference = (loss.detach(), flat_grads(model))
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    out["eager_autocast"] = dict(loss_err=rel(loss, reference[0]), grad_err=rel(flat_grads(model), reference[1]))
+    print("eager autocast", out["eager_autocast"], flush=True)
     for name, backend in BACKENDS.items():
         print(name, flush=True)
-        row = dict(impl=name, **measure(model, ids, backend))
+        row = dict(impl=name, **measure(model, ids, backend, reference))
         out["rows"].append(row)
         print(row, flush=True)
     with open(path, "w") as f:
