@@ -11,19 +11,29 @@ walked up through casts, cos/sin, constant scales and ops that keep rows whole
 reads each table's first half, `cos[..., :rd/2]` (every other column for GPT-J), as a
 per-token (B or 1, S, rd/2) or (S, rd/2) table. x is (B, H, S, D) with tables broadcast
 over the heads, or (B, S, H, D) (GPT-J), which the op reads through a transposed view.
+
+The complex spelling of Meta's LLaMA (also torchtitan, Llama 4): anchor `view_as_real(xc * f)`
+with xc = view_as_complex(x.float().reshape(..., D/2, 2)) and f a complex table, then
+flattened back to x's shape (and cast to x's dtype). Multiplying by a + ib turns each
+adjacent pair exactly as the interleaved op does with cos = a and sin = b, so the real and
+imaginary parts of f are the tables, whatever their modulus, with no halves to prove; the
+backward, conj(f) times the gradient, is the op's own. The same product in real arithmetic
+(torchtune, gpt-fast): `stack((x0 * c - x1 * s, x1 * c + x0 * s), -1).flatten(3)` over the
+[..., 0] and [..., 1] of x's pairs and of a (..., D/2, 2) table.
 """
 from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
 
-from ..graph import (A, cast_dtype, getitem, insert_call, is_op, last_dim, location, only_user, other_operand,
-                     split_const, val)
+from ..graph import (A, cast_dtype, dtype_of, getitem, insert_call, is_op, last_dim, location, only_user,
+                     other_operand, split_const, val)
 from ..report import Report, Site
-from ._shared import arg, call_checked, keeps_rows, known_equal, replace, same_value
+from ._shared import RESHAPES, arg, call_checked, keeps_rows, known_equal, replace, same_value
 
 FLASH = torch.ops.flash
 END = 2**63 - 1  # what x[..., a:] traces to as a slice end
@@ -38,6 +48,7 @@ class Match:
     sin: fx.Node
     interleaved: bool
     out: fx.Node  # the node whose value the fused op replaces
+    halves: bool = True  # cos/sin span rd columns (their halves repeat); else rd/2, one per pair
 
 
 def _last_slice(n) -> tuple[fx.Node, object, object, object] | None:
@@ -162,6 +173,93 @@ def _match(rot: fx.Node) -> Match | str | None:
     return Match(x, cos, sin, interleaved, out)
 
 
+def _pair_source(pairs: Any) -> fx.Node | None:
+    """x when pairs is x reshaped to (..., D/2, 2): adjacent elements of its last dim as pairs."""
+    if not is_op(pairs, *RESHAPES, A.unflatten.int):
+        return None
+    x = pairs.args[0]
+    xv, pv = val(x), val(pairs)
+    ok = (isinstance(xv, torch.Tensor) and xv.dim() == pv.dim() - 1 and known_equal(pv.shape[-1], 2)
+          and known_equal(2 * pv.shape[-2], xv.shape[-1])
+          and all(known_equal(a, b) for a, b in zip(pv.shape[:-2], xv.shape[:-1])))
+    return x if ok else None
+
+
+def _unpairs(out: Any, x: fx.Node) -> bool:
+    """out puts the (..., D/2, 2) pairs back into x's shape (flatten of the last two dims, or a reshape)."""
+    if not is_op(out, A.flatten.using_ints, *RESHAPES):
+        return False
+    d = val(out.args[0]).dim()
+    if is_op(out, A.flatten.using_ints) and not (out.args[1] % d == d - 2 and last_dim(arg(out, "end_dim", -1), d)):
+        return False
+    return val(out).dim() == val(x).dim() and all(known_equal(a, b) for a, b in zip(val(out).shape, val(x).shape))
+
+
+def _pairs_match(graph: fx.Graph, x: fx.Node, table: fx.Node, out: fx.Node) -> Match:
+    """The match of a rotation of x's adjacent pairs by a (..., D/2, 2) table of (cos, sin)."""
+    # the op takes x in its own dtype and computes in fp32, as the model does after x.float()
+    if cast_dtype(x) == torch.float32 and dtype_of(x.args[0]) in (torch.float16, torch.bfloat16):
+        x = x.args[0]
+    cos, sin = (insert_call(graph, out, A.select.int, (table, -1, i)) for i in (0, 1))
+    return Match(x, cos, sin, True, out, halves=False)
+
+
+def _match_complex(vr: fx.Node, graph: fx.Graph) -> Match | str | None:
+    """From view_as_real(view_as_complex(x.reshape(..., D/2, 2)) * f) to its flattening back to
+    x's shape; None when vr is not such a product. The tables are f's real and imaginary parts."""
+    prod = vr.args[0]
+    if not is_op(prod, A.mul.Tensor) or not all(isinstance(a, fx.Node) for a in prod.args[:2]):
+        return None
+    xc, f = prod.args[:2] if is_op(prod.args[0], A.view_as_complex.default) else prod.args[1::-1]
+    x = _pair_source(xc.args[0]) if is_op(xc, A.view_as_complex.default) else None
+    if x is None:
+        return None
+    if val(f).dtype != val(xc).dtype:
+        return f"the rotation table is {val(f).dtype}, not {val(xc).dtype} as x's pairs"
+    out = only_user(vr)
+    if not _unpairs(out, x):
+        return "view_as_real(x * f) is not put back into x's shape"
+    return _pairs_match(graph, x, insert_call(graph, out, A.view_as_real.default, (f,)), out)
+
+
+def _pair_part(n: Any) -> tuple[fx.Node, int] | None:
+    """(t, i) when n is t[..., i] of a last dim of 2."""
+    if not is_op(n, A.select.int) or n.args[2] not in (0, 1):
+        return None
+    t = n.args[0]
+    return (t, n.args[2]) if last_dim(n.args[1], val(t).dim()) and known_equal(val(t).shape[-1], 2) else None
+
+
+def _match_pairs(flat: fx.Node, graph: fx.Graph) -> Match | str | None:
+    """stack((x0 * c - x1 * s, x1 * c + x0 * s), -1) put back into x's shape, with x0, x1 the
+    [..., 0] and [..., 1] of x reshaped to pairs and c, s those of a pair table (torchtune,
+    gpt-fast); None when flat is not a stack of two such terms."""
+    st = flat.args[0]
+    if not (is_op(st, A.stack.default) and len(st.args[0]) == 2 and last_dim(arg(st, "dim", 0), val(st).dim())):
+        return None
+    first, second = st.args[0]
+    if (not (is_op(first, A.sub.Tensor) and is_op(second, A.add.Tensor))
+            or any(n.kwargs.get("alpha", 1) != 1 for n in (first, second))):
+        return None
+    products = []
+    for term in (first, second):
+        for p in term.args[:2]:
+            parts = [_pair_part(a) for a in p.args[:2]] if is_op(p, A.mul.Tensor) else [None]
+            if None in parts:
+                return None
+            products.append(frozenset(parts))
+    bases = {t for p in products for t, _ in p}
+    xs = [b for b in bases if _pair_source(b) is not None and _unpairs(flat, _pair_source(b))]
+    if len(bases) != 2 or len(xs) != 1:
+        return "the pair products do not tell x (reshaped to pairs, flattened back) from one table"
+    (table,) = bases - set(xs)
+    x0, x1, c, s = (xs[0], 0), (xs[0], 1), (table, 0), (table, 1)
+    if (products[:2] != [frozenset((x0, c)), frozenset((x1, s))]
+            or set(products[2:]) != {frozenset((x1, c)), frozenset((x0, s))}):
+        return "the pair products are not the rotation (x0 * c - x1 * s, x1 * c + x0 * s)"
+    return _pairs_match(graph, _pair_source(xs[0]), table, flat)
+
+
 def _learned(gm: fx.GraphModule, t: fx.Node) -> bool:
     """t depends on an input or attribute that requires grad (the op gives tables no gradient).
     Inputs are read from their fake values, or Dynamo's example values where a retrace kept them."""
@@ -198,8 +296,11 @@ def _layout(gm: fx.GraphModule, m: Match) -> int | str:
 
 
 def _half_table(graph: fx.Graph, before: fx.Node, t: fx.Node, m: Match, heads: int) -> fx.Node:
-    """t's first half (even columns when interleaved) without the heads dim: (B or 1, S, rd/2) or (S, rd/2)."""
-    if m.interleaved:
+    """t's first half (even columns when interleaved; all of it without halves) without the
+    heads dim: (B or 1, S, rd/2) or (S, rd/2)."""
+    if not m.halves:
+        h = t
+    elif m.interleaved:
         h = insert_call(graph, before, A.slice.Tensor, (t, -1, 0, END, 2))
     else:
         h = getitem(graph, insert_call(graph, before, A.chunk.default, (t, 2, -1)), 0)
@@ -226,8 +327,11 @@ def _replace(gm: fx.GraphModule, m: Match) -> str:
 def rewrite(gm: fx.GraphModule, report: Report) -> None:
     anchors = [(n, name) for target, name in ROTATIONS.items()
                for n in gm.graph.find_nodes(op="call_function", target=target)]
+    anchors += [(n, "view_as_real") for n in gm.graph.find_nodes(op="call_function", target=A.view_as_real.default)]
     for n, anchor in anchors:
-        m = _match(n)
+        m = _match_complex(n, gm.graph) if anchor == "view_as_real" else _match(n)
+        if m is None and anchor == "rotate_every_two":
+            m, anchor = _match_pairs(n, gm.graph), "stack of pair products"
         if m is None:
             continue
         # where x * cos + rotate(x) * sin is written, which tells q from k

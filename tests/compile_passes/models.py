@@ -178,22 +178,43 @@ def rotate_every_two(x):  # transformers' GPT-J rotate_every_two
     return torch.stack((-x2, x1), dim=-1).flatten(-2)
 
 
+def apply_rotary_emb(xq, xk, freqs_cis):  # Meta's LLaMA (also torchtitan): complex pairs
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    freqs_cis = freqs_cis.view(1, xq_.shape[1], 1, xq_.shape[-1])  # reshape_for_broadcast
+    xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(3)
+    xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+def apply_rope_pairs(x, rope_cache):  # torchtune's RotaryPositionalEmbeddings (gpt-fast alike)
+    xshaped = x.float().reshape(*x.shape[:-1], -1, 2)
+    rope_cache = rope_cache.view(-1, xshaped.size(1), 1, xshaped.size(3), 2)
+    x_out = torch.stack([xshaped[..., 0] * rope_cache[..., 0] - xshaped[..., 1] * rope_cache[..., 1],
+                         xshaped[..., 1] * rope_cache[..., 0] + xshaped[..., 0] * rope_cache[..., 1]], -1)
+    return x_out.flatten(3).type_as(x)
+
+
 class RotaryQK(nn.Module):
     """q/k projections with RoPE as transformers writes it: "llama" (LlamaRotaryEmbedding
     with cat((freqs, freqs)), rotate_half, tables (B, 1, S, D)), "neox" (partial rotary:
     rotate x[..., :rd], pass the rest; an (S, rd) table), "gptj" (sin/cos table gathered by
-    position, repeat_interleave, rotate_every_two on (B, S, H, D)). Returns q and k as
-    (B, H, S, D)."""
+    position, repeat_interleave, rotate_every_two on (B, S, H, D)); as Meta's LLaMA does,
+    "meta" (a complex freqs_cis buffer, complex products on (B, S, H, D)); and as torchtune
+    does, "torchtune" (the same products in real arithmetic, a (S, D/2, 2) cos/sin cache).
+    Returns q and k as (B, H, S, D)."""
 
     def __init__(self, d=32, heads=4, style="llama", partial=0.5):
         super().__init__()
         self.h, self.hd, self.style = heads, d // heads, style
-        self.rd = self.hd if style == "llama" else int(self.hd * partial)
+        self.rd = self.hd if style in ("llama", "meta", "torchtune") else int(self.hd * partial)
         self.q, self.k = nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False)
         inv_freq = 1.0 / (10000 ** (torch.arange(0, self.rd, 2, dtype=torch.int64).float() / self.rd))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         angles = torch.outer(torch.arange(64, dtype=torch.float), inv_freq)
         self.register_buffer("embed_positions", torch.cat((angles.sin(), angles.cos()), 1), persistent=False)
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles), persistent=False)
+        self.register_buffer("rope_cache", torch.stack((angles.cos(), angles.sin()), -1), persistent=False)
 
     def _cos_sin(self, x, position_ids):
         inv = self.inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1)
@@ -204,6 +225,10 @@ class RotaryQK(nn.Module):
     def forward(self, x, position_ids):
         b, s, _ = x.shape
         q, k = (p(x).view(b, s, self.h, self.hd) for p in (self.q, self.k))
+        if self.style == "meta":
+            return tuple(t.transpose(1, 2) for t in apply_rotary_emb(q, k, self.freqs_cis[:s]))
+        if self.style == "torchtune":
+            return tuple(apply_rope_pairs(t, self.rope_cache[:s]).transpose(1, 2) for t in (q, k))
         if self.style == "gptj":
             sin, cos = torch.split(self.embed_positions[position_ids], self.rd // 2, dim=-1)
             sin, cos = (torch.repeat_interleave(t[:, :, None, :], 2, 3).to(x.dtype) for t in (sin, cos))

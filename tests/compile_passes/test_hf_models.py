@@ -54,6 +54,13 @@ def _llama_like(c):
     return {"attention": n, "rms_norm": 1, "add_rms_norm": 2 * n, "linear_cross_entropy": 1, "rotary": 2 * n}
 
 
+def _llama4(c):
+    """As LLaMA, with the rotary in complex numbers on every layer here, and on those layers
+    q and k L2-normalised (RMSNorm without a weight) after it."""
+    n = c.num_hidden_layers
+    return {"attention": n, "rms_norm": 1 + 2 * n, "add_rms_norm": 2 * n, "linear_cross_entropy": 1, "rotary": 2 * n}
+
+
 def _layer_norms(c, first_fused: bool, extra_layer_norms: int = 0):
     """Two LayerNorms a layer plus one more: the final norm of pre-norm stacks (GPT-2, OPT,
     ViT), the embeddings' norm of post-norm ones (BERT, RoBERTa). The norm that reads token +
@@ -89,6 +96,9 @@ MODELS = {
     "qwen2": Spec("Qwen2Config", dict(DECODER, num_key_value_heads=2), "Qwen2ForCausalLM", "causal", _llama_like),
     "gemma": Spec("GemmaConfig", dict(DECODER, num_key_value_heads=2, head_dim=8), "GemmaForCausalLM", "causal",
                   _llama_like),
+    # complex rotary (view_as_complex), MoE MLPs of 2 experts
+    "llama4": Spec("Llama4TextConfig", dict(DECODER, num_key_value_heads=2, head_dim=8, intermediate_size_mlp=64,
+                                            num_local_experts=2), "Llama4ForCausalLM", "causal", _llama4),
     # positions (1, S, D) against tokens (B, S, D): the first norm stays unfused
     "gpt2": Spec("GPT2Config", dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
                                     embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, initializer_range=0.2),
@@ -257,7 +267,7 @@ def test_fused_backward(name, impl):
 
 
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
-@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma", "gpt_neox"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma", "gpt_neox", "llama4"])
 def test_autocast(name, impl):
     """bf16 autocast over the fp32 model, as mixed-precision training runs it: q and k leave the
     rotary in fp32 (HF casts cos/sin to the fp32 hidden states' dtype), v is bf16, and attention

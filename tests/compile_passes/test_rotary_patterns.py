@@ -14,7 +14,7 @@ def _inputs(b=2, s=5, dtype=torch.float32):
     return torch.randn(b, s, 32, dtype=dtype), torch.arange(s)[None].expand(b, s)
 
 
-@pytest.mark.parametrize("style", ["llama", "neox", "gptj"])
+@pytest.mark.parametrize("style", ["llama", "neox", "gptj", "meta", "torchtune"])
 def test_train(style):
     torch.manual_seed(0)
     check_training(RotaryQK(style=style), *_inputs())
@@ -25,9 +25,9 @@ class RotaryAttention(torch.nn.Module):
     """HF LLaMA's path from the rotary to SDPA: q and k rotated with tables in x's dtype, then
     attention (GQA through repeat_kv's expand and reshape when kv_heads < heads)."""
 
-    def __init__(self, d=32, heads=4, kv_heads=4):
+    def __init__(self, d=32, heads=4, kv_heads=4, style="llama"):
         super().__init__()
-        self.rope, self.n = RotaryQK(d, heads), heads // kv_heads
+        self.rope, self.n = RotaryQK(d, heads, style), heads // kv_heads
         self.v, self.o = torch.nn.Linear(d, d, bias=False), torch.nn.Linear(d, d, bias=False)
 
     def forward(self, x, position_ids):
@@ -41,14 +41,15 @@ class RotaryAttention(torch.nn.Module):
         return self.o(a.transpose(1, 2).reshape(b, s, d))
 
 
-@pytest.mark.parametrize("kv_heads", [4, 2])
-def test_train_autocast_into_attention(kv_heads):
+@pytest.mark.parametrize("style, kv_heads", [("llama", 4), ("llama", 2), ("meta", 2), ("torchtune", 2)])
+def test_train_autocast_into_attention(style, kv_heads):
     """bf16 autocast over an fp32 model: q and k come from bf16 linears, the tables are fp32
     (HF casts them to the fp32 hidden states' dtype), so the model's rotary output is fp32,
-    read only by SDPA, which autocast runs in bf16. flash.rotary writes it in bf16 directly,
-    and SDPA, then reading q, k and v of one dtype, becomes flash.attention."""
+    read only by SDPA, which autocast runs in bf16 (Meta's casts it back to q's dtype
+    itself). flash.rotary writes it in bf16 directly, and SDPA, then reading q, k and v of
+    one dtype, becomes flash.attention."""
     torch.manual_seed(0)
-    model, args = RotaryAttention(kv_heads=kv_heads), _inputs()
+    model, args = RotaryAttention(kv_heads=kv_heads, style=style), _inputs()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         check_training(model, *args, atol=2e-2, rtol=2e-2)
         assert torch_flash.counters == {"flash.rotary": 2, "flash.attention": 1}
@@ -95,14 +96,23 @@ def test_autocast_fp32_output_kept():
     assert all("would give torch.bfloat16" in s.reason for s in report.sites)
 
 
-def test_bf16_inference():
+@pytest.mark.parametrize("style", ["llama", "meta", "torchtune"])
+def test_bf16_inference(style):
+    """Meta's and torchtune's spellings upcast x and compute in fp32 before casting back: the op
+    computes in fp32 from bf16 x, with the same single rounding. (Their reference is the fp32
+    model, as they compute in fp32 whatever x is; Module.to would also drop the complex
+    table's imaginary part, so the tables are put back.)"""
     torch.manual_seed(0)
-    model = RotaryQK().to(torch.bfloat16).eval()
+    model = RotaryQK(style=style).to(torch.bfloat16).eval()
     x, pos = _inputs(dtype=torch.bfloat16)
+    exact_dtype = torch.float64 if style == "llama" else torch.float32
     with torch.inference_mode():
+        tables = RotaryQK(style=style)
+        model.freqs_cis, model.rope_cache = tables.freqs_cis, tables.rope_cache
         out = torch.compile(model, backend="flash")(x, pos)
         ref = model(x, pos)
-        exact = model.double()(x.double(), pos)
+        model.to(exact_dtype).freqs_cis = tables.freqs_cis
+        exact = model(x.to(exact_dtype), pos)
     assert torch_flash.counters == {"flash.rotary": 2}
     for o, r, e in zip(out, ref, exact):
         assert o.dtype == torch.bfloat16
@@ -149,9 +159,10 @@ def test_explain_reasons():
     assert not any(str(n.target).startswith("flash.") for n in ep.graph.nodes)
 
 
-def test_export_rewrite(tmp_path):
+@pytest.mark.parametrize("style", ["gptj", "meta", "torchtune"])
+def test_export_rewrite(tmp_path, style):
     torch.manual_seed(0)
-    model = RotaryQK(style="gptj").eval()
+    model = RotaryQK(style=style).eval()
     args = _inputs()
     ep = torch_flash.rewrite(torch.export.export(model, args))
     assert sum(str(n.target) == "flash.rotary.default" for n in ep.graph.nodes) == 2
