@@ -33,7 +33,7 @@ import torch.fx as fx
 from ..graph import (A, cast_dtype, dtype_of, getitem, insert_call, is_op, last_dim, location, only_user,
                      other_operand, split_const, val)
 from ..report import Report, Site
-from ._shared import RESHAPES, arg, call_checked, keeps_rows, known_equal, replace, same_value
+from ._shared import HALF, RESHAPES, arg, call_checked, keeps_rows, known_equal, replace, same_value
 
 FLASH = torch.ops.flash
 END = 2**63 - 1  # what x[..., a:] traces to as a slice end
@@ -198,7 +198,7 @@ def _unpairs(out: Any, x: fx.Node) -> bool:
 def _pairs_match(graph: fx.Graph, x: fx.Node, table: fx.Node, out: fx.Node) -> Match:
     """The match of a rotation of x's adjacent pairs by a (..., D/2, 2) table of (cos, sin)."""
     # the op takes x in its own dtype and computes in fp32, as the model does after x.float()
-    if cast_dtype(x) == torch.float32 and dtype_of(x.args[0]) in (torch.float16, torch.bfloat16):
+    if cast_dtype(x) == torch.float32 and dtype_of(x.args[0]) in HALF:
         x = x.args[0]
     cos, sin = (insert_call(graph, out, A.select.int, (table, -1, i)) for i in (0, 1))
     return Match(x, cos, sin, True, out, halves=False)
