@@ -124,6 +124,10 @@ def _error_cases(rank):
                                                  process_group=group),
         "leaf-inplace": lambda: cross_entropy(torch.randn(4, V_LOCAL, requires_grad=True), t,
                                               inplace_backward=True, process_group=group),
+        # Dynamo traces the mode's Python and reads the leaf off its tensors as eager does
+        "leaf-inplace-compiled": lambda: torch.compile(
+            lambda x: cross_entropy(x, t, inplace_backward=True, process_group=group), backend="aot_eager")(
+                torch.randn(4, V_LOCAL, requires_grad=True)),
     }
 
 
@@ -185,6 +189,7 @@ def test_matches_unsharded(results, name):
     ("different-targets", "flash.cross_entropy: the ranks of process_group disagree"),
     ("different-batch", "flash.cross_entropy: the ranks of process_group disagree"),
     ("leaf-inplace", "flash.cross_entropy: .*logits is a leaf tensor that requires grad"),
+    ("leaf-inplace-compiled", "flash.cross_entropy: .*logits is a leaf tensor that requires grad"),
 ])
 def test_errors_on_every_rank(results, name, match):
     for rank, r in enumerate(results):

@@ -134,11 +134,12 @@ def check_inplace_layout(op: str, logits) -> None:
 
 def check_inplace_owner(op: str, logits: Tensor) -> None:
     """The values of a leaf that requires grad (a parameter) must survive the backward. Reads
-    autograd metadata, which real tensors and Dynamo's fake tensors (mirroring the caller's leaves
-    and views) carry faithfully, unlike the functional or proxied tensors of AOTAutograd and make_fx;
-    Dynamo's symbolic pass over Python (the vocab-parallel mode) cannot read it."""
-    if (torch.compiler.is_dynamo_compiling() or get_proxy_mode() is not None
-            or isinstance(logits, FunctionalTensor) or torch._is_functional_tensor(logits)):
+    autograd metadata, which real tensors, Dynamo's fake tensors (mirroring the caller's leaves
+    and views) and Dynamo's trace of Python (the vocab-parallel mode) carry faithfully, unlike
+    the functional or proxied tensors of AOTAutograd and make_fx."""
+    if not torch.compiler.is_dynamo_compiling() and (  # Dynamo cannot trace get_proxy_mode
+            get_proxy_mode() is not None or isinstance(logits, FunctionalTensor)
+            or torch._is_functional_tensor(logits)):
         return
     base = logits if logits._base is None else logits._base
     check(not (base.is_leaf and base.requires_grad), op,
