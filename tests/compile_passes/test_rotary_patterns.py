@@ -41,8 +41,10 @@ class RotaryAttention(torch.nn.Module):
         return self.o(a.transpose(1, 2).reshape(b, s, d))
 
 
-@pytest.mark.parametrize("style, kv_heads", [("llama", 4), ("llama", 2), ("meta", 2), ("torchtune", 2)])
-def test_train_autocast_into_attention(style, kv_heads):
+@pytest.mark.parametrize("style, kv_heads, half", [("llama", 4, torch.bfloat16), ("llama", 2, torch.bfloat16),
+                                                   ("meta", 2, torch.bfloat16), ("torchtune", 2, torch.bfloat16),
+                                                   ("llama", 2, torch.float16)])
+def test_train_autocast_into_attention(style, kv_heads, half):
     """bf16 autocast over an fp32 model: q and k come from bf16 linears, the tables are fp32
     (HF casts them to the fp32 hidden states' dtype), so the model's rotary output is fp32,
     read only by SDPA, which autocast runs in bf16 (Meta's casts it back to q's dtype
@@ -50,14 +52,14 @@ def test_train_autocast_into_attention(style, kv_heads):
     one dtype, becomes flash.attention."""
     torch.manual_seed(0)
     model, args = RotaryAttention(kv_heads=kv_heads, style=style), _inputs()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=half):
         check_training(model, *args, atol=2e-2, rtol=2e-2)
         assert torch_flash.counters == {"flash.rotary": 2, "flash.attention": 1}
         calls = flash_calls(model, *args)
-    bf16, fp32 = torch.bfloat16, torch.float32
+    fp32 = torch.float32
     assert [(op, dtypes) for op, _, dtypes in calls] == [
-        ("flash.rotary.default", [bf16, fp32, fp32]), ("flash.rotary.default", [bf16, fp32, fp32]),
-        ("flash.attention.default", [bf16, bf16, bf16])]
+        ("flash.rotary.default", [half, fp32, fp32]), ("flash.rotary.default", [half, fp32, fp32]),
+        ("flash.attention.default", [half, half, half])]
 
 
 class CastBack(torch.nn.Module):
@@ -120,9 +122,10 @@ def test_bf16_inference(style):
         assert err(o) <= max(err(r), 1e-2)
 
 
-def test_dynamic_shapes():
+@pytest.mark.parametrize("style", ["neox", "meta", "torchtune"])
+def test_dynamic_shapes(style):
     torch.manual_seed(0)
-    model = RotaryQK(style="neox").eval()
+    model = RotaryQK(style=style).eval()
     compiled = torch.compile(model, backend="flash", dynamic=True)
     with torch.no_grad():
         for b, s in ((2, 5), (3, 9)):
