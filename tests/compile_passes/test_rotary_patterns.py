@@ -33,7 +33,7 @@ class RotaryAttention(torch.nn.Module):
     def forward(self, x, position_ids):
         b, s, d = x.shape
         q, k = self.rope(x, position_ids)
-        if self.n > 1:  # keep k's first kv heads: GQA as transformers' repeat_kv spells it
+        if self.n > 1:  # every n-th head of k as the kv heads, repeated as transformers' repeat_kv does
             k = k[:, ::self.n]
             k = k[:, :, None].expand(b, k.shape[1], self.n, s, k.shape[-1]).reshape(q.shape)
         v = self.v(x).view(b, s, q.shape[1], -1).transpose(1, 2)
@@ -45,11 +45,11 @@ class RotaryAttention(torch.nn.Module):
                                                    ("meta", 2, torch.bfloat16), ("torchtune", 2, torch.bfloat16),
                                                    ("llama", 2, torch.float16)])
 def test_train_autocast_into_attention(style, kv_heads, half):
-    """bf16 autocast over an fp32 model: q and k come from bf16 linears, the tables are fp32
-    (HF casts them to the fp32 hidden states' dtype), so the model's rotary output is fp32,
-    read only by SDPA, which autocast runs in bf16 (Meta's casts it back to q's dtype
-    itself). flash.rotary writes it in bf16 directly, and SDPA, then reading q, k and v of
-    one dtype, becomes flash.attention."""
+    """bf16 (or fp16) autocast over an fp32 model: q and k come from half linears, the tables
+    are fp32 (HF casts them to the fp32 hidden states' dtype), so the model's rotary output is
+    fp32, read only by SDPA, which autocast runs in half (Meta's spelling casts it back to q's
+    dtype itself). flash.rotary writes it in half directly, and SDPA, then reading q, k and v
+    of one dtype, becomes flash.attention."""
     torch.manual_seed(0)
     model, args = RotaryAttention(kv_heads=kv_heads, style=style), _inputs()
     with torch.autocast("cpu", dtype=half):
