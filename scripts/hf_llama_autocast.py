@@ -5,11 +5,13 @@ output: attention left unfused). Each backend compiles and is timed in turn: med
 of 20 steps, GPU kernel time from torch.profiler over 5, peak memory, and the relative error of
 the loss and of all parameter gradients (one vector) against eager in fp32 without autocast.
 Needs transformers.
-Usage: python scripts/hf_llama_autocast.py OUT.json
+Usage: python scripts/hf_llama_autocast.py OUT.json [--hidden H --heads N --kv-heads K]
+[--backends NAME ...] (defaults: the run in docs/perf, head dim 64 with GQA; the backend
+"flash, no attention family" leaves SDPA to PyTorch).
 """
+import argparse
 import json
 import statistics
-import sys
 import time
 
 import torch
@@ -23,7 +25,9 @@ CONFIG = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num
               num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096, use_cache=False,
               attn_implementation="sdpa")
 BACKENDS = {"inductor": "inductor", "flash": "flash",
-            "flash, no rotary family": torch_flash.backend(ops=["attention", "norm", "loss"])}
+            "flash, no rotary family": torch_flash.backend(ops=["attention", "norm", "loss"]),
+            "flash, no attention family": torch_flash.backend(ops=["rotary", "norm", "loss"])}
+DEFAULT_BACKENDS = ["inductor", "flash", "flash, no rotary family"]
 
 
 def flat_grads(model) -> torch.Tensor:
@@ -73,13 +77,22 @@ def measure(model, ids, backend, reference) -> dict:
                 top=[(e.key[:70], round(e.self_device_time_total / 5e3, 3)) for e in top])
 
 
-def main(path: str) -> None:
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--hidden", type=int, default=CONFIG["hidden_size"])
+    p.add_argument("--heads", type=int, default=CONFIG["num_attention_heads"])
+    p.add_argument("--kv-heads", type=int, default=CONFIG["num_key_value_heads"])
+    p.add_argument("--backends", nargs="+", default=DEFAULT_BACKENDS, choices=list(BACKENDS))
+    args = p.parse_args()
+    config = dict(CONFIG, hidden_size=args.hidden, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                  intermediate_size=CONFIG["intermediate_size"] * args.hidden // CONFIG["hidden_size"])
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).cuda()
-    ids = torch.randint(0, CONFIG["vocab_size"], (B, S), device="cuda")
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).cuda()
+    ids = torch.randint(0, config["vocab_size"], (B, S), device="cuda")
     out = {"env": {"torch": torch.__version__, "transformers": transformers.__version__,
                    "device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
-           "config": dict(CONFIG, batch=B, seq=S), "rows": []}
+           "config": dict(config, batch=B, seq=S), "rows": []}
     model.zero_grad(set_to_none=True)
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
@@ -90,14 +103,14 @@ def main(path: str) -> None:
     loss.backward()
     out["eager_autocast"] = dict(loss_err=rel(loss, reference[0]), grad_err=rel(flat_grads(model), reference[1]))
     print("eager autocast", out["eager_autocast"], flush=True)
-    for name, backend in BACKENDS.items():
+    for name in args.backends:
         print(name, flush=True)
-        row = dict(impl=name, **measure(model, ids, backend, reference))
+        row = dict(impl=name, **measure(model, ids, BACKENDS[name], reference))
         out["rows"].append(row)
         print(row, flush=True)
-    with open(path, "w") as f:
+    with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main()
