@@ -4,8 +4,9 @@ Shapes: hidden (..., H), weight (V, H) (nn.Linear layout), bias (V,) or None, ta
 loss = cross_entropy(hidden @ weight.T + bias, target, ...) with flash.cross_entropy's
 options, output shape and dtype. Token chunks of `chunk_size` rows (0: as many as keep a
 chunk's logits, in the inputs' dtype, within a fixed budget, or within a third of dweight
-where that is computed and larger) mean the (N, V) logits never exist. With gradients needed (mean/sum), the forward runs flash.linear_cross_entropy_with_grads,
-which also computes the gradients chunk by chunk, and the backward hands them out scaled in
+where that is computed and larger) mean the (N, V) logits never exist. With gradients needed
+(mean/sum), the forward runs flash.linear_cross_entropy_with_grads, which also computes the
+gradients chunk by chunk, and the backward hands them out scaled in
 place (no second dweight-sized buffer; no pass at all for an upstream gradient of 1); "none", a
 second backward through a retained graph, and create_graph=True recompute each chunk's logits in
 the backward (flash.linear_cross_entropy_backward, which is not differentiable again).

@@ -63,7 +63,6 @@ def y_dtype(x_dtype: torch.dtype, weight, cast_before_weight: bool,
     return x_dtype
 
 
-
 def laid_out_like(like: Tensor, values: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
     """values (a reference-path result) in empty_like(like)'s strides and dtype (default like's):
     the layout the fakes promise and the Triton launchers write. The reference's elementwise

@@ -50,8 +50,9 @@ LCE_CHUNK_BYTES = 256 * 2**20
 # Where dweight is computed, a chunk may hold up to 1/LCE_DWEIGHT_SHARE of dweight's bytes of
 # logits: at least hidden / 3 rows. Every chunk reads and writes the whole dweight (4*V*H bytes
 # in bf16) for 6*rows*V*H FLOPs of GEMMs, so the rows, not the bytes, set that overhead; at the
-# H100's power cap it is paid in joules (docs/perf/README.md, "At the power cap": 1280-row
-# chunks, 7 of them at 8192 x 4096 x 128256, ran 1.5-2 % faster than 1024-row ones).
+# H100's power cap it is paid in joules (docs/perf/README.md, "At the power cap"). At 8192 x 4096
+# x 128256 that is 7 chunks of 1280 rows: 0.6 % faster than 8 of 1024 in one process
+# (lce_chunk_ab_h100.json).
 LCE_DWEIGHT_SHARE = 3
 # Chunk rows are rounded to a multiple of this (GEMM tile) where the chunk is that large.
 LCE_ROW_ALIGN = 128
@@ -225,8 +226,9 @@ def _launch(x, t, *, loss, lse, grad_loss, out, n_valid, ignore_index, label_smo
             out_stride=None):
     """One _ce_kernel launch over the rows of x (N, V). loss and stats None: read lse instead of
     writing it; stats (z_t, z_sum): write those instead of the loss; out None: no gradient, else
-    rows out_stride apart (default out.stride(0)); in_place: out is x's memory; grad_loss None: an upstream gradient of 1. x holds the classes
-    from vocab_start of vocab_size (default: x is the whole vocabulary)."""
+    rows out_stride apart (default out.stride(0)); in_place: out is x's memory; grad_loss None:
+    an upstream gradient of 1. x holds the classes from vocab_start of vocab_size (default: x is
+    the whole vocabulary)."""
     n_rows, n_cols = x.shape
     if n_rows == 0:
         return
