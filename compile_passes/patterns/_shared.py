@@ -152,8 +152,8 @@ AUTOCAST_HALF_OPS = (A.linear.default, A.mm.default, A.matmul.default, A.bmm.def
                      A.baddbmm.default, A.scaled_dot_product_attention.default)
 # ops that move their first argument's elements without computing on them
 MOVES = (*ROW_RESHAPES, A.transpose.int, A.permute.default, A.t.default, A.unsqueeze.default, A.squeeze.dim,
-         A.slice.Tensor, A.select.int, A.clone.default, A.contiguous.default, A.flatten.using_ints,
-         A.unflatten.int)
+         A.slice.Tensor, A.narrow.default, A.select.int, A.clone.default, A.contiguous.default,
+         A.flatten.using_ints, A.unflatten.int)
 
 
 def autocast_dtype(node: fx.Node) -> torch.dtype | None:
@@ -182,10 +182,12 @@ def autocast_dtype(node: fx.Node) -> torch.dtype | None:
 def retype(graph: fx.Graph, old: fx.Node, new: fx.Node) -> None:
     """Give old's readers new, old's value in the dtype autocast_dtype(old) found: the ops that
     move elements are made again on new (so their values carry its dtype for the patterns
-    after this one), the autocast ops read new as they are. The old chain is left dead."""
+    after this one) and the old ones erased, the autocast ops read new as they are; old is
+    left without readers."""
     for u in list(old.users):
         if is_op(u, *MOVES) and u.args[0] is old:
             retype(graph, u, insert_call(graph, u, u.target, (new, *u.args[1:]), dict(u.kwargs)))
+            graph.erase_node(u)
         else:
             u.replace_input_with(old, new)
 

@@ -61,6 +61,28 @@ def test_train_autocast_residual_stream(norm):
         ("flash.rms_norm.default", torch.bfloat16), ("flash.add_rms_norm.default", torch.bfloat16)]
 
 
+def test_train_autocast_y_read_through_views():
+    """y reaches its autocast readers through views: a slice into a linear, a reshape into a
+    cast (torch_flash.integrations.transformers' lm-head placeholder and fused loss). The
+    views are made again on the bf16 y; the old ones went, so the fp32 y could go too."""
+    class ViewsReader(torch.nn.Module):
+        def __init__(self, d=32):
+            super().__init__()
+            self.norm, self.head = LlamaRMSNorm(d), torch.nn.Linear(d, 8)
+
+        def forward(self, x):
+            y = self.norm(x)
+            return self.head(y.narrow(-2, 0, 2)), y.reshape(-1, y.shape[-1]).to(torch.bfloat16) * 2
+
+    torch.manual_seed(0)
+    model, x = ViewsReader(), torch.randn(2, 5, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        check_training(model, x, atol=1e-2, rtol=1e-2)  # bf16 sums (head.bias) in another order
+        assert torch_flash.counters == {"flash.rms_norm": 1}
+        calls = flash_calls(model, x)
+    assert [(op, kw.get("out_dtype")) for op, kw, _ in calls] == [("flash.rms_norm.default", torch.bfloat16)]
+
+
 @pytest.mark.parametrize("norm", ["nn.RMSNorm", "llama", "gemma", "t5"])
 def test_bf16_inference(norm):
     """A bf16 model: each spelling's dtype rule is kept, and the result is no further from
