@@ -468,6 +468,28 @@ def test_backward_compiles(backend):
     _check_grads((h.grad, w.grad, b.grad), h, w, t, b, 1.37, **LCE_OPTS)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_inductor_many_chunks(reduction):
+    """Under Inductor, which traces into the launcher, every chunk's losses reach the output
+    (the chunks once wrote slices of one buffer, which torch 2.11's Inductor miscompiled into
+    an out-of-bounds read: an illegal memory access in HF LLaMA at 8 chunks on the H100)."""
+    h, w, t, b = (x.cuda() for x in _inputs((4, 40), 64, 1000))
+    t[0, :7] = -100
+
+    def model(h, w, b):
+        return linear_cross_entropy(h, w, t, b, chunk_size=16, reduction=reduction, **LCE_OPTS)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="inductor", fullgraph=True)
+    h, w, b = (x.requires_grad_() for x in (h, w, b))
+    got, eager = compiled(h, w, b), model(h, w, b)
+    torch.testing.assert_close(got, eager)
+    h64, w64, b64 = (x.detach().cpu().double() for x in (h, w, b))
+    exact = ce_ref.cross_entropy(F.linear(h64, w64, b64), t.cpu(), ref.LossOptions(**LCE_OPTS), reduction)
+    assert_rel_close(got.detach().cpu().double(), exact, TOL[torch.float32])
+
+
 @pytest.mark.parametrize("mode", ["real", "fake", "symbolic"])
 def test_backward_traces_with_make_fx(mode):
     """make_fx traces the backward with proxied tensors (real ones in "real" mode, where

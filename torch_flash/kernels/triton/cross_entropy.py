@@ -397,8 +397,6 @@ def lce_fwd(hidden, weight, target, bias, *, ignore_index, label_smoothing, z_lo
     t = _flat(target)
     h = hidden.reshape(t.shape[0], hid)  # not -1: H may be 0
     n_rows = h.shape[0]
-    losses = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
-    lse = torch.empty_like(losses)
     n_valid = _n_valid(t, ignore_index)
     want_dh, want_dw, want_db = (want and reduction != "none" for want in grads)
     want_db = want_db and bias is not None
@@ -411,6 +409,10 @@ def lce_fwd(hidden, weight, target, bias, *, ignore_index, label_smoothing, z_lo
     rows = lce_chunk_rows(n_rows, n_cols, hidden.dtype, chunk_size, hid if want_dw else 0)
     buf = h.new_empty(min(rows, n_rows), n_cols)
     dh_rows = None if dh is None else dh.view(h.shape)
+    # each chunk's losses (and lse, written but not needed) go to buffers of their own, joined at
+    # the end: traced by Inductor, a kernel writing slices of one buffer becomes a chain of
+    # slice copies that torch 2.11 miscompiled into an out-of-bounds read (H100, 8 chunks)
+    losses = []
     for start in range(0, n_rows, rows):
         sl = slice(start, start + rows)
         h_c = h[sl]
@@ -419,10 +421,13 @@ def lce_fwd(hidden, weight, target, bias, *, ignore_index, label_smoothing, z_lo
             torch.mm(h_c, weight.t(), out=logits)
         else:
             torch.addmm(bias, h_c, weight.t(), out=logits)
+        loss = torch.empty(h_c.shape[0], dtype=torch.float32, device=hidden.device)
+        losses.append(loss)
         # the kernel turns the chunk's logits into their gradient, in place
-        _launch(logits, t[sl], loss=losses[sl], lse=lse[sl], grad_loss=None, out=logits if in_place else None,
-                n_valid=n_valid, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
-                softcap=softcap, reduction=reduction, block=block, in_place=in_place)
+        _launch(logits, t[sl], loss=loss, lse=torch.empty_like(loss), grad_loss=None,
+                out=logits if in_place else None, n_valid=n_valid, ignore_index=ignore_index,
+                label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, reduction=reduction,
+                block=block, in_place=in_place)
         if dh is not None:
             torch.mm(logits, weight, out=dh_rows[sl])
         if dw is not None and start == 0:
@@ -433,4 +438,5 @@ def lce_fwd(hidden, weight, target, bias, *, ignore_index, label_smoothing, z_lo
             db += logits.sum(0, dtype=torch.float32)
     if db is not None:
         db = db.to(bias.dtype)
+    losses = torch.cat(losses) if losses else h.new_empty(0, dtype=torch.float32)
     return _reduce(losses, target, n_valid, reduction), dh, dw, db
