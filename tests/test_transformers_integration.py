@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 from torch_flash import _dispatch  # noqa: E402
 from torch_flash.integrations import transformers as tf_flash  # noqa: E402
 
-from _utils import assert_rel_close  # noqa: E402
+from _utils import assert_rel_close, rel_err  # noqa: E402
 
 TOL = 1e-5
 VOCAB = 96
@@ -192,3 +192,172 @@ def test_rejects_a_model_built_4d_mask():
     kv = torch.randn(1, 2, 5, 16)
     with pytest.raises(ValueError, match="torch_flash .transformers.: .* 4D attention mask"):
         tf_flash._attention_forward(attn, q, kv, kv, torch.zeros(1, 1, 5, 5))
+
+
+# --- use_linear_cross_entropy: the causal-LM loss on flash.linear_cross_entropy ---------------
+
+LCE_MODELS = {  # family -> (config, what it adds)
+    "llama": lambda: transformers.LlamaConfig(**SMALL),  # untied lm-head
+    "qwen2": lambda: transformers.Qwen2Config(**SMALL, tie_word_embeddings=True),
+    "gemma2": lambda: transformers.Gemma2Config(**SMALL, final_logit_softcapping=3.0),  # softcap
+    "gemma3": lambda: transformers.Gemma3TextConfig(**SMALL, final_logit_softcapping=3.0),
+    # MoE: the router's auxiliary loss is added to the fused loss by the model's own forward
+    "mixtral": lambda: transformers.MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2,
+                                                  output_router_logits=True, router_aux_loss_coef=0.1),
+}
+LOSS_INPUTS = ["labels", "num_items_in_batch", "shift_labels"]
+
+
+def _float64_causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
+                            shift_labels=None, **kwargs):
+    """transformers' ForCausalLMLoss without its cast of the logits to float32."""
+    if shift_labels is None:
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab_size), shift_labels.reshape(-1),
+                                             ignore_index=ignore_index,
+                                             reduction="mean" if num_items_in_batch is None else "sum")
+    return loss if num_items_in_batch is None else loss / num_items_in_batch
+
+
+def _lce_pair(family: str, dtype=torch.float64, device="cpu"):
+    """(model with transformers' loss, the same weights patched), in training mode."""
+    import copy
+    model = transformers.AutoModelForCausalLM.from_config(  # experts: grouped_mm has no float64
+        LCE_MODELS[family](), attn_implementation="eager", experts_implementation="eager")
+    model = model.to(device, dtype).train()
+    return model, tf_flash.use_linear_cross_entropy(copy.deepcopy(model))
+
+
+def _lce_batch(kind: str, device="cpu") -> dict:
+    ids = torch.randint(0, VOCAB, (3, 12), device=device)
+    labels = ids.masked_fill(torch.rand(3, 12, device=device) < 0.25, -100)
+    if kind == "shift_labels":  # shifted by the caller (context parallel); labels ask for the loss
+        return dict(input_ids=ids, labels=ids, shift_labels=labels)
+    batch = dict(input_ids=ids, labels=labels)
+    if kind == "num_items_in_batch":  # the Trainer's count over all micro-batches of a step
+        batch["num_items_in_batch"] = torch.tensor(50)
+    return batch
+
+
+def _loss_and_grads(model, batch: dict, call=None):
+    """(output, loss, parameter grads) of one step through call (default: the model)."""
+    model.zero_grad(set_to_none=True)
+    out = (model if call is None else call)(**batch)
+    out.loss.backward()
+    return out, out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("kind", LOSS_INPUTS)
+@pytest.mark.parametrize("family", list(LCE_MODELS))
+def test_lce_loss_and_grads(family, kind):
+    """float64: loss and every parameter's gradient equal transformers' loss computed on the
+    model's own logits in float64; the loss also equals transformers' own (which casts the
+    logits to float32). The lm-head sees the hidden states but computes zero tokens."""
+    ref_model, model = _lce_pair(family)
+    batch = _lce_batch(kind)
+    hf_loss = ref_model(**batch).loss.detach()
+    ref_model.loss_function = _float64_causal_lm_loss
+    _, ref_loss, ref_grads = _loss_and_grads(ref_model, batch)
+
+    head_outputs = []
+    model.get_output_embeddings().register_forward_hook(lambda m, i, o: head_outputs.append(o.shape))
+    _dispatch.LAST.clear()
+    out, loss, grads = _loss_and_grads(model, batch)
+    assert "linear_cross_entropy_with_grads" in _dispatch.LAST
+    assert out.logits is None and head_outputs == [(3, 0, VOCAB)]
+    assert_rel_close(loss, ref_loss, 1e-12, what="loss")
+    assert_rel_close(loss, hf_loss.double(), 1e-6, what="loss vs transformers' float32 loss")
+    assert grads.keys() == ref_grads.keys()
+    for name, g in ref_grads.items():
+        assert_rel_close(grads[name], g, 1e-10, what=f"grad of {name}")
+
+
+def test_lce_outputs_outside_training():
+    """Eval (with labels) and no labels: logits and loss as transformers computes them; a tuple
+    output in training holds the loss and no logits placeholder."""
+    ref_model, model = _lce_pair("llama")
+    batch = _lce_batch("labels")
+    model.eval(), ref_model.eval()
+    with torch.no_grad():
+        out, ref = model(**batch), ref_model(**batch)
+        assert torch.equal(out.logits, ref.logits) and torch.equal(out.loss, ref.loss)
+        assert torch.equal(model(input_ids=batch["input_ids"]).logits, ref.logits)
+    model.train()
+    tup = model(**batch, return_dict=False, use_cache=False)
+    assert isinstance(tup, tuple) and tup[0].dim() == 0
+    assert not any(isinstance(t, torch.Tensor) and t.numel() == 0 for t in tup)
+    assert tf_flash.use_linear_cross_entropy(model) is model  # idempotent
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_lce_autocast(family, device, monkeypatch):
+    """bf16 autocast over float32 weights: the fused matmuls run in bf16 as the lm-head would,
+    and loss and gradient errors against the float64 model are within 2x of transformers' own."""
+    dtypes = []
+
+    def recording(hidden, weight, *args, **kwargs):
+        dtypes.append((hidden.dtype, weight.dtype))
+        return tf_flash_lce(hidden, weight, *args, **kwargs)
+
+    tf_flash_lce = tf_flash.linear_cross_entropy
+    monkeypatch.setattr(tf_flash, "linear_cross_entropy", recording)
+    ref64, _ = _lce_pair(family, device=device)
+    ref64.loss_function = _float64_causal_lm_loss
+    batch = _lce_batch("labels", device)
+    _, ref_loss, ref_grads = _loss_and_grads(ref64, batch)
+    errors = {}
+    for fused in (False, True):
+        model = _lce_pair(family, torch.float32, device)[0]
+        model.load_state_dict(ref64.state_dict())
+        if fused:
+            model = tf_flash.use_linear_cross_entropy(model)
+        _dispatch.LAST.clear()
+        with torch.autocast(device, dtype=torch.bfloat16):
+            _, loss, grads = _loss_and_grads(model, batch)
+        if fused:  # the Triton kernels on the GPU
+            assert _dispatch.LAST["linear_cross_entropy_with_grads"] == ("triton" if device == "cuda" else "reference")
+        head = ref64.get_output_embeddings().weight
+        name = next(n for n, p in ref64.named_parameters() if p is head)
+        errors[fused] = (rel_err(loss.double(), ref_loss), rel_err(grads[name].double(), ref_grads[name]))
+    assert dtypes == [(torch.bfloat16, torch.bfloat16)]
+    # a scalar's error below bf16's resolution (2^-8) is the luck of its roundings: floor 1e-3
+    assert errors[True][0] <= max(2 * errors[False][0], 1e-3), errors
+    assert errors[True][1] <= 2 * errors[False][1], errors
+
+
+def test_lce_under_torch_compile():
+    """torch.compile(model) of the patched model: the fused op is in the graph, results as eager."""
+    _, model = _lce_pair("llama")
+    batch = _lce_batch("num_items_in_batch")
+    _, ref_loss, ref_grads = _loss_and_grads(model, batch)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    _dispatch.LAST.clear()
+    out, loss, grads = _loss_and_grads(model, batch, compiled)
+    assert "linear_cross_entropy_with_grads" in _dispatch.LAST
+    assert out.logits is None
+    assert_rel_close(loss, ref_loss, 1e-12, what="loss")
+    for name, g in ref_grads.items():
+        assert_rel_close(grads[name], g, 1e-10, what=f"grad of {name}")
+
+
+def test_lce_refusals():
+    """Logits scaled before the loss (Cohere), a custom loss function, a model that is not a
+    causal LM: clear errors, never a loss computed on the wrong logits."""
+    cohere = transformers.AutoModelForCausalLM.from_config(
+        transformers.CohereConfig(**SMALL, logit_scale=0.5)).train()
+    tf_flash.use_linear_cross_entropy(cohere)
+    with pytest.raises(RuntimeError, match="CohereForCausalLM changes the logits between its lm-head"):
+        cohere(**_lce_batch("labels"))
+    cohere.eval()
+    assert cohere(**_lce_batch("labels")).logits.shape == (3, 12, VOCAB)  # refused only when fused
+
+    custom = transformers.AutoModelForCausalLM.from_config(LCE_MODELS["llama"]())
+    custom.loss_function = _float64_causal_lm_loss
+    with pytest.raises(ValueError, match="LlamaForCausalLM has its own loss function"):
+        tf_flash.use_linear_cross_entropy(custom)
+    bert = transformers.BertForMaskedLM(transformers.BertConfig(vocab_size=VOCAB, hidden_size=64,
+                                                                num_hidden_layers=1, num_attention_heads=4,
+                                                                intermediate_size=96))
+    with pytest.raises((TypeError, ValueError), match="BertForMaskedLM"):
+        tf_flash.use_linear_cross_entropy(bert)

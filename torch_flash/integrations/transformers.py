@@ -1,4 +1,6 @@
-"""Hugging Face transformers: `attn_implementation="torch_flash"` runs attention on the flash ops.
+"""Hugging Face transformers: `attn_implementation="torch_flash"` runs attention on the flash ops,
+and `use_linear_cross_entropy(model)` computes a causal LM's training loss with
+flash.linear_cross_entropy, never materialising the logits (at the end of this docstring).
 
     import torch_flash.integrations.transformers as tf_flash
     tf_flash.register()   # explicit and idempotent; importing this module registers nothing
@@ -14,8 +16,9 @@ So rather than fight that, we join it, the way a Hub kernel joins
 (`integrations.hub_kernels.load_and_register_attn_kernel`):
 
 1. the public interfaces: `AttentionInterface.register(NAME, ...)` with transformers' own
-   FlashAttention forward (behind a check of the mask it is given) and `AttentionMaskInterface.register(NAME, ...)` with its
-   FlashAttention mask function (a 2D padding mask, or None when nothing is padded);
+   FlashAttention forward (behind a check of the mask it is given) and
+   `AttentionMaskInterface.register(NAME, ...)` with its FlashAttention mask function (a 2D
+   padding mask, or None when nothing is padded);
 2. one private hook: `modeling_flash_attention_utils._lazy_imports` (the function that maps
    a flash implementation name to its functions; same signature in transformers 5.17 and
    5.23) is wrapped to answer NAME with `torch_flash.compat`'s FlashAttention-2 functions
@@ -34,18 +37,35 @@ Not covered: paged attention / continuous batching (the kvcache slot stays empty
 sinks (`s_aux`), models that list their own `_compatible_flash_implementations` (transformers
 swaps any flash name for theirs), and models that build 4D masks themselves instead of using
 the mask interface (a clear error, never silently wrong results).
+
+`use_linear_cross_entropy(model)`: Liger-Kernel's fused linear cross-entropy for HF models,
+without a copy of each model's forward. In training (`model.training`) with `labels`, the
+lm-head is called on zero tokens (a (..., 0, V) logits placeholder) and remembers the hidden
+states; the model's own `loss_function` is replaced by one that reads them and calls
+flash.linear_cross_entropy with transformers' causal-LM loss semantics (labels shifted by one,
+`ignore_index`, `num_items_in_batch`, `shift_labels`), under autocast in the autocast dtype as
+the lm-head would run. The model's forward runs unchanged otherwise (MoE auxiliary losses,
+caches, hidden states); the output's `logits` is None, as Liger's. Evaluation and generation
+get logits as before. The logits must reach the loss untouched (checked by identity: a model
+that scales them, as Cohere or Granite do, is refused at the first step), except for the final
+logit softcap of the classes in `SOFTCAP_MODELS`. Not tested: an lm-head sharded by FSDP or
+tensor parallelism.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 
+import torch
 import transformers
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PreTrainedModel
 from transformers import modeling_flash_attention_utils as fa_utils
 from transformers.integrations.flash_attention import flash_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from .. import compat
+from ..ops.linear_cross_entropy import linear_cross_entropy
 
 NAME = "torch_flash"
 
@@ -96,3 +116,112 @@ def register() -> str:
                            f"torch_flash's functions for '{NAME}' (transformers {transformers.__version__})")
     return NAME
 
+
+# classes whose forward applies config.final_logit_softcapping (tanh(x / c) * c) between the
+# lm-head and the loss, and nothing else (tests/test_transformers_integration.py)
+SOFTCAP_MODELS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+
+
+class _FusedHead:
+    """One patched model's state. `active` only within a training forward with labels; the
+    lm-head then records its input (`hidden`) and output (the placeholder `logits`)."""
+
+    def __init__(self, model, head: torch.nn.Linear):
+        self.name = type(model).__name__
+        self.model, self.head, self.hf_loss = model, head, model.loss_function
+        self.original_forward, self.signature = model.forward, inspect.signature(model.forward)
+        self.active, self.hidden, self.logits = False, None, None
+
+    def head_forward(self, x):
+        if not self.active:
+            return torch.nn.Linear.forward(self.head, x)
+        if self.hidden is not None:
+            raise RuntimeError(f"torch_flash (transformers): {self.name} called its lm-head twice in one "
+                               "forward; use_linear_cross_entropy supports one lm-head call per loss")
+        self.hidden = x
+        self.logits = torch.nn.Linear.forward(self.head, x.narrow(-2, 0, 0))
+        return self.logits
+
+    def loss(self, logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
+             shift_labels=None, **kwargs):
+        """transformers' ForCausalLMLoss on flash.linear_cross_entropy, same arguments."""
+        if not self.active:
+            return self.hf_loss(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
+                                ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
+        hidden, weight, bias = self.hidden, self.head.weight, self.head.bias
+        self.hidden = None  # consumed: a second loss call without a head call is refused
+        softcap = 0.0
+        if hidden is None or logits is not self.logits:
+            softcap = getattr(self.model.config, "final_logit_softcapping", None) or 0.0
+            if hidden is None or self.name not in SOFTCAP_MODELS or not softcap:
+                raise RuntimeError(
+                    f"torch_flash (transformers): {self.name} changes the logits between its lm-head and "
+                    "its loss_function (or calls them apart); use_linear_cross_entropy supports logits "
+                    f"that reach the loss untouched, or softcapped by the classes {SOFTCAP_MODELS}")
+        if weight.shape[0] != vocab_size:
+            raise ValueError(f"torch_flash (transformers): {self.name}'s lm-head has {weight.shape[0]} "
+                             f"outputs but the loss was given vocab_size={vocab_size}")
+        if shift_labels is None:
+            shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        target = shift_labels.reshape(-1).to(hidden.device)
+        if target.numel() != hidden.shape[0]:
+            raise ValueError(f"torch_flash (transformers): {self.name} has {hidden.shape[0]} hidden states "
+                             f"for the loss but {target.numel()} labels")
+        device = hidden.device.type
+        if torch.is_autocast_enabled(device):
+            # the lm-head would run in the autocast dtype: so do the fused matmuls
+            dtype = torch.get_autocast_dtype(device)
+            hidden, weight = hidden.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        reduction = "mean" if num_items_in_batch is None else "sum"
+        loss = linear_cross_entropy(hidden, weight, target, bias, ignore_index=ignore_index,
+                                    softcap=softcap, reduction=reduction)
+        if num_items_in_batch is not None:
+            if torch.is_tensor(num_items_in_batch):
+                num_items_in_batch = num_items_in_batch.to(loss.device)
+            loss = loss / num_items_in_batch
+        return loss
+
+    def forward(self, *args, **kwargs):
+        model = self.model
+        # transformers computes a loss only when given labels (shift_labels, if also given,
+        # replaces their shifted copy)
+        labels = self.signature.bind_partial(*args, **kwargs).arguments.get("labels")
+        if not (model.training and labels is not None):
+            return self.original_forward(*args, **kwargs)
+        return_dict = kwargs.pop("return_dict", None)
+        if return_dict is None:
+            return_dict = getattr(model.config, "return_dict", True)
+        self.active, self.hidden, self.logits = True, None, None
+        try:
+            out = self.original_forward(*args, **kwargs, return_dict=True)
+        finally:
+            self.active, self.hidden, self.logits = False, None, None
+        out = type(out)(**{f.name: None if f.name == "logits" else getattr(out, f.name)
+                           for f in dataclasses.fields(out)})
+        return out if return_dict else out.to_tuple()
+
+
+def use_linear_cross_entropy(model: PreTrainedModel) -> PreTrainedModel:
+    """Patch a transformers causal LM (in place; returns it) so that its training loss runs on
+    flash.linear_cross_entropy and the (tokens, vocab) logits never exist: the output's logits
+    is None in training with labels. Idempotent. Models with a loss_function of their own, an
+    lm-head that is not an nn.Linear, or logits changed before the loss are refused."""
+    if getattr(model, "_torch_flash_lce", None) is not None:
+        return model
+    name = type(model).__name__
+    head = model.get_output_embeddings() if isinstance(model, PreTrainedModel) else None
+    if type(head) is not torch.nn.Linear:
+        raise TypeError(f"torch_flash.use_linear_cross_entropy: {name} needs to be a transformers model "
+                        f"whose output embeddings are a torch.nn.Linear, got {type(head).__name__}")
+    if hasattr(model, "_loss_function") or getattr(model, "loss_type", None) not in (None, "ForCausalLM"):
+        raise ValueError(f"torch_flash.use_linear_cross_entropy: {name} has its own loss function "
+                         f"or a loss_type other than transformers' ForCausalLM, the loss this fuses "
+                         f"(loss_type={getattr(model, 'loss_type', None)!r})")
+    state = _FusedHead(model, head)
+    head.forward = state.head_forward
+    model.loss_function = state.loss
+    model.forward = state.forward
+    model._torch_flash_lce = state
+    return model
