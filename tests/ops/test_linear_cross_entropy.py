@@ -469,6 +469,34 @@ def test_backward_compiles(backend):
 
 
 @pytest.mark.cuda
+def test_compiled_forward_memory_as_eager():
+    """Under torch.compile the autograd forward (which computes the gradients) peaks where it
+    does eagerly: one dweight buffer, not the two that Inductor's traced chunk loop alternated
+    between (+ dweight's size)."""
+    h = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(32000, 1024, device="cuda") * 1024**-0.5).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, 32000, (4096,), device="cuda")
+
+    def loss():  # 8 chunks: the dweight accumulation is what Inductor changed
+        return linear_cross_entropy(h, w, t, chunk_size=512)
+
+    def forward_peak(fn):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = fn()
+        torch.cuda.synchronize()
+        del out
+        return torch.cuda.max_memory_allocated() - before
+
+    eager = forward_peak(loss)
+    torch._dynamo.reset()
+    compiled = torch.compile(loss)
+    forward_peak(compiled)  # compiles
+    assert forward_peak(compiled) <= eager + w.numel() * w.element_size() / 8
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_inductor_many_chunks(reduction):
     """Under Inductor, which traces into the launcher, every chunk's losses reach the output

@@ -3,7 +3,7 @@
 Implementations: ours (torch_flash.linear_cross_entropy, the public op: its autograd forward
 computes the gradients too and the backward hands them out, so fwd+bwd is timed like the others,
 the forward with a graph then torch.autograd.grad; "fwd" runs the op without grad, which skips
-the gradients), eager F.linear then F.cross_entropy on the logits upcast to fp32 (HF),
+the gradients), ours under torch.compile (as the flash backend runs it), eager F.linear then F.cross_entropy on the logits upcast to fp32 (HF),
 torch.compile of it, and Liger-Kernel's LigerFusedLinearCrossEntropyFunction where installed.
 "fwd+bwd, frozen lm-head" differentiates for the hidden states alone, as LoRA training does.
 No bias, mean reduction, upstream gradient 1. Compute-bound: ms and peak memory only (peak_mb:
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch._library.triton import set_wrap_triton_enabled
 
 from .cross_entropy import measure, no_grad, plot_rows, with_grad
 
@@ -34,6 +35,15 @@ def _liger():
     return lambda h, w, t: LigerFusedLinearCrossEntropyFunction.apply(h, w, t)[0]
 
 
+def _traced(fn):
+    """fn with wrap_triton's tracing hook on (bench.__main__ turns it off for the launchers):
+    torch.compile traces the inference op's kernels through it."""
+    def call(*args):
+        with set_wrap_triton_enabled(True):
+            return fn(*args)
+    return call
+
+
 def run(args) -> list[dict]:
     from ..kernels.triton.cross_entropy import lce_chunk_rows
     from ..ops.linear_cross_entropy import linear_cross_entropy
@@ -41,6 +51,9 @@ def run(args) -> list[dict]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = CPU_SHAPES if device == "cpu" else (QUICK if args.quick else SHAPES)
     compiled = torch.compile(_eager)
+    ours = {"ours": linear_cross_entropy}
+    if device == "cuda":  # under the Triton interpreter torch.compile cannot trace the kernels
+        ours["ours, compiled"] = _traced(torch.compile(linear_cross_entropy))
     liger = _liger()
     rows: list[dict] = []
     for n, hid, v in shapes:
@@ -51,12 +64,12 @@ def run(args) -> list[dict]:
         ref = _eager(h, w, t).item()
         got = linear_cross_entropy(h, w, t).item()
         print(f"{n}x{hid}x{v}: {lce_chunk_rows(n, v, h.dtype, dweight_hidden=hid)}-token chunks with dweight; loss ours {got:.6f}, eager {ref:.6f}")
-        fwd = {"ours": no_grad(linear_cross_entropy, h, w, t),
+        fwd = {**{k: no_grad(f, h, w, t) for k, f in ours.items()},
                "eager": no_grad(_eager, h, w, t), "compile": no_grad(compiled, h, w, t),
                "liger": None if liger is None else no_grad(liger, h, w, t)}
         measure(rows, fwd, None, **labels, **{"pass": "fwd"})
         for pass_, frozen in (("fwd+bwd", ()), ("fwd+bwd, frozen lm-head", (1,))):
-            impls = {"ours": linear_cross_entropy, "eager": _eager, "compile": compiled, "liger": liger}
+            impls = {**ours, "eager": _eager, "compile": compiled, "liger": liger}
             measure(rows, {k: None if f is None else with_grad(f, h, w, t, frozen=frozen) for k, f in impls.items()},
                     None, **labels, **{"pass": pass_})
     return rows
