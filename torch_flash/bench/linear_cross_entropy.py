@@ -3,8 +3,9 @@
 Implementations: ours (torch_flash.linear_cross_entropy, the public op: its autograd forward
 computes the gradients too and the backward hands them out, so fwd+bwd is timed like the others,
 the forward with a graph then torch.autograd.grad; "fwd" runs the op without grad, which skips
-the gradients), ours under torch.compile (as the flash backend runs it), eager F.linear then F.cross_entropy on the logits upcast to fp32 (HF),
-torch.compile of it, and Liger-Kernel's LigerFusedLinearCrossEntropyFunction where installed.
+the gradients), ours under torch.compile (as the flash backend runs it; GPU only), eager
+F.linear then F.cross_entropy on the logits upcast to fp32 (HF), torch.compile of it, and
+Liger-Kernel's LigerFusedLinearCrossEntropyFunction where installed.
 "fwd+bwd, frozen lm-head" differentiates for the hidden states alone, as LoRA training does.
 No bias, mean reduction, upstream gradient 1. Compute-bound: ms and peak memory only (peak_mb:
 beyond what existed before the call, the gradients included). Rows: {op, shape, pass, impl, ms,
