@@ -25,7 +25,8 @@ def _grads(hidden, weight, bias, *wanted):
 @torch.library.register_fake("flash::linear_cross_entropy_backward")
 def linear_cross_entropy_backward(grad_loss, hidden, weight, target, bias, *, ignore_index=-100,
                                   label_smoothing=0.0, z_loss=0.0, softcap=0.0, reduction="mean",
-                                  chunk_size=0, grad_hidden=True, grad_weight=True, grad_bias=True):
+                                  chunk_size=0, grad_hidden=True, grad_weight=True, grad_bias=True,
+                                  check_targets=True):
     op = "linear_cross_entropy_backward"
     check_args(op, hidden, weight, target, bias,
                LossOptions(ignore_index, label_smoothing, z_loss, softcap), reduction, chunk_size)
@@ -36,7 +37,8 @@ def linear_cross_entropy_backward(grad_loss, hidden, weight, target, bias, *, ig
 @torch.library.register_fake("flash::linear_cross_entropy_with_grads")
 def linear_cross_entropy_with_grads(hidden, weight, target, bias=None, *, ignore_index=-100,
                                     label_smoothing=0.0, z_loss=0.0, softcap=0.0, reduction="mean",
-                                    chunk_size=0, grad_hidden=True, grad_weight=True, grad_bias=True):
+                                    chunk_size=0, grad_hidden=True, grad_weight=True, grad_bias=True,
+                                    check_targets=True):
     check(reduction != "none", "linear_cross_entropy_with_grads",
           "reduction='none' needs the per-row gradient: use the backward op")
     loss = linear_cross_entropy(hidden, weight, target, bias, ignore_index=ignore_index,

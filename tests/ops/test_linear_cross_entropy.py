@@ -468,6 +468,32 @@ def test_backward_compiles(backend):
     _check_grads((h.grad, w.grad, b.grad), h, w, t, b, 1.37, **LCE_OPTS)
 
 
+def test_compiled_graph_skips_the_host_target_check(monkeypatch):
+    """Traced by torch.compile, the autograd forward tells the (opaque) gradient op not to run
+    TargetCheck, whose verdict the host would wait for in every run of the graph (on the H100
+    that idled the GPU for most of a step's backward launches); eager calls still check."""
+    from torch_flash.ops import linear_cross_entropy as ops_lce
+    seen = []
+
+    class Spy(ops_lce.TargetCheck):
+        def __init__(self, op, target, n_classes, ignore_index, enabled=True):
+            seen.append((op, enabled))
+            super().__init__(op, target, n_classes, ignore_index, enabled)
+
+    monkeypatch.setattr(ops_lce, "TargetCheck", Spy)
+    h, w, t, b = _leaves()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda h, w, b: linear_cross_entropy(h, w, t, b), backend="aot_eager",
+                             fullgraph=True)
+    compiled(h, w, b).backward()  # compiles
+    seen.clear()
+    compiled(h, w, b).backward()
+    assert seen == [("linear_cross_entropy_with_grads", False)]
+    seen.clear()
+    linear_cross_entropy(h, w, t, b).backward()
+    assert seen == [("linear_cross_entropy_with_grads", True)]
+
+
 @pytest.mark.cuda
 def test_compiled_forward_memory_as_eager():
     """Under torch.compile the autograd forward (which computes the gradients) peaks where it

@@ -69,12 +69,13 @@ class TargetCheck:
     not for the kernels queued after it, so an op starts the check, launches its kernels (which
     read no logit out of bounds for such targets, and make their rows NaN) and raises before
     returning. Real tensors only: traced graphs, and CUDA graph captures, get the kernels' NaN or
-    gather's bounds check."""
+    gather's bounds check; so do ops called with enabled=False from a compiled graph, whose run
+    must not wait on the host."""
 
-    def __init__(self, op: str, target: Tensor, n_classes: int, ignore_index: int):
+    def __init__(self, op: str, target: Tensor, n_classes: int, ignore_index: int, enabled: bool = True):
         self.op, self.n_classes, self.ignore_index = op, n_classes, ignore_index
         self.verdict = self.event = None
-        if (is_fake(target) or target.numel() == 0
+        if (not enabled or is_fake(target) or target.numel() == 0
                 or (target.is_cuda and torch.cuda.is_current_stream_capturing())):
             return
         flat = target.reshape(-1)

@@ -113,17 +113,19 @@ def _linear_cross_entropy_with_grads(hidden: Tensor, weight: Tensor, target: Ten
                                      label_smoothing: float = 0.0, z_loss: float = 0.0,
                                      softcap: float = 0.0, reduction: str = "mean", chunk_size: int = 0,
                                      grad_hidden: bool = True, grad_weight: bool = True,
-                                     grad_bias: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                                     grad_bias: bool = True,
+                                     check_targets: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(loss, dhidden, dweight, dbias) for an upstream gradient of 1, in one pass over the
     chunks: the autograd forward of flash.linear_cross_entropy for "mean"/"sum", so that its
     backward only scales (three matmuls in all, like the unfused model, not four). A gradient
     whose grad_* flag is False is not computed (a frozen lm-head costs no dweight GEMM or
-    buffer) and comes back empty, as dbias does without a bias."""
+    buffer) and comes back empty, as dbias does without a bias. check_targets=False (what a
+    compiled graph passes) skips TargetCheck, whose verdict the host would wait for."""
     op = "linear_cross_entropy_with_grads"
     opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap)
     check_args(op, hidden, weight, target, bias, opts, reduction, chunk_size)
     check(reduction != "none", op, "reduction='none' needs the per-row gradient: use the backward op")
-    targets = TargetCheck(op, target, weight.shape[0], ignore_index)
+    targets = TargetCheck(op, target, weight.shape[0], ignore_index, check_targets)
     grads = (grad_hidden, grad_weight, grad_bias)
     if _backend(op, hidden, weight, target, bias) == "triton":
         out = _triton_lce(hidden, weight, target, bias, opts, reduction, chunk_size, grads)
@@ -141,15 +143,15 @@ def _linear_cross_entropy_backward(grad_loss: Tensor, hidden: Tensor, weight: Te
                                    bias: Optional[Tensor], *, ignore_index: int = -100,
                                    label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float = 0.0,
                                    reduction: str = "mean", chunk_size: int = 0, grad_hidden: bool = True,
-                                   grad_weight: bool = True,
-                                   grad_bias: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+                                   grad_weight: bool = True, grad_bias: bool = True,
+                                   check_targets: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """(dhidden, dweight, dbias); each one whose grad_* flag is False is not computed and comes
-    back empty, as dbias does without a bias."""
+    back empty, as dbias does without a bias. check_targets as the with_grads op's."""
     op = "linear_cross_entropy_backward"
     opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap)
     check_args(op, hidden, weight, target, bias, opts, reduction, chunk_size)
     check_grad_loss(op, grad_loss, target, reduction)
-    targets = TargetCheck(op, target, weight.shape[0], ignore_index)
+    targets = TargetCheck(op, target, weight.shape[0], ignore_index, check_targets)
     grads = (grad_hidden, grad_weight, grad_bias)
     if reduction != "none" and _backend(op, hidden, weight, target, bias) == "triton":
         _, *out = _triton_lce(hidden, weight, target, bias, opts, reduction, chunk_size, grads)
@@ -172,7 +174,8 @@ def _forward(needs_grad, **inputs):
     flags = {flag: name in needs_grad for name, flag in _GRAD_FLAGS.items()}
     if inputs["reduction"] == "none":
         return torch.ops.flash.linear_cross_entropy(**inputs), (flags, None)
-    loss, *grads = torch.ops.flash.linear_cross_entropy_with_grads(**inputs, **flags)
+    loss, *grads = torch.ops.flash.linear_cross_entropy_with_grads(
+        **inputs, **flags, check_targets=not _symbolic(inputs["hidden"]))
     return loss, (flags, grads)
 
 
@@ -227,7 +230,8 @@ def _backward(ctx, grad_loss):
         # Hessian term, where the backward op raises for want of an autograd formula. Recompute
         hidden, weight, target, bias = ctx.saved_tensors
         dh, dw, db = torch.ops.flash.linear_cross_entropy_backward(
-            grad_loss, hidden, weight, target, bias, **ctx.options, **ctx.flags)
+            grad_loss, hidden, weight, target, bias, **ctx.options, **ctx.flags,
+            check_targets=not _symbolic(grad_loss))
     got = dict(zip(_GRAD_FLAGS, (dh, dw, db)))
     return {name: got[name] if ctx.flags[flag] else None for name, flag in _GRAD_FLAGS.items()}
 
