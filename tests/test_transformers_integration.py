@@ -205,7 +205,8 @@ LCE_MODELS = {  # family -> (config, what it adds)
     "mixtral": lambda: transformers.MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2,
                                                   output_router_logits=True, router_aux_loss_coef=0.1),
 }
-LOSS_INPUTS = ["labels", "num_items_in_batch", "shift_labels"]
+# the loss's inputs, and "checkpointing": labels with transformers' gradient checkpointing on
+LOSS_INPUTS = ["labels", "num_items_in_batch", "shift_labels", "checkpointing"]
 
 
 def _float64_causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
@@ -254,6 +255,10 @@ def test_lce_loss_and_grads(family, kind):
     model's own logits in float64; the loss also equals transformers' own (which casts the
     logits to float32). The lm-head sees the hidden states but computes zero tokens."""
     ref_model, model = _lce_pair(family)
+    if kind == "checkpointing":  # the decoder layers rerun in the backward
+        for m in (ref_model, model):
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            assert m.is_gradient_checkpointing
     batch = _lce_batch(kind)
     hf_loss = ref_model(**batch).loss.detach()
     ref_model.loss_function = _float64_causal_lm_loss
