@@ -36,11 +36,12 @@ def launches(monkeypatch):
     rotary_qk in tests/ops and tests/kernels)."""
     from torch_flash.kernels.triton import rotary as K
     calls = []
-    for name in ("_rotary_kernel", "_rotary_qk_kernel"):
-        kernel = getattr(K, name)
+    names = {getattr(K, name): name for name in ("_rotary_kernel", "_rotary_qk_kernel")}
 
-        def run(*args, run=kernel.run, name=name, **kwargs):
-            calls.append(name)
-            return run(*args, **kwargs)
-        monkeypatch.setattr(kernel, "run", run)
+    def launch(kernel, *args, **kwargs):
+        if kernel in names:
+            calls.append(names[kernel])
+        return real(kernel, *args, **kwargs)
+    real = K.launch
+    monkeypatch.setattr(K, "launch", launch)
     return calls

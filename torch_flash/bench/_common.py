@@ -10,10 +10,13 @@ from typing import Callable
 
 import torch
 
-# The benchmarks time backward passes repeatedly over one retained graph; compiled
-# baselines donate their saved buffers by default, which forbids that (it saves memory,
-# not time).
-torch._functorch.config.donated_buffer = False
+
+def over_retained_graphs(run: Callable) -> Callable:
+    """run, a suite that times backward passes repeatedly over one retained graph, with
+    compiled baselines that keep their saved buffers: by default they donate them to their
+    backward (to reuse their memory in place), which forbids a second backward. The other
+    suites run a forward per backward and time torch.compile as users get it."""
+    return torch._functorch.config.patch(donated_buffer=False)(run)
 
 
 def env_info() -> dict:

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ._common import copy_bandwidth, median_or_none, time_rounds
+from ._common import copy_bandwidth, median_or_none, over_retained_graphs, time_rounds
 
 SHAPES = [(32768, 4096), (65536, 1024), (4096, 8192)]
 QUICK = [(4096, 1024)]
@@ -148,6 +148,7 @@ OPS = (("rms_norm", True, False), ("layer_norm", False, False),
        ("add_rms_norm", True, True), ("add_layer_norm", False, True))
 
 
+@over_retained_graphs
 def run(args) -> list[dict]:
     from ..kernels.triton.norm import norm_bwd, norm_fwd
 

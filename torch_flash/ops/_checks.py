@@ -24,18 +24,17 @@ def check(cond: bool, op: str, msg: str) -> None:
 def check_tensor(op: str, name: str, t, *, ndim: int | tuple[int, ...] | None = None,
                  dtypes: tuple[torch.dtype, ...] | None = FLOAT_DTYPES,
                  min_ndim: int | None = None) -> None:
+    # messages are formatted only on failure: these checks run on every eager call
     if not isinstance(t, torch.Tensor):
         fail(op, f"{name} must be a Tensor, got {type(t).__name__}", TypeError)
     if ndim is not None:
         allowed = (ndim,) if isinstance(ndim, int) else ndim
-        check(t.dim() in allowed, op,
-              f"{name} must have {' or '.join(map(str, allowed))} dimensions, got shape {tuple(t.shape)}")
-    if min_ndim is not None:
-        check(t.dim() >= min_ndim, op,
-              f"{name} must have at least {min_ndim} dimensions, got shape {tuple(t.shape)}")
-    if dtypes is not None:
-        check(t.dtype in dtypes, op,
-              f"{name} has dtype {t.dtype}; expected one of {', '.join(str(d) for d in dtypes)}")
+        if t.dim() not in allowed:
+            fail(op, f"{name} must have {' or '.join(map(str, allowed))} dimensions, got shape {tuple(t.shape)}")
+    if min_ndim is not None and t.dim() < min_ndim:
+        fail(op, f"{name} must have at least {min_ndim} dimensions, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        fail(op, f"{name} has dtype {t.dtype}; expected one of {', '.join(str(d) for d in dtypes)}")
 
 
 def check_like(op: str, name: str, t, like, like_name: str, *, same_dtype: bool = False) -> None:
@@ -43,11 +42,12 @@ def check_like(op: str, name: str, t, like, like_name: str, *, same_dtype: bool 
     (and of its dtype with same_dtype): a broadcastable or smaller tensor would give wrong
     gradients silently, or reads out of bounds in a kernel."""
     check_tensor(op, name, t)
-    check(tuple(t.shape) == tuple(like.shape), op,
-          f"{name} has shape {tuple(t.shape)}, expected {like_name}'s {tuple(like.shape)}")
-    if same_dtype:
-        check(t.dtype == like.dtype, op, f"{name} has dtype {t.dtype}, expected {like_name}'s {like.dtype}")
-    check_same_device(op, **{like_name: like, name: t})
+    if t.shape != like.shape:
+        fail(op, f"{name} has shape {tuple(t.shape)}, expected {like_name}'s {tuple(like.shape)}")
+    if same_dtype and t.dtype != like.dtype:
+        fail(op, f"{name} has dtype {t.dtype}, expected {like_name}'s {like.dtype}")
+    if t.device != like.device:
+        fail(op, f"all tensors must be on one device, got {like_name} on {like.device}, {name} on {t.device}")
 
 
 def check_same_device(op: str, **tensors) -> None:

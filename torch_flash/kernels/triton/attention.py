@@ -19,8 +19,9 @@ from atomics in that kernel (default) or from a separate kernel over key blocks
 (deterministic=True: bitwise reproducible). Dropout regenerates its keep mask from a
 counter-based RNG keyed on (batch * Hq + head, i, j), so no mask is stored.
 
-Every kernel is launched through `torch.library.wrap_triton` so that the `flash` ops (triton_op)
-stay traceable by torch.compile / AOTInductor; autotuning uses configs/key/reset_to_zero only.
+Every kernel is launched through kernels/triton/launch.py (wrap_triton when traced) so that the
+`flash` ops (triton_op) stay traceable by torch.compile / AOTInductor; autotuning uses
+configs/key/reset_to_zero only.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import triton
 import triton.language as tl
 
 from ...reference import attention as ref
+from .launch import cdiv, launch, next_power_of_2
 from .scalars import fp32
 
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -588,7 +590,7 @@ def _tuned(fn, configs, **kw):
 # class -> (forward, dK/dV, dQ) kernels; the autotuner zeroes the atomic dQ accumulator
 # before each timed run of dK/dV. Kept unwrapped: wrap_triton returns the bare kernel while an
 # op's eager body runs, so a wrapper made at import (which may happen there) would stay bare
-# and compiled graphs would launch it on fake tensors; launches wrap (_launch).
+# and compiled graphs would launch it on fake tensors; launch() wraps per call.
 _KERNELS = {cls: (_tuned(_attn_fwd, fwd), _tuned(_attn_bwd_dkdv, dkdv, reset_to_zero=["DQ"]),
                   _tuned(_attn_bwd_dq, dq))
             for cls, (fwd, dkdv, dq) in _CONFIGS.items()}
@@ -626,7 +628,7 @@ def supports(q, k, v, attn_bias=None, dropout_p=0.0) -> bool:
 
 
 def _pow2(n: int) -> int:
-    return max(16, triton.next_power_of_2(n))
+    return max(16, next_power_of_2(n))
 
 
 def _rows(t):
@@ -687,7 +689,7 @@ def _bias_args(q, k, attn_bias) -> dict:
 
 
 def _grid(rows: int, programs: int, block: str = "BLOCK_M"):
-    return lambda meta: (triton.cdiv(rows, meta[block]), programs)
+    return lambda meta: (cdiv(rows, meta[block]), programs)
 
 
 def _kernels(q, args: dict):
@@ -697,7 +699,7 @@ def _kernels(q, args: dict):
     else:
         width = max(args["BLOCK_D"], args["BLOCK_DV"])
         kernels = _KERNELS["d64" if width <= 64 else "d128" if width <= 128 else "d256"]
-    return tuple(map(torch.library.wrap_triton, kernels))
+    return kernels
 
 
 def _forward(q, k, v, attn_bias, cu_q, cu_k, n_batch, seq_q, seq_k, flags):
@@ -709,7 +711,8 @@ def _forward(q, k, v, attn_bias, cu_q, cu_k, n_batch, seq_q, seq_k, flags):
     if out.numel() == 0:
         return out, lse
     args = _shape_args(q, k, v, cu_q, cu_k, seq_q, seq_k)
-    _kernels(q, args)[0][_grid(seq_q, n_batch * q.shape[1])](
+    launch(
+        _kernels(q, args)[0], _grid(seq_q, n_batch * q.shape[1]),
         Out=out, Lse=lse, **_bhm(out, "o", "m"), **_lse_strides(lse), **args,
         **_mask_args(q, **flags), **_bias_args(q, k, attn_bias))
     return out, lse
@@ -732,7 +735,8 @@ def _backward(grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, n_ba
     grad_out, out = _rows(grad_out), _rows(out)
     delta = torch.empty_like(lse)
     lse_strides = _lse_strides(lse)
-    torch.library.wrap_triton(_attn_bwd_delta)[_grid(seq_q, n_batch * heads)](
+    launch(
+        _attn_bwd_delta, _grid(seq_q, n_batch * heads),
         Out=out, DO=grad_out,
         GradLse=lse if grad_lse is None else grad_lse.to(torch.float32).expand_as(lse).contiguous(),
         Delta=delta, CuQ=args["CuQ"], **_bhm(out, "o", "m"), **_bhm(grad_out, "do", "m"), **lse_strides,
@@ -746,12 +750,13 @@ def _backward(grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, n_ba
     # without determinism dQ is accumulated by atomics in fp32, else written by its own kernel
     dq_buf = dq if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     _, dkdv_kernel, dq_kernel = _kernels(q, args)
-    dkdv_kernel[_grid(seq_k, n_batch * k.shape[1], "BLOCK_N")](
+    launch(
+        dkdv_kernel, _grid(seq_k, n_batch * k.shape[1], "BLOCK_N"),
         DQ=dq_buf, DK=dk, DV=dv, DBias=dbias_full if bias_grad else q.new_empty(0, dtype=torch.float32),
         **_bhm(dq_buf, "dq", "m"), **_bhm(dk, "dk", "n"), **_bhm(dv, "dv", "n"),
         **_db_strides(dbias_full), BIAS_GRAD=bias_grad, ATOMIC_DQ=not deterministic, **common)
     if deterministic:
-        dq_kernel[_grid(seq_q, n_batch * heads)](DQ=dq, **_bhm(dq, "dq", "m"), **common)
+        launch(dq_kernel, _grid(seq_q, n_batch * heads), DQ=dq, **_bhm(dq, "dq", "m"), **common)
     else:
         dq.copy_(dq_buf)
     return dq, dk, dv, _sum_to_bias(dbias_full, attn_bias)

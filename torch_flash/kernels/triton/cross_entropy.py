@@ -28,6 +28,7 @@ import triton.language as tl
 
 from ... import _dispatch
 from ...reference.cross_entropy import row_stride
+from .launch import cdiv, launch, next_power_of_2
 from .scalars import fp32
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -183,7 +184,7 @@ def _scale_kernel(X, G, n, BLOCK: tl.constexpr):
 def _launch_config(n_cols: int, block: int | None, in_place: bool) -> tuple[int, int]:
     """(BLOCK, num_warps) for rows of n_cols, whose gradient overwrites them if in_place; block
     forces the block (tests loop over small ones)."""
-    block = block or min(MAX_BLOCK_IN_PLACE if in_place else MAX_BLOCK, triton.next_power_of_2(n_cols))
+    block = block or min(MAX_BLOCK_IN_PLACE if in_place else MAX_BLOCK, next_power_of_2(n_cols))
     return block, max(1, min(MAX_WARPS, block // (32 * ELEMENTS_PER_THREAD)))
 
 
@@ -235,7 +236,8 @@ def _launch(x, t, *, loss, lse, grad_loss, out, n_valid, ignore_index, label_smo
     block, num_warps = _launch_config(n_cols, block, in_place)
     g = grad_loss.reshape(-1) if grad_loss is not None else None
     z_t, z_sum = (None, None) if stats is None else stats
-    torch.library.wrap_triton(_ce_kernel)[(n_rows,)](
+    launch(
+        _ce_kernel, (n_rows,),
         x, t, loss, lse, z_t, z_sum, g, out, n_valid, n_cols, vocab_size or n_cols, vocab_start,
         x.stride(0), 0 if out is None else out_stride or out.stride(0),
         0 if g is None or g.numel() == 1 else g.stride(0),
@@ -267,7 +269,7 @@ def scale_unless_one_(tensors, grad_loss: torch.Tensor) -> None:
         if not x.is_contiguous():
             x.mul_(g.to(x.dtype))  # still no host read, only no skip
             continue
-        programs = min(triton.cdiv(x.numel(), SCALE_BLOCK), SCALE_PROGRAMS_PER_SM * _dispatch.sm_count(x.device))
+        programs = min(cdiv(x.numel(), SCALE_BLOCK), SCALE_PROGRAMS_PER_SM * _dispatch.sm_count(x.device))
         _scale_kernel[(programs,)](x, g, x.numel(), BLOCK=SCALE_BLOCK)
 
 
@@ -369,8 +371,8 @@ def lce_chunk_rows(n_rows: int, n_cols: int, dtype: torch.dtype, chunk_size: int
     cap = max(1, LCE_CHUNK_BYTES // (n_cols * dtype.itemsize), dweight_hidden // LCE_DWEIGHT_SHARE)
     if cap >= LCE_ROW_ALIGN:
         cap -= cap % LCE_ROW_ALIGN
-    even = triton.cdiv(n_rows, max(1, triton.cdiv(n_rows, cap)))
-    aligned = triton.cdiv(even, LCE_ROW_ALIGN) * LCE_ROW_ALIGN
+    even = cdiv(n_rows, max(1, cdiv(n_rows, cap)))
+    aligned = cdiv(even, LCE_ROW_ALIGN) * LCE_ROW_ALIGN
     return max(1, min(cap, aligned if cap >= LCE_ROW_ALIGN else even))
 
 

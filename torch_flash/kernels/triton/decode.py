@@ -34,6 +34,7 @@ import triton.language as tl
 
 from ... import _dispatch
 from .attention import _LN2, _LOG2E, _UNBOUNDED, _dot, _tanh
+from .launch import cdiv, launch, next_power_of_2
 from .scalars import fp32
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -275,7 +276,7 @@ _DECODE = {cls: _tuned(configs) for cls, configs in _CONFIGS.items()}
 
 
 def _pow2(n: int) -> int:
-    return max(16, triton.next_power_of_2(n))
+    return max(16, next_power_of_2(n))
 
 
 def supports(q, k_cache, v_cache, rotary_cos=None) -> bool:
@@ -292,8 +293,8 @@ def auto_num_splits(programs: int, keys: int, device: torch.device) -> int:
     of 64 (the combine step and the partial outputs cost little next to the cache reads).
     programs: batch x kv heads x row blocks; keys: the most keys a query can see (the cache
     capacity, or less under a sliding window)."""
-    want = triton.cdiv(4 * _dispatch.sm_count(device), max(programs, 1))
-    return max(1, min(want, triton.cdiv(keys, 4 * 64), MAX_SPLITS))
+    want = cdiv(4 * _dispatch.sm_count(device), max(programs, 1))
+    return max(1, min(want, cdiv(keys, 4 * 64), MAX_SPLITS))
 
 
 def decode_fwd(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin, *,
@@ -321,8 +322,9 @@ def decode_fwd(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, ro
                   RD2=cos.shape[1] if rotary else 0, ROTARY=rotary, INTERLEAVED=bool(rotary_interleaved),
                   PAGED=paged)
     if snew and B * Hkv:
-        block_s = min(16, triton.next_power_of_2(snew))
-        torch.library.wrap_triton(_append_kernel)[(triton.cdiv(snew, block_s), B * Hkv)](
+        block_s = min(16, next_power_of_2(snew))
+        launch(
+            _append_kernel, (cdiv(snew, block_s), B * Hkv),
             KN=k_new, VN=v_new, KC=k_cache, VC=v_cache, **_strides(k_new, "kn", "b", "h", "s"),
             **_strides(v_new, "vn", "b", "h", "s"), **_strides(k_cache, "kc", "b", "h", "s"),
             **_strides(v_cache, "vc", "b", "h", "s"), **common, HEAD_DIM=D, BLOCK_S=block_s)
@@ -333,7 +335,7 @@ def decode_fwd(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, ro
         return out, lse
     group = Hq // Hkv
     block_m = _pow2(min(group * Sq, _MAX_BLOCK_M))
-    m_blocks = triton.cdiv(group * Sq, block_m)
+    m_blocks = cdiv(group * Sq, block_m)
     if num_splits <= 0:
         keys = capacity if window_left < 0 else min(capacity, Sq + window_left)
         num_splits = auto_num_splits(B * Hkv * m_blocks, keys, q.device)
@@ -346,8 +348,8 @@ def decode_fwd(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, ro
         out_p, lse_p = lse.new_empty(0), lse.new_empty(0)
     scale = D ** -0.5 if scale is None else scale
     width = (_pow2(D) + _pow2(Dv)) * q.element_size()
-    kernel = torch.library.wrap_triton(_DECODE["narrow" if width <= 512 else "wide"])
-    kernel[(B * Hkv, num_splits, m_blocks)](
+    launch(
+        _DECODE["narrow" if width <= 512 else "wide"], (B * Hkv, num_splits, m_blocks),
         Q=q, KC=k_cache, VC=v_cache, Out=out, Lse=lse, OutP=out_p, LseP=lse_p,
         **_strides(q, "q", "b", "h", "m"), **_strides(k_cache, "k", "b", "h", "n"),
         **_strides(v_cache, "v", "b", "h", "n"), **common, GROUP=group, SQ=Sq, NUM_SPLITS=num_splits,
@@ -357,8 +359,9 @@ def decode_fwd(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, ro
         HEAD_DIM=D, SOFTCAP=softcap > 0, SPLIT=split,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", BLOCK_M=block_m)
     if split:
-        block_splits = triton.next_power_of_2(num_splits)
-        torch.library.wrap_triton(_combine_kernel)[(B * Hq * Sq,)](
+        block_splits = next_power_of_2(num_splits)
+        launch(
+            _combine_kernel, (B * Hq * Sq,),
             OutP=out_p, LseP=lse_p, Out=out, Lse=lse, NUM_SPLITS=num_splits, HEAD_DIM_V=Dv, BLOCK_DV=_pow2(Dv),
             BLOCK_SPLITS=block_splits, SPLIT_CHUNK=min(block_splits, 16))
     return out, lse

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ... import _dispatch
+from .launch import cdiv, launch, next_power_of_2
 from .scalars import fp32
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -403,6 +404,8 @@ SUM_ROWS = 64
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor | None:
     """(rows, n) view of t (..., n) when its rows share one stride and the last dim is
     contiguous, else None."""
+    if t.is_contiguous():  # the common case, without the stride walk (host time per call)
+        return t.view(-1, n)
     if n > 1 and t.stride(-1) != 1:
         return None
     lead = [(s, st) for s, st in zip(t.shape[:-1], t.stride()[:-1]) if s != 1]
@@ -426,6 +429,8 @@ def _out(like: torch.Tensor, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, 
     output. Where a permutation of the leading dims leaves out without one row stride, dst is a
     contiguous (M, n) buffer that _finish copies into out."""
     out = torch.empty_like(like, dtype=dtype)
+    if out.is_contiguous():
+        return out, out, n
     rows = _rows(out, n)
     if rows is not None:
         return out, out, rows.stride(0)
@@ -445,7 +450,7 @@ def _vector(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def _blocks(n: int, cap: int, block_n: int | None) -> tuple[int, int]:
     """(BLOCK_N, ROWS): the column block and the rows per program tile."""
-    block = block_n or min(triton.next_power_of_2(n), cap)
+    block = block_n or min(next_power_of_2(n), cap)
     return block, max(1, min(64, TILE // block))
 
 
@@ -490,7 +495,8 @@ def norm_fwd(x, weight, bias, residual, *, eps, is_rms, weight_offset, cast_befo
     if m > 0:
         x_rows, r_rows = _in_rows(x, n), _in_rows(residual, n)
         block, rows_per_tile = _blocks(n, FWD_MAX_BLOCK, block_n)
-        torch.library.wrap_triton(_norm_fwd_kernel)[(triton.cdiv(m, rows_per_tile),)](
+        launch(
+            _norm_fwd_kernel, (cdiv(m, rows_per_tile),),
             x_rows, r_rows, _vector(weight), _vector(bias), y_dst, ro_dst, mean, rstd, m, n,
             x_rows.stride(0), 0 if r_rows is None else r_rows.stride(0), y_stride, ro_stride, eps, weight_offset,
             IS_RMS=is_rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
@@ -530,7 +536,8 @@ def norm_bwd(grad_y, grad_residual_out, x_or_residual_out, weight, bias, *, eps,
     parts = torch.empty(n_params, programs, n, dtype=torch.float32, device=x.device)
     dwp = parts[0] if weight is not None else None
     dbp = parts[-1] if bias is not None else None
-    torch.library.wrap_triton(_norm_bwd_kernel)[(programs,)](
+    launch(
+        _norm_bwd_kernel, (programs,),
         g_rows, gr_rows, x_rows, _vector(weight), _vector(mean), _vector(rstd), dx_dst, dwp, dbp, m, n,
         g_rows.stride(0), 0 if gr_rows is None else gr_rows.stride(0), x_rows.stride(0), dx_stride,
         eps, weight_offset,
@@ -543,7 +550,8 @@ def norm_bwd(grad_y, grad_residual_out, x_or_residual_out, weight, bias, *, eps,
     if outs:
         # one launch sums the partials and writes both in their dtypes (torch's sum and two
         # casts were three kernels after the main one)
-        torch.library.wrap_triton(_sum_parts_kernel)[(triton.cdiv(n, SUM_BLOCK), len(outs))](
+        launch(
+            _sum_parts_kernel, (cdiv(n, SUM_BLOCK), len(outs)),
             parts, outs[0], outs[1] if len(outs) == 2 else None, programs, n, HAS_OUT1=len(outs) == 2,
             BLOCK=SUM_BLOCK, ROWS=SUM_ROWS)
     return _finish(dx, dx_dst), dw, db

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ... import _dispatch
+from .launch import cdiv, launch, next_power_of_2
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -226,14 +227,15 @@ def _launch(pairs, cos, sin, interleaved, seqlen_offset, seqlen_offsets, cu_seql
         return (0, t.stride(1), t.stride(0)) if packed else (t.stride(0), t.stride(1), t.stride(2))
 
     def grid(meta):
-        return nbatch * triton.cdiv(seqlen, meta["BLOCK_S"]) * sum(triton.cdiv(h, meta["BLOCK_H"]) for h in heads),
+        return nbatch * cdiv(seqlen, meta["BLOCK_S"]) * sum(cdiv(h, meta["BLOCK_H"]) for h in heads),
 
     kernel = _rotary_kernel if len(pairs) == 1 else _rotary_qk_kernel
-    torch.library.wrap_triton(kernel)[grid](
+    launch(
+        kernel, grid,
         *(t for pair in pairs for t in pair), cos, sin, cu_seqlens, seqlen_offsets,
         seqlen, *heads, cos.shape[-2], seqlen_offset, nseq, max(nseq - 1, 0).bit_length(),
         *(st for pair in pairs for t in pair for st in strides(t)),
         cos.stride(0) if per_token and cos.shape[0] > 1 else 0, cos.stride(-2),
         RD2=rd2, TAIL=tail, INTERLEAVED=interleaved, CONJUGATE=conjugate, IS_VARLEN=packed,
-        HAS_OFFSETS=seqlen_offsets is not None, PER_TOKEN=per_token, BLOCK_K=triton.next_power_of_2(rd2),
-        BLOCK_TAIL=triton.next_power_of_2(max(tail, 1)))
+        HAS_OFFSETS=seqlen_offsets is not None, PER_TOKEN=per_token, BLOCK_K=next_power_of_2(rd2),
+        BLOCK_TAIL=next_power_of_2(max(tail, 1)))
