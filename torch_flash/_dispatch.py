@@ -61,8 +61,9 @@ def triton_can_run(device: torch.device) -> bool:
     return device.type == "cpu" and triton_interpret()
 
 
-# The path each op took on its latest call (`python -m torch_flash demo` reports it).
-LAST: dict[str, Backend] = {}
+# The path each op took on its latest call (`python -m torch_flash demo` reports it): a Backend,
+# or "cudnn" where flash.attention_backward hands the call to cuDNN (ops/attention.py).
+LAST: dict[str, str] = {}
 
 
 def select(op: str, device: torch.device, *, triton: bool, cuda: bool = False) -> Backend:

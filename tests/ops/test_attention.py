@@ -586,3 +586,93 @@ def test_export_save_load(device, tmp_path):
     loaded = torch.export.load(tmp_path / "attn.pt2")
     expected = _Attn()(q, k, v, bias)
     assert torch.equal(loaded.module()(q, k, v, bias), expected)
+
+
+# (b, hq, hkv, s, d, causal, bshd): plain calls of the kind models make, which cuDNN serves
+CUDNN_CASES = [(1, 4, 4, 2048, 128, True, False), (2, 8, 2, 200, 64, False, True),
+               (1, 4, 4, 1000, 128, False, True), (1, 4, 2, 2056, 64, True, True)]
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def _count_cudnn(monkeypatch) -> list:
+    from torch_flash.ops import attention as A
+    calls, real = [], A._cudnn_backward
+    monkeypatch.setattr(A, "_cudnn_backward", lambda *args: calls.append(1) or real(*args))
+    return calls
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", CUDNN_CASES)
+def test_cudnn_backward(case, monkeypatch):
+    """On an H100 the backward of a plain bf16 call is cuDNN's: the op's gradients contiguous (as
+    its fake promises) and within 2x of the deterministic Triton backward's error against float64,
+    for an upstream gradient in HF's transposed layout too, also under torch.compile; with
+    torch.use_deterministic_algorithms the Triton backward runs, bitwise reproducible."""
+    if not _hopper():
+        pytest.skip("cuDNN's backward is taken on sm_90 only")
+    b, hq, hkv, s, d, causal, bshd = case
+    q, k, v = (t.cuda() for t in _qkv(b, hq, hkv, s, s, d, dtype=torch.bfloat16, bshd=bshd))
+    g = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    exact = _leaves((q, k, v), torch.float64)
+    ref.attention(*exact, causal=causal).backward(g.double())
+    calls = _count_cudnn(monkeypatch)
+
+    def grads(fn=attention):
+        leaves = _leaves((q, k, v))
+        fn(*leaves, causal=causal).backward(g)
+        return [t.grad for t in leaves]
+
+    got = grads()
+    assert calls == [1]
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        det, det2 = grads(), grads()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert calls == [1]
+    compiled = grads(torch.compile(attention, fullgraph=True))  # traced into the op: the aten call
+    out, lse = attention_with_lse(q, k, v, causal=causal)
+    op_grads = torch.ops.flash.attention_backward(g, None, q, k, v, None, out, lse, d ** -0.5, causal,
+                                                  -1, -1, 0.0, 0.0, None, False)
+    assert all(t.is_contiguous() for t in op_grads[:3])
+    for mine, comp, ours, ours2, e, name in zip(got, compiled, det, det2, exact, ("dq", "dk", "dv")):
+        assert torch.equal(ours, ours2), name
+        assert_rel_close(mine, e.grad, max(2 * rel_err(ours, e.grad), TOL[torch.bfloat16] / 4), what=name)
+        assert_rel_close(comp, e.grad, max(2 * rel_err(ours, e.grad), TOL[torch.bfloat16] / 4), what=name)
+
+
+@pytest.mark.cuda
+def test_cudnn_backward_only_where_it_agrees(monkeypatch):
+    """Calls whose semantics cuDNN's backward does not share, or that ask for ours, keep the
+    Triton backward: causal with Sq != Sk (cuDNN's diagonal is top-left), softcap, a window,
+    a bias, an lse gradient, fp32, TORCH_FLASH_BACKEND=triton; and short causal calls, which
+    ours runs faster."""
+    if not _hopper():
+        pytest.skip("cuDNN's backward is taken on sm_90 only")
+    calls = _count_cudnn(monkeypatch)
+
+    def run(sq=64, sk=64, dtype=torch.bfloat16, bias=False, with_lse=False, **kw):
+        q, k, v = _leaves([t.cuda() for t in _qkv(1, 4, 4, sq, sk, 64, dtype=dtype)])
+        attn_bias = torch.randn(sq, sk, device="cuda", dtype=dtype) if bias else None
+        if with_lse:
+            out, lse = attention_with_lse(q, k, v, attn_bias, **kw)
+            (out.sum() + lse.sum()).backward()
+        else:
+            attention(q, k, v, attn_bias, **kw).sum().backward()
+
+    run(sq=48, causal=True)
+    run(causal=True)
+    run(softcap=5.0)
+    run(window=(8, 0))
+    run(bias=True)
+    run(with_lse=True)
+    run(dtype=torch.float32)
+    monkeypatch.setenv("TORCH_FLASH_BACKEND", "triton")
+    run()
+    assert calls == []
+    monkeypatch.delenv("TORCH_FLASH_BACKEND")
+    run()
+    assert calls == [1]

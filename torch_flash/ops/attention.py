@@ -201,6 +201,45 @@ def _attention_with_lse(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Ten
                     window_right, softcap, dropout_p, dropout_seed)
 
 
+# Causal backwards of 1k tokens ran slower through cuDNN than ours on the H100 (32 x 1024
+# tokens, d 64 / 128: 2.01 / 1.72 ms against 1.51 / 1.56), of 2k tokens faster ((4, 16, 2048,
+# 128): 0.48 ms against 0.72).
+CUDNN_CAUSAL_MIN_SEQLEN = 2048
+
+
+def cudnn_backward_serves(grad_lse, q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: ref.Spec) -> bool:
+    """Whether flash.attention_backward hands this call to cuDNN's SDPA backward, which reads
+    the lse of our forward as its own (equal to 1e-6 on the H100) and was checked there against
+    float64 (tests/ops/test_attention.py): 1.2x-1.5x our Triton backward from 2k tokens on the
+    H100 (docs/perf/attention.json), but not bitwise reproducible. So: no forced backend,
+    deterministic algorithms off (torch.use_deterministic_algorithms), cuDNN's SDPA enabled, an
+    sm_90 GPU, fp16/bf16, one head dim <= 128 (a multiple of 8), Sq == Sk (cuDNN aligns the
+    causal diagonal top-left, ours bottom-right), causal only from CUDNN_CAUSAL_MIN_SEQLEN keys,
+    and no bias, dropout, softcap, window or lse gradient."""
+    d, s = q.shape[-1], q.shape[2]
+    return (q.device.type == "cuda" and _dispatch.forced_backend() is None
+            and not torch.are_deterministic_algorithms_enabled() and torch.backends.cuda.cudnn_sdp_enabled()
+            and torch.cuda.get_device_capability(q.device) == (9, 0)
+            and q.dtype in (torch.float16, torch.bfloat16) and v.shape[-1] == d and d <= 128 and d % 8 == 0
+            and k.shape[2] == s and q.numel() > 0 and k.numel() > 0 and grad_lse is None
+            and (not spec.causal or s >= CUDNN_CAUSAL_MIN_SEQLEN)
+            and attn_bias is None and spec.dropout_p == 0 and spec.softcap == 0
+            and spec.window_left < 0 and spec.window_right < 0)
+
+
+def _cudnn_backward(grad_out, q, k, v, out, lse, spec: ref.Spec) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv), contiguous as the op's fake promises, from cuDNN (see cudnn_backward_serves).
+    grad_out and out go in contiguous: on the H100 (torch 2.11) cuDNN's backward took a grad_out
+    in (B, S, H, D) memory order for one laid out like out, a relative error of 1.4 in every
+    gradient, while q, k and v in either order came out right."""
+    no_dropout = q.new_empty(0, dtype=torch.int64)  # cuDNN's philox seed and offset
+    s = q.shape[2]
+    grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        grad_out.contiguous(), q, k, v, out.contiguous(), lse.unsqueeze(-1), no_dropout, no_dropout,
+        None, None, None, s, s, 0.0, spec.causal, scale=spec.scale)
+    return tuple(g.contiguous() for g in grads[:3])
+
+
 @triton_op("flash::attention_backward", mutates_args=())
 def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor,
                         v: Tensor, attn_bias: Optional[Tensor], out: Tensor, lse: Tensor,
@@ -208,11 +247,15 @@ def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
                         softcap: float, dropout_p: float, dropout_seed: Optional[Tensor],
                         bias_requires_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dbias); dbias has attn_bias's shape, or is empty unless bias_requires_grad.
-    Deterministic: the Triton path computes dq in its own pass instead of with atomics,
+    cuDNN's backward where it serves (cudnn_backward_serves; not deterministic), else ours,
+    which is deterministic: the Triton path computes dq in its own pass instead of with atomics,
     which measured faster on the H100 at every point of the benchmark grid as well."""
     check_backward_args("attention_backward", grad_out, grad_lse, q, k, v, attn_bias, out, lse, softcap,
                         dropout_p, dropout_seed, window_left, window_right)
     spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
+    if cudnn_backward_serves(grad_lse, q, k, v, attn_bias, spec):
+        _dispatch.LAST["attention_backward"] = "cudnn"
+        return (*_cudnn_backward(grad_out, q, k, v, out, lse, spec), grad_or_empty(None, q))
     if use_triton("attention_backward", q, k, v, attn_bias, dropout_p):
         from ..kernels.triton.attention import attention_bwd
         dq, dk, dv, dbias = attention_bwd(
@@ -298,6 +341,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor] = Non
     right = 0). softcap > 0 applies softcap * tanh(s / softcap) to the scaled scores
     before bias and mask (Gemma 2). dropout_p drops attention probabilities with a seed
     drawn from torch's default generator. A query that sees no key gets zeros.
+    The backward is deterministic (bitwise reproducible) except where cuDNN's serves it
+    (ops.attention.cudnn_backward_serves: plain fp16/bf16 self-attention on an H100, unless
+    torch.use_deterministic_algorithms(True)).
     """
     return torch.ops.flash.attention(q, k, v, attn_bias,
                                      **op_kwargs("attention", scale, causal, window, softcap, dropout_p))
