@@ -1180,6 +1180,75 @@ def _summands(node: Any, mult: float) -> list[Part]:
     return _summands(node.args[0], mult) + _summands(node.args[1], mult * sign)
 
 
+# A keep piece made of constants is evaluated at compile time up to this many elements.
+CONSTANT_MASK_ELEMENTS = 1 << 26
+
+
+def _evaluated(node: fx.Node) -> torch.Tensor | None:
+    """node's value, computed now, when it depends on no graph input or attribute, only on
+    deterministic aten ops with concrete arguments (then it is the same in every call); else
+    None, as for any failure to evaluate it."""
+    order: list[fx.Node] = []
+    seen: set[fx.Node] = set()
+
+    def visit(n: fx.Node) -> bool:
+        if n in seen:
+            return True
+        seen.add(n)
+        if (n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload)
+                or torch.Tag.nondeterministic_seeded in n.target.tags):
+            return False
+        if not all(visit(a) for a in n.all_input_nodes):
+            return False
+        order.append(n)
+        return True
+
+    if not visit(node):
+        return None
+    env: dict[fx.Node, Any] = {}
+    try:
+        with torch.utils._python_dispatch._disable_current_modes():
+            for n in order:
+                args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
+                if any(isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
+                       for x in torch.utils._pytree.tree_leaves((args, kwargs))):
+                    return None
+                env[n] = out = n.target(*args, **kwargs)
+                if isinstance(out, torch.Tensor) and out.numel() > CONSTANT_MASK_ELEMENTS:
+                    return None
+    except Exception:
+        return None
+    out = env[node]
+    return out if isinstance(out, torch.Tensor) and out.dtype == torch.bool else None
+
+
+def _constant_keep(node: fx.Node, positive: bool, shape: tuple):
+    """The keep formula of a constant piece (node == positive) over the scores' shape
+    (..., Sq, Sk): TRUE where it keeps everything, the causal band where it equals the
+    bottom-right causal mask, else None (it stays attn_bias). transformers 5.2x builds its
+    causal mask from position ids gathered by index (arange made in the graph) and ands it with
+    a same-sequence piece for packed sequences, which keeps everything without packing; the
+    index algebra proves neither."""
+    if any(not isinstance(d, int) for d in shape):
+        return None
+    value = _evaluated(node)
+    if value is None:
+        return None
+    try:
+        keep = (value if positive else ~value).expand(shape)
+    except RuntimeError:
+        return None
+    if bool(keep.all()):
+        return TRUE
+    sq, sk = shape[-2:]
+    rows = torch.arange(sq, device=keep.device)[:, None] + (sk - sq)
+    causal = torch.arange(sk, device=keep.device)[None, :] <= rows
+    if torch.equal(keep, causal.expand(shape)):
+        r = len(shape) - 2
+        return _atom({r: 1, r + 1: -1}, sk - sq)  # i - j + Sk - Sq >= 0
+    return None
+
+
 class _Masks:
     """Sorts the parts of one site into those that stay attn_bias (kept) and the keep-formulas
     over the scores' shape (..., Sq, Sk) that may add up to a window (bands)."""
@@ -1219,7 +1288,11 @@ class _Masks:
             piece = Part("keep", n, positive=p)
             v = self.value(n)
             if v is None or v.kind != "bool":
-                self.kept.append(piece)
+                keep = _constant_keep(n, p, self.shape)
+                if keep is None:
+                    self.kept.append(piece)
+                elif keep != TRUE:
+                    self.bands.append((keep, piece))
             else:
                 self.bands.append((v.formula if p else _f_not(v.formula), piece))
 
@@ -1228,7 +1301,8 @@ def _masks(m: Match, shape: tuple) -> None:
     """Move the masks that provably are a band around the bottom-right diagonal from m.parts
     into m.window. Sums are split into their terms and keep conditions into their and-ed
     pieces where that finds a band (causal & padding: the causal piece becomes causal=True,
-    the padding piece stays attn_bias). shape: the scores' (..., Sq, Sk)."""
+    the padding piece stays attn_bias, unless it is a constant: _constant_keep). shape: the
+    scores' (..., Sq, Sk)."""
     sorted_ = _Masks(shape)
     for part in m.parts:
         terms = _summands(part.node, part.mult) if part.kind == "add" else [part]

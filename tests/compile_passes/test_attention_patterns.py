@@ -277,6 +277,30 @@ def hf_causal_padding(q, k, v, pad):  # masking_utils with an attention_mask, fi
     return _attend(s + torch.where(mask.expand(b, -1, n, n), zero, torch.finfo(s.dtype).min), v)
 
 
+def _packed_mask(q, positions):
+    """transformers 5.2x masking_utils under Dynamo: causal by position ids gathered with index,
+    and-ed with a same-sequence piece (a new sequence wherever positions do not step by 1)."""
+    b, n = q.shape[0], q.shape[-2]
+    pos = positions.expand(b, -1)
+    steps = torch.cat([pos[:, :1] - 1, pos], -1)
+    seq = torch.cumsum((steps[:, 1:] - steps[:, :-1]) != 1, -1)
+    b_idx = torch.arange(b, device=q.device)[:, None, None, None]
+    q_idx = torch.arange(n, device=q.device)[None, None, :, None]
+    kv_idx = torch.arange(n, device=q.device)[None, None, None, :]
+    same = seq[b_idx, q_idx] == seq[b_idx, kv_idx]
+    return (torch.ones((), dtype=torch.bool, device=q.device) & same & (pos[b_idx, kv_idx] <= pos[b_idx, q_idx]))
+
+
+def hf_packed_causal(q, k, v):  # one sequence per row: the mask is the causal one, built from constants
+    mask = _packed_mask(q, (torch.arange(q.shape[-2], device=q.device) + 0)[None, :])
+    return _attend(_scores(q, k).masked_fill(~mask, INF), v)
+
+
+def hf_packed_documents(q, k, v):  # constant positions restarting every 3 tokens: two documents
+    mask = _packed_mask(q, (torch.arange(q.shape[-2], device=q.device) % 3)[None, :])
+    return _attend(_scores(q, k).masked_fill(~mask, INF), v)
+
+
 def additive_input(q, k, v, mask):
     return _attend(_scores(q, k) + mask, v)
 
@@ -382,6 +406,8 @@ SPELLINGS = [
     (where_arange_finfo, _args(), dict(causal=True, bias=False)),
     (additive_triu, _args(), dict(causal=True, bias=False)),
     (hf_causal, _args(), dict(causal=True, bias=False)),
+    (hf_packed_causal, _args(), dict(causal=True, bias=False)),
+    (hf_packed_documents, _args(), dict(causal=False, bias=True)),
     (kv_cache, _args(sq=3), dict(causal=True, bias=False)),
     (sliding_window, _args(), dict(causal=True, bias=False, window=(2, -1))),
     (keys_at_or_after, _args(), dict(causal=False, bias=False, window=(0, -1))),

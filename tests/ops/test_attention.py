@@ -607,10 +607,11 @@ def _count_cudnn(monkeypatch) -> list:
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", CUDNN_CASES)
 def test_cudnn_backward(case, monkeypatch):
-    """On an H100 the backward of a plain bf16 call is cuDNN's: the op's gradients contiguous (as
-    its fake promises) and within 2x of the deterministic Triton backward's error against float64,
-    for an upstream gradient in HF's transposed layout too, also under torch.compile; with
-    torch.use_deterministic_algorithms the Triton backward runs, bitwise reproducible."""
+    """On an H100 the eager backward of a plain bf16 call is cuDNN's: the op's gradients
+    contiguous (as its fake promises) and within 2x of the deterministic Triton backward's error
+    against float64, for an upstream gradient in HF's transposed layout too; with
+    torch.use_deterministic_algorithms, and under torch.compile, the Triton backward runs
+    (bitwise reproducible; compiled, as close to float64)."""
     if not _hopper():
         pytest.skip("cuDNN's backward is taken on sm_90 only")
     b, hq, hkv, s, d, causal, bshd = case
@@ -633,7 +634,8 @@ def test_cudnn_backward(case, monkeypatch):
     finally:
         torch.use_deterministic_algorithms(False)
     assert calls == [1]
-    compiled = grads(torch.compile(attention, fullgraph=True))  # traced into the op: the aten call
+    compiled = grads(torch.compile(attention, fullgraph=True))  # traced: the Triton backward
+    assert calls == [1]
     out, lse = attention_with_lse(q, k, v, causal=causal)
     op_grads = torch.ops.flash.attention_backward(g, None, q, k, v, None, out, lse, d ** -0.5, causal,
                                                   -1, -1, 0.0, 0.0, None, False)

@@ -20,9 +20,6 @@ from typing import Optional
 import torch
 from torch import Tensor
 from torch._library.triton import set_wrap_triton_enabled
-from torch._subclasses.fake_tensor import is_fake
-from torch._subclasses.functional_tensor import FunctionalTensor
-from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.library import triton_op
 
 from .. import _dispatch
@@ -175,7 +172,7 @@ def _forward(needs_grad, **inputs):
     if inputs["reduction"] == "none":
         return torch.ops.flash.linear_cross_entropy(**inputs), (flags, None)
     loss, *grads = torch.ops.flash.linear_cross_entropy_with_grads(
-        **inputs, **flags, check_targets=not _symbolic(inputs["hidden"]))
+        **inputs, **flags, check_targets=not _dispatch.symbolic(inputs["hidden"]))
     return loss, (flags, grads)
 
 
@@ -186,15 +183,6 @@ def _setup(ctx, inputs, loss, state):
     # trip the saved-tensor version check
     ctx.save_for_backward(inputs["hidden"], inputs["weight"], inputs["target"], inputs["bias"])
     ctx.flags, ctx.grads = state
-
-
-def _symbolic(t: Tensor) -> bool:
-    """Whether this Python runs without real values to read or buffers of its own to reuse:
-    traced by torch.compile / aot_autograd / export / make_fx (fake, functional or proxied
-    tensors), captured into a CUDA graph (replays never rerun it), or on meta tensors."""
-    return (torch.compiler.is_compiling() or get_proxy_mode() is not None or is_fake(t)
-            or isinstance(t, FunctionalTensor) or torch._is_functional_tensor(t)
-            or t.device.type == "meta" or (t.is_cuda and torch.cuda.is_current_stream_capturing()))
 
 
 def _scale_unless_one_(grads, grad_loss: Tensor) -> None:
@@ -212,7 +200,7 @@ def _scale_unless_one_(grads, grad_loss: Tensor) -> None:
 
 def _backward(ctx, grad_loss):
     grads = ctx.grads
-    if grads is not None and _symbolic(grad_loss):
+    if grads is not None and _dispatch.symbolic(grad_loss):
         # traced: a pure multiply, the compiler plans the memory. ctx.grads stays intact for a
         # later backward.
         dh, dw, db = (t * grad_loss.to(t.dtype) for t in grads)
@@ -231,7 +219,7 @@ def _backward(ctx, grad_loss):
         hidden, weight, target, bias = ctx.saved_tensors
         dh, dw, db = torch.ops.flash.linear_cross_entropy_backward(
             grad_loss, hidden, weight, target, bias, **ctx.options, **ctx.flags,
-            check_targets=not _symbolic(grad_loss))
+            check_targets=not _dispatch.symbolic(grad_loss))
     got = dict(zip(_GRAD_FLAGS, (dh, dw, db)))
     return {name: got[name] if ctx.flags[flag] else None for name, flag in _GRAD_FLAGS.items()}
 
