@@ -14,6 +14,9 @@ import os
 from typing import Literal
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.functional_tensor import FunctionalTensor
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from . import _extension
 
@@ -56,9 +59,6 @@ def symbolic(t: torch.Tensor) -> bool:
     """Whether this Python runs without real values to read or buffers of its own to reuse:
     traced by torch.compile / aot_autograd / export / make_fx (fake, functional or proxied
     tensors), captured into a CUDA graph (replays never rerun it), or on meta tensors."""
-    from torch._subclasses.fake_tensor import is_fake
-    from torch._subclasses.functional_tensor import FunctionalTensor
-    from torch.fx.experimental.proxy_tensor import get_proxy_mode
     return (torch.compiler.is_compiling() or get_proxy_mode() is not None or is_fake(t)
             or isinstance(t, FunctionalTensor) or torch._is_functional_tensor(t)
             or t.device.type == "meta" or (t.is_cuda and torch.cuda.is_current_stream_capturing()))
