@@ -598,7 +598,9 @@ def _hopper() -> bool:
 
 
 def _count_cudnn(monkeypatch) -> list:
+    """Calls of cuDNN's backward, with TORCH_FLASH_CUDNN_BACKWARD=1 (it is off by default)."""
     from torch_flash.ops import attention as A
+    monkeypatch.setenv("TORCH_FLASH_CUDNN_BACKWARD", "1")
     calls, real = [], A._cudnn_backward
     monkeypatch.setattr(A, "_cudnn_backward", lambda *args: calls.append(1) or real(*args))
     return calls
@@ -607,9 +609,10 @@ def _count_cudnn(monkeypatch) -> list:
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", CUDNN_CASES)
 def test_cudnn_backward(case, monkeypatch):
-    """On an H100 the eager backward of a plain bf16 call is cuDNN's: the op's gradients
-    contiguous (as its fake promises) and within 2x of the deterministic Triton backward's error
-    against float64, for an upstream gradient in HF's transposed layout too; with
+    """With TORCH_FLASH_CUDNN_BACKWARD=1, on an H100 the eager backward of a plain bf16 call is
+    cuDNN's: the op's gradients contiguous (as its fake promises) and within 2x of the
+    deterministic Triton backward's error against float64, for an upstream gradient in HF's
+    transposed layout too; with
     torch.use_deterministic_algorithms, and under torch.compile, the Triton backward runs
     (bitwise reproducible; compiled, as close to float64)."""
     if not _hopper():
@@ -650,8 +653,8 @@ def test_cudnn_backward(case, monkeypatch):
 def test_cudnn_backward_only_where_it_agrees(monkeypatch):
     """Calls whose semantics cuDNN's backward does not share, or that ask for ours, keep the
     Triton backward: causal with Sq != Sk (cuDNN's diagonal is top-left), softcap, a window,
-    a bias, an lse gradient, fp32, TORCH_FLASH_BACKEND=triton; and short causal calls, which
-    ours runs faster."""
+    a bias, an lse gradient, fp32, TORCH_FLASH_BACKEND=triton; short causal calls, which ours
+    runs faster; and every call without TORCH_FLASH_CUDNN_BACKWARD=1."""
     if not _hopper():
         pytest.skip("cuDNN's backward is taken on sm_90 only")
     calls = _count_cudnn(monkeypatch)
@@ -676,5 +679,8 @@ def test_cudnn_backward_only_where_it_agrees(monkeypatch):
     run()
     assert calls == []
     monkeypatch.delenv("TORCH_FLASH_BACKEND")
+    run()
+    assert calls == [1]
+    monkeypatch.delenv("TORCH_FLASH_CUDNN_BACKWARD")  # the default
     run()
     assert calls == [1]

@@ -9,6 +9,7 @@ autograd runs `attention_with_lse` underneath so that it never recomputes it.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -213,14 +214,17 @@ def cudnn_backward_serves(grad_lse, q: Tensor, k: Tensor, v: Tensor, attn_bias, 
     float64 (tests/ops/test_attention.py): 1.2x-1.5x our Triton backward from 2k tokens on the
     H100 (docs/perf/attention_cudnn_bwd_h100.json), but not bitwise reproducible. Eager calls
     only: traced into HF LLaMA's compiled graph (flash backend, torch 2.11) the call gave
-    gradients with a relative error of 1.2, cause not found, where the eager op at the same
-    shapes and layouts, and the op compiled alone, are right. So: real tensors, no forced backend,
+    gradients with a relative error of 1.2, cause not found, where the eager op at its head
+    counts, length and layouts (batch 1), and the op compiled alone, are right. Until batches of
+    more than one at 2k+ tokens are checked, only on request: TORCH_FLASH_CUDNN_BACKWARD=1.
+    So: that variable, real tensors, no forced backend,
     deterministic algorithms off (torch.use_deterministic_algorithms), cuDNN's SDPA enabled, an
     sm_90 GPU, fp16/bf16, one head dim <= 128 (a multiple of 8), Sq == Sk (cuDNN aligns the
     causal diagonal top-left, ours bottom-right), causal only from CUDNN_CAUSAL_MIN_SEQLEN keys,
     and no bias, dropout, softcap, window or lse gradient."""
     d, s = q.shape[-1], q.shape[2]
-    return (q.device.type == "cuda" and not _dispatch.symbolic(q) and _dispatch.forced_backend() is None
+    return (os.environ.get("TORCH_FLASH_CUDNN_BACKWARD") == "1" and q.device.type == "cuda"
+            and not _dispatch.symbolic(q) and _dispatch.forced_backend() is None
             and not torch.are_deterministic_algorithms_enabled() and torch.backends.cuda.cudnn_sdp_enabled()
             and torch.cuda.get_device_capability(q.device) == (9, 0)
             and q.dtype in (torch.float16, torch.bfloat16) and v.shape[-1] == d and d <= 128 and d % 8 == 0
@@ -344,9 +348,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor] = Non
     right = 0). softcap > 0 applies softcap * tanh(s / softcap) to the scaled scores
     before bias and mask (Gemma 2). dropout_p drops attention probabilities with a seed
     drawn from torch's default generator. A query that sees no key gets zeros.
-    The backward is deterministic (bitwise reproducible) except where cuDNN's serves it
-    (ops.attention.cudnn_backward_serves: eager calls of plain fp16/bf16 self-attention on an
-    H100, unless torch.use_deterministic_algorithms(True)).
+    The backward is deterministic (bitwise reproducible), except that TORCH_FLASH_CUDNN_BACKWARD=1
+    lets cuDNN's serve eager calls of plain fp16/bf16 self-attention on an H100
+    (ops.attention.cudnn_backward_serves; not under torch.use_deterministic_algorithms(True)).
     """
     return torch.ops.flash.attention(q, k, v, attn_bias,
                                      **op_kwargs("attention", scale, causal, window, softcap, dropout_p))
