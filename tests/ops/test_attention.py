@@ -612,9 +612,8 @@ def test_cudnn_backward(case, monkeypatch):
     """With TORCH_FLASH_CUDNN_BACKWARD=1, on an H100 the eager backward of a plain bf16 call is
     cuDNN's: the op's gradients contiguous (as its fake promises) and within 2x of the
     deterministic Triton backward's error against float64, for an upstream gradient in HF's
-    transposed layout too; with
-    torch.use_deterministic_algorithms, and under torch.compile, the Triton backward runs
-    (bitwise reproducible; compiled, as close to float64)."""
+    transposed layout too; with torch.use_deterministic_algorithms, and under torch.compile,
+    the Triton backward runs (bitwise reproducible; compiled, as close to float64)."""
     if not _hopper():
         pytest.skip("cuDNN's backward is taken on sm_90 only")
     b, hq, hkv, s, d, causal, bshd = case

@@ -217,11 +217,11 @@ def cudnn_backward_serves(grad_lse, q: Tensor, k: Tensor, v: Tensor, attn_bias, 
     gradients with a relative error of 1.2, cause not found, where the eager op at its head
     counts, length and layouts (batch 1), and the op compiled alone, are right. Until batches of
     more than one at 2k+ tokens are checked, only on request: TORCH_FLASH_CUDNN_BACKWARD=1.
-    So: that variable, real tensors, no forced backend,
-    deterministic algorithms off (torch.use_deterministic_algorithms), cuDNN's SDPA enabled, an
-    sm_90 GPU, fp16/bf16, one head dim <= 128 (a multiple of 8), Sq == Sk (cuDNN aligns the
-    causal diagonal top-left, ours bottom-right), causal only from CUDNN_CAUSAL_MIN_SEQLEN keys,
-    and no bias, dropout, softcap, window or lse gradient."""
+    So: that variable, real tensors, no forced backend, deterministic algorithms off
+    (torch.use_deterministic_algorithms), cuDNN's SDPA enabled, an sm_90 GPU, fp16/bf16, one
+    head dim <= 128 (a multiple of 8), Sq == Sk (cuDNN aligns the causal diagonal top-left, ours
+    bottom-right), causal only from CUDNN_CAUSAL_MIN_SEQLEN keys, and no bias, dropout, softcap,
+    window or lse gradient."""
     d, s = q.shape[-1], q.shape[2]
     return (os.environ.get("TORCH_FLASH_CUDNN_BACKWARD") == "1" and q.device.type == "cuda"
             and not _dispatch.symbolic(q) and _dispatch.forced_backend() is None
