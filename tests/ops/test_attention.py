@@ -612,8 +612,8 @@ def test_cudnn_backward(case, monkeypatch):
     """With TORCH_FLASH_CUDNN_BACKWARD=1, on an H100 the eager backward of a plain bf16 call is
     cuDNN's: the op's gradients contiguous (as its fake promises) and within 2x of the
     deterministic Triton backward's error against float64, for an upstream gradient in HF's
-    transposed layout too; with torch.use_deterministic_algorithms, and under torch.compile,
-    the Triton backward runs (bitwise reproducible; compiled, as close to float64)."""
+    transposed layout too, eager and compiled (traced, the call is counted once); with
+    torch.use_deterministic_algorithms the Triton backward runs (bitwise reproducible)."""
     if not _hopper():
         pytest.skip("cuDNN's backward is taken on sm_90 only")
     b, hq, hkv, s, d, causal, bshd = case
@@ -636,8 +636,8 @@ def test_cudnn_backward(case, monkeypatch):
     finally:
         torch.use_deterministic_algorithms(False)
     assert calls == [1]
-    compiled = grads(torch.compile(attention, fullgraph=True))  # traced: the Triton backward
-    assert calls == [1]
+    compiled = grads(torch.compile(attention, fullgraph=True))
+    assert calls == [1, 1]
     out, lse = attention_with_lse(q, k, v, causal=causal)
     op_grads = torch.ops.flash.attention_backward(g, None, q, k, v, None, out, lse, d ** -0.5, causal,
                                                   -1, -1, 0.0, 0.0, None, False)
@@ -646,6 +646,44 @@ def test_cudnn_backward(case, monkeypatch):
         assert torch.equal(ours, ours2), name
         assert_rel_close(mine, e.grad, max(2 * rel_err(ours, e.grad), TOL[torch.bfloat16] / 4), what=name)
         assert_rel_close(comp, e.grad, max(2 * rel_err(ours, e.grad), TOL[torch.bfloat16] / 4), what=name)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("sdpa_first", [True, False])
+def test_cudnn_backward_shares_no_graph_with_sdpa(sdpa_first, monkeypatch):
+    """aten caches cuDNN's backward graphs per thread by q, k and v's layout only, though a graph
+    bakes in out's and grad_out's too. SDPA's own cuDNN backward (out in q's (B, S, H, D) order)
+    and ours (out contiguous) on the same q, k, v, one after the other in either order: both
+    as close to float64 as the Triton backward. Without CUDNN_Q_BATCH_PAD the second is wrong
+    (relative error about 1). Each order has a length of its own, so no earlier graph is cached."""
+    if not _hopper():
+        pytest.skip("cuDNN's backward is taken on sm_90 only")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    s = 2048 + 64 * (1 + sdpa_first)
+    q, k, v = (t.cuda() for t in _qkv(2, 4, 4, s, s, 64, dtype=torch.bfloat16, bshd=True))
+    g = torch.randn(2, 4, s, 64, device="cuda", dtype=torch.bfloat16)
+    exact = _leaves((q, k, v), torch.float64)
+    ref.attention(*exact, causal=True).backward(g.double())
+    calls = _count_cudnn(monkeypatch)
+
+    def grads(fn):
+        leaves = _leaves((q, k, v))
+        fn(*leaves).backward(g)
+        return [t.grad for t in leaves]
+
+    def sdpa(q, k, v):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    monkeypatch.setenv("TORCH_FLASH_CUDNN_BACKWARD", "0")
+    triton = grads(lambda q, k, v: attention(q, k, v, causal=True))
+    monkeypatch.setenv("TORCH_FLASH_CUDNN_BACKWARD", "1")
+    order = [("sdpa", sdpa), ("flash", lambda q, k, v: attention(q, k, v, causal=True))]
+    for name, fn in order if sdpa_first else order[::-1]:
+        for got, ours, e, what in zip(grads(fn), triton, exact, ("dq", "dk", "dv")):
+            assert_rel_close(got, e.grad, max(2 * rel_err(ours, e.grad), TOL[torch.bfloat16] / 4),
+                             what=f"{name} {what}")
+    assert calls == [1]
 
 
 @pytest.mark.cuda

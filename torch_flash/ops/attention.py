@@ -212,19 +212,15 @@ def cudnn_backward_serves(grad_lse, q: Tensor, k: Tensor, v: Tensor, attn_bias, 
     """Whether flash.attention_backward hands this call to cuDNN's SDPA backward, which reads
     the lse of our forward as its own (equal to 1e-6 on the H100) and was checked there against
     float64 (tests/ops/test_attention.py): 1.2x-1.5x our Triton backward from 2k tokens on the
-    H100 (docs/perf/attention_cudnn_bwd_h100.json), but not bitwise reproducible. Eager calls
-    only: traced into HF LLaMA's compiled graph (flash backend, torch 2.11) the call gave
-    gradients with a relative error of 1.2, cause not found, where the eager op at its head
-    counts, length and layouts (batch 1), and the op compiled alone, are right. Until batches of
-    more than one at 2k+ tokens are checked, only on request: TORCH_FLASH_CUDNN_BACKWARD=1.
-    So: that variable, real tensors, no forced backend, deterministic algorithms off
-    (torch.use_deterministic_algorithms), cuDNN's SDPA enabled, an sm_90 GPU, fp16/bf16, one
-    head dim <= 128 (a multiple of 8), Sq == Sk (cuDNN aligns the causal diagonal top-left, ours
-    bottom-right), causal only from CUDNN_CAUSAL_MIN_SEQLEN keys, and no bias, dropout, softcap,
-    window or lse gradient."""
+    H100 (docs/perf/attention_cudnn_bwd_h100.json), but not bitwise reproducible, hence only on
+    request: TORCH_FLASH_CUDNN_BACKWARD=1. So: that variable, no forced backend, deterministic
+    algorithms off (torch.use_deterministic_algorithms), cuDNN's SDPA enabled, an sm_90 GPU,
+    fp16/bf16, one head dim <= 128 (a multiple of 8), Sq == Sk (cuDNN aligns the causal diagonal
+    top-left, ours bottom-right), causal only from CUDNN_CAUSAL_MIN_SEQLEN keys, and no bias,
+    dropout, softcap, window or lse gradient."""
     d, s = q.shape[-1], q.shape[2]
     return (os.environ.get("TORCH_FLASH_CUDNN_BACKWARD") == "1" and q.device.type == "cuda"
-            and not _dispatch.symbolic(q) and _dispatch.forced_backend() is None
+            and _dispatch.forced_backend() is None
             and not torch.are_deterministic_algorithms_enabled() and torch.backends.cuda.cudnn_sdp_enabled()
             and torch.cuda.get_device_capability(q.device) == (9, 0)
             and q.dtype in (torch.float16, torch.bfloat16) and v.shape[-1] == d and d <= 128 and d % 8 == 0
@@ -234,15 +230,27 @@ def cudnn_backward_serves(grad_lse, q: Tensor, k: Tensor, v: Tensor, attn_bias, 
             and spec.window_left < 0 and spec.window_right < 0)
 
 
+# Elements between q's batches, past dense, in the copy of q handed to cuDNN (keeps each batch
+# 16-byte aligned). Why: aten keeps built cuDNN backward graphs in a per-thread cache, shared
+# with F.scaled_dot_product_attention, keyed on q, k and v's shapes and strides only, though a
+# graph also bakes in out's, grad_out's and lse's strides: a call whose q, k, v match a cached
+# graph's but whose out or grad_out is laid out otherwise runs that graph on misread memory.
+# HF LLaMA (8 layers, bf16) had gradients with a relative error of 1.2 after an eager SDPA step
+# had cached its graph (out in q's layout) for our call (out contiguous) on the H100 (torch
+# 2.11); our call could as well have spoiled SDPA's. No tensor of PyTorch's has this batch
+# stride, so our graphs are our own; out and grad_out always go in contiguous, so they agree.
+CUDNN_Q_BATCH_PAD = 8
+
+
 def _cudnn_backward(grad_out, q, k, v, out, lse, spec: ref.Spec) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv), contiguous as the op's fake promises, from cuDNN (see cudnn_backward_serves).
-    grad_out and out go in contiguous: on the H100 (torch 2.11) cuDNN's backward took a grad_out
-    in (B, S, H, D) memory order for one laid out like out, a relative error of 1.4 in every
-    gradient, while q, k and v in either order came out right."""
+    """(dq, dk, dv), contiguous as the op's fake promises, from cuDNN (see cudnn_backward_serves
+    and CUDNN_Q_BATCH_PAD)."""
+    b, h, s, d = q.shape
+    q_own = torch.empty_strided(q.shape, (h * s * d + CUDNN_Q_BATCH_PAD, s * d, d, 1), dtype=q.dtype,
+                                device=q.device).copy_(q)
     no_dropout = q.new_empty(0, dtype=torch.int64)  # cuDNN's philox seed and offset
-    s = q.shape[2]
     grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        grad_out.contiguous(), q, k, v, out.contiguous(), lse.unsqueeze(-1), no_dropout, no_dropout,
+        grad_out.contiguous(), q_own, k, v, out.contiguous(), lse.unsqueeze(-1), no_dropout, no_dropout,
         None, None, None, s, s, 0.0, spec.causal, scale=spec.scale)
     return tuple(g.contiguous() for g in grads[:3])
 
@@ -349,7 +357,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor] = Non
     before bias and mask (Gemma 2). dropout_p drops attention probabilities with a seed
     drawn from torch's default generator. A query that sees no key gets zeros.
     The backward is deterministic (bitwise reproducible), except that TORCH_FLASH_CUDNN_BACKWARD=1
-    lets cuDNN's serve eager calls of plain fp16/bf16 self-attention on an H100
+    lets cuDNN's serve calls of plain fp16/bf16 self-attention on an H100, eager or compiled
     (ops.attention.cudnn_backward_serves; not under torch.use_deterministic_algorithms(True)).
     """
     return torch.ops.flash.attention(q, k, v, attn_bias,
