@@ -7,12 +7,15 @@ the loss and of all parameter gradients (one vector) against eager in fp32 witho
 Needs transformers.
 Usage: python scripts/hf_llama_autocast.py OUT.json [--hidden H --heads N --kv-heads K]
 [--backends NAME ...] (defaults: the run in docs/perf, head dim 64 with GQA; the backend
-"flash, no attention family" leaves SDPA to PyTorch).
+"flash, no attention family" leaves SDPA to PyTorch; "flash, cuDNN backward" sets
+TORCH_FLASH_CUDNN_BACKWARD=1).
 """
 import argparse
 import json
+import os
 import statistics
 import time
+from unittest import mock
 
 import torch
 import transformers
@@ -25,8 +28,15 @@ CONFIG = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num
               num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096, use_cache=False,
               attn_implementation="sdpa")
 BACKENDS = {"inductor": "inductor", "flash": "flash",
+            "flash, cuDNN backward": "flash",
             "flash, no rotary family": torch_flash.backend(ops=["attention", "norm", "loss"]),
             "flash, no attention family": torch_flash.backend(ops=["rotary", "norm", "loss"])}
+# environment a backend compiles and runs under
+ENV = {"flash, cuDNN backward": {"TORCH_FLASH_CUDNN_BACKWARD": "1"}}
+# every backend traces afresh: the compile caches do not key on the environment, and "flash, cuDNN
+# backward" would get the graph "flash" traced with the Triton backward
+torch._functorch.config.enable_autograd_cache = False
+torch._inductor.config.fx_graph_cache = False
 DEFAULT_BACKENDS = ["inductor", "flash", "flash, no rotary family"]
 
 
@@ -105,7 +115,8 @@ def main() -> None:
     print("eager autocast", out["eager_autocast"], flush=True)
     for name in args.backends:
         print(name, flush=True)
-        row = dict(impl=name, **measure(model, ids, BACKENDS[name], reference))
+        with mock.patch.dict(os.environ, ENV.get(name, {})):
+            row = dict(impl=name, **measure(model, ids, BACKENDS[name], reference))
         out["rows"].append(row)
         print(row, flush=True)
     with open(args.out, "w") as f:

@@ -636,7 +636,10 @@ def test_cudnn_backward(case, monkeypatch):
     finally:
         torch.use_deterministic_algorithms(False)
     assert calls == [1]
-    compiled = grads(torch.compile(attention, fullgraph=True))
+    # traced afresh (a cached graph would skip the trace this counts)
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        compiled = grads(torch.compile(attention, fullgraph=True))
     assert calls == [1, 1]
     out, lse = attention_with_lse(q, k, v, causal=causal)
     op_grads = torch.ops.flash.attention_backward(g, None, q, k, v, None, out, lse, d ** -0.5, causal,
@@ -690,14 +693,19 @@ def test_cudnn_backward_shares_no_graph_with_sdpa(sdpa_first, monkeypatch):
 def test_cudnn_backward_only_where_it_agrees(monkeypatch):
     """Calls whose semantics cuDNN's backward does not share, or that ask for ours, keep the
     Triton backward: causal with Sq != Sk (cuDNN's diagonal is top-left), softcap, a window,
-    a bias, an lse gradient, fp32, TORCH_FLASH_BACKEND=triton; short causal calls, which ours
-    runs faster; and every call without TORCH_FLASH_CUDNN_BACKWARD=1."""
+    a bias, an lse gradient, fp32, k and v whose strides or addresses are not 16-byte aligned,
+    TORCH_FLASH_BACKEND=triton; short causal calls, which ours runs faster; and every call
+    without TORCH_FLASH_CUDNN_BACKWARD=1."""
     if not _hopper():
         pytest.skip("cuDNN's backward is taken on sm_90 only")
     calls = _count_cudnn(monkeypatch)
 
-    def run(sq=64, sk=64, dtype=torch.bfloat16, bias=False, with_lse=False, **kw):
-        q, k, v = _leaves([t.cuda() for t in _qkv(1, 4, 4, sq, sk, 64, dtype=dtype)])
+    def run(sq=64, sk=64, dtype=torch.bfloat16, bias=False, with_lse=False, kv_pad=0, kv_offset=0, **kw):
+        q, k, v = (t.cuda() for t in _qkv(1, 4, 4, sq, sk, 64, dtype=dtype))
+        # k and v as views of wider rows (kv_pad), or starting kv_offset elements in
+        k, v = (torch.zeros(1, 4, sk, 64 + kv_pad + kv_offset, device="cuda", dtype=dtype)
+                [..., kv_offset:kv_offset + 64].copy_(t) for t in (k, v))
+        q, k, v = _leaves((q, k, v))
         attn_bias = torch.randn(sq, sk, device="cuda", dtype=dtype) if bias else None
         if with_lse:
             out, lse = attention_with_lse(q, k, v, attn_bias, **kw)
@@ -712,6 +720,8 @@ def test_cudnn_backward_only_where_it_agrees(monkeypatch):
     run(bias=True)
     run(with_lse=True)
     run(dtype=torch.float32)
+    run(kv_pad=4)
+    run(kv_offset=4)
     monkeypatch.setenv("TORCH_FLASH_BACKEND", "triton")
     run()
     assert calls == []

@@ -211,13 +211,14 @@ CUDNN_CAUSAL_MIN_SEQLEN = 2048
 def cudnn_backward_serves(grad_lse, q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: ref.Spec) -> bool:
     """Whether flash.attention_backward hands this call to cuDNN's SDPA backward, which reads
     the lse of our forward as its own (equal to 1e-6 on the H100) and was checked there against
-    float64 (tests/ops/test_attention.py): 1.2x-1.5x our Triton backward from 2k tokens on the
-    H100 (docs/perf/attention_cudnn_bwd_h100.json), but not bitwise reproducible, hence only on
-    request: TORCH_FLASH_CUDNN_BACKWARD=1. So: that variable, no forced backend, deterministic
-    algorithms off (torch.use_deterministic_algorithms), cuDNN's SDPA enabled, an sm_90 GPU,
-    fp16/bf16, one head dim <= 128 (a multiple of 8), Sq == Sk (cuDNN aligns the causal diagonal
-    top-left, ours bottom-right), causal only from CUDNN_CAUSAL_MIN_SEQLEN keys, and no bias,
-    dropout, softcap, window or lse gradient."""
+    float64 (tests/ops/test_attention.py): 1.2x-1.5x our Triton backward from 4k tokens on the
+    H100 (docs/perf/attention_cudnn_bwd_h100.json), but not bitwise reproducible, which the op's
+    backward is by default; so only on request. That is: TORCH_FLASH_CUDNN_BACKWARD=1, not under
+    torch.use_deterministic_algorithms(True), no forced backend, cuDNN's SDPA enabled, an sm_90
+    GPU, fp16/bf16, one head dim <= 128 (a multiple of 8), Sq == Sk (cuDNN aligns the causal
+    diagonal top-left, ours bottom-right), causal only from CUDNN_CAUSAL_MIN_SEQLEN keys, no
+    bias, dropout, softcap, window or lse gradient, and k and v laid out as cuDNN reads them
+    (strides and, where real, addresses 16-byte aligned; q is copied anyway)."""
     d, s = q.shape[-1], q.shape[2]
     return (os.environ.get("TORCH_FLASH_CUDNN_BACKWARD") == "1" and q.device.type == "cuda"
             and _dispatch.forced_backend() is None
@@ -227,7 +228,23 @@ def cudnn_backward_serves(grad_lse, q: Tensor, k: Tensor, v: Tensor, attn_bias, 
             and k.shape[2] == s and q.numel() > 0 and k.numel() > 0 and grad_lse is None
             and (not spec.causal or s >= CUDNN_CAUSAL_MIN_SEQLEN)
             and attn_bias is None and spec.dropout_p == 0 and spec.softcap == 0
-            and spec.window_left < 0 and spec.window_right < 0)
+            and spec.window_left < 0 and spec.window_right < 0
+            and all(_cudnn_aligned(t) for t in (k, v)))
+
+
+def _cudnn_aligned(t: Tensor) -> bool:
+    """Every stride but the last a multiple of 8 elements and, for a real tensor, the first
+    element 16-byte aligned (a traced graph's inputs are aligned by Inductor's SDPA layout rule).
+    cuDNN's backward reads k and v otherwise laid out wrongly, without an error (H100, torch
+    2.11: relative error 1.1-1.4 for rows 68 elements apart or starting 8 bytes in)."""
+    return (all(st % 8 == 0 for st in t.stride()[:-1])
+            and (_dispatch.symbolic(t) or t.data_ptr() % 16 == 0))
+
+
+def _cudnn_operand(t: Tensor) -> Tensor:
+    """t contiguous and aligned as _cudnn_aligned asks (a copy only where it is not)."""
+    t = t.contiguous()
+    return t if _cudnn_aligned(t) else t.clone()
 
 
 # Elements between q's batches, past dense, in the copy of q handed to cuDNN (keeps each batch
@@ -250,8 +267,8 @@ def _cudnn_backward(grad_out, q, k, v, out, lse, spec: ref.Spec) -> tuple[Tensor
                                 device=q.device).copy_(q)
     no_dropout = q.new_empty(0, dtype=torch.int64)  # cuDNN's philox seed and offset
     grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        grad_out.contiguous(), q_own, k, v, out.contiguous(), lse.unsqueeze(-1), no_dropout, no_dropout,
-        None, None, None, s, s, 0.0, spec.causal, scale=spec.scale)
+        _cudnn_operand(grad_out), q_own, k, v, _cudnn_operand(out), lse.unsqueeze(-1), no_dropout,
+        no_dropout, None, None, None, s, s, 0.0, spec.causal, scale=spec.scale)
     return tuple(g.contiguous() for g in grads[:3])
 
 
