@@ -233,18 +233,19 @@ def cudnn_backward_serves(grad_lse, q: Tensor, k: Tensor, v: Tensor, attn_bias, 
 
 
 def _cudnn_aligned(t: Tensor) -> bool:
-    """Every stride but the last a multiple of 8 elements and, for a real tensor, the first
-    element 16-byte aligned (a traced graph's inputs are aligned by Inductor's SDPA layout rule).
+    """Every stride but the last 16 bytes apart and the first element 16-byte aligned (checked
+    for real tensors; a traced graph's inputs are aligned by Inductor's SDPA layout rule).
     cuDNN's backward reads k and v otherwise laid out wrongly, without an error (H100, torch
-    2.11: relative error 1.1-1.4 for rows 68 elements apart or starting 8 bytes in)."""
-    return (all(st % 8 == 0 for st in t.stride()[:-1])
+    2.11: relative error 1.1-1.4 for bf16 rows 68 elements apart or starting 8 bytes in)."""
+    return (all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
             and (_dispatch.symbolic(t) or t.data_ptr() % 16 == 0))
 
 
 def _cudnn_operand(t: Tensor) -> Tensor:
-    """t contiguous and aligned as _cudnn_aligned asks (a copy only where it is not)."""
+    """t contiguous (the one layout our graphs bake in for it, see CUDNN_Q_BATCH_PAD) and starting
+    16-byte aligned: a copy only where it is not."""
     t = t.contiguous()
-    return t if _cudnn_aligned(t) else t.clone()
+    return t if _dispatch.symbolic(t) or t.data_ptr() % 16 == 0 else t.clone()
 
 
 # Elements between q's batches, past dense, in the copy of q handed to cuDNN (keeps each batch
@@ -255,7 +256,7 @@ def _cudnn_operand(t: Tensor) -> Tensor:
 # HF LLaMA (8 layers, bf16) had gradients with a relative error of 1.2 after an eager SDPA step
 # had cached its graph (out in q's layout) for our call (out contiguous) on the H100 (torch
 # 2.11); our call could as well have spoiled SDPA's. No tensor of PyTorch's has this batch
-# stride, so our graphs are our own; out and grad_out always go in contiguous, so they agree.
+# stride, so our graphs are our own; out, grad_out and lse always go in contiguous, so they agree.
 CUDNN_Q_BATCH_PAD = 8
 
 
@@ -267,8 +268,8 @@ def _cudnn_backward(grad_out, q, k, v, out, lse, spec: ref.Spec) -> tuple[Tensor
                                 device=q.device).copy_(q)
     no_dropout = q.new_empty(0, dtype=torch.int64)  # cuDNN's philox seed and offset
     grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        _cudnn_operand(grad_out), q_own, k, v, _cudnn_operand(out), lse.unsqueeze(-1), no_dropout,
-        no_dropout, None, None, None, s, s, 0.0, spec.causal, scale=spec.scale)
+        _cudnn_operand(grad_out), q_own, k, v, _cudnn_operand(out), _cudnn_operand(lse).unsqueeze(-1),
+        no_dropout, no_dropout, None, None, None, s, s, 0.0, spec.causal, scale=spec.scale)
     return tuple(g.contiguous() for g in grads[:3])
 
 
