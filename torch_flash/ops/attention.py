@@ -237,15 +237,19 @@ def _cudnn_aligned(t: Tensor) -> bool:
     for real tensors; a traced graph's inputs are aligned by Inductor's SDPA layout rule).
     cuDNN's backward reads k and v otherwise laid out wrongly, without an error (H100, torch
     2.11: relative error 1.1-1.4 for bf16 rows 68 elements apart or starting 8 bytes in)."""
-    return (all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
-            and (_dispatch.symbolic(t) or t.data_ptr() % 16 == 0))
+    return all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]) and _starts_aligned(t)
+
+
+def _starts_aligned(t: Tensor) -> bool:
+    """t's first element 16-byte aligned; assumed where there is no address to read (traced)."""
+    return _dispatch.symbolic(t) or t.data_ptr() % 16 == 0
 
 
 def _cudnn_operand(t: Tensor) -> Tensor:
     """t contiguous (the one layout our graphs bake in for it, see CUDNN_Q_BATCH_PAD) and starting
     16-byte aligned: a copy only where it is not."""
     t = t.contiguous()
-    return t if _dispatch.symbolic(t) or t.data_ptr() % 16 == 0 else t.clone()
+    return t if _starts_aligned(t) else t.clone()
 
 
 # Elements between q's batches, past dense, in the copy of q handed to cuDNN (keeps each batch
@@ -263,7 +267,7 @@ CUDNN_Q_BATCH_PAD = 8
 def _cudnn_backward(grad_out, q, k, v, out, lse, spec: ref.Spec) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv), contiguous as the op's fake promises, from cuDNN (see cudnn_backward_serves
     and CUDNN_Q_BATCH_PAD)."""
-    b, h, s, d = q.shape
+    _, h, s, d = q.shape
     q_own = torch.empty_strided(q.shape, (h * s * d + CUDNN_Q_BATCH_PAD, s * d, d, 1), dtype=q.dtype,
                                 device=q.device).copy_(q)
     no_dropout = q.new_empty(0, dtype=torch.int64)  # cuDNN's philox seed and offset
