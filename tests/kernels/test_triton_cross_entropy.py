@@ -320,21 +320,32 @@ def _torch_unfused(h, w, t, b, opts, reduction):
 SLACK = 1.5 if torch.cuda.is_available() else 4.0
 
 
-def _check_lce(got, expected, theirs, dtype, chunks=1):
-    """Each of (loss, dh, dw, db) within dtype's tolerance of float64, and no worse than PyTorch's
-    own path by more than SLACK (fp32 paths: within TOL). dweight accumulates in its dtype, one
-    rounding per chunk where PyTorch rounds once: each further chunk may add a rounding's worth
-    (2^-8 relative for bf16). Seen on the H100 at 13 tokens in 5-token chunks with every option:
-    dweight's error 1.29x PyTorch's (median of 150 draws), 1.59x at most; 1.00x in one chunk."""
+def _check_lce(got, inputs, opts, reduction, dtype, chunks=1):
+    """Each of (loss, dh, dw, db) for inputs (h, w, t, b) within dtype's tolerance of float64,
+    and no worse than PyTorch's own path by more than SLACK (fp32 paths: within TOL). dweight
+    accumulates in its dtype, one rounding per chunk where PyTorch rounds once: each further
+    chunk may add a rounding's worth (2^-8 relative for bf16). Seen on the H100 at 13 tokens in
+    5-token chunks with every option: dweight's error 1.29x PyTorch's (median of 150 draws),
+    1.59x at most; 1.00x in one chunk.
+
+    A mean or sum loss adds up each token's rounding error, a draw of random sign: ours (logits
+    rounded before the bias is added) and PyTorch's (after) are independent draws, so the scalar
+    is held to what PyTorch's per-token errors can add up to, sum |error_i| / |sum loss_i|."""
+    expected = _lce_expected(*inputs, opts, reduction)
+    theirs = _torch_unfused(*inputs, opts, reduction)
     for name, g, e, own in zip(("loss", "dhidden", "dweight", "dbias"), got, expected, theirs):
         if e is None:
             assert g is None, name
             continue
         err = assert_rel_close(g, e, TOL[dtype], what=name)
         if dtype != FP32:
+            ref = rel_err(own, e)
+            if name == "loss" and reduction != "none":
+                tokens = _lce_expected(*inputs, opts, "none")[0]
+                noise = (_torch_unfused(*inputs, opts, "none")[0].double() - tokens).abs().sum() / tokens.sum().abs()
+                ref = max(ref, noise.item())
             roundings = (chunks - 1) ** 0.5 * 2.0**-8 if name == "dweight" else 0.0
-            assert err <= SLACK * rel_err(own, e) + roundings + 1e-6, \
-                f"{name}: {err:.2e} vs PyTorch's {rel_err(own, e):.2e}"
+            assert err <= SLACK * ref + roundings + 1e-6, f"{name}: {err:.2e} vs PyTorch's {ref:.2e}"
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
@@ -353,7 +364,7 @@ def test_linear_cross_entropy(dtype, has_bias, opts, reduction):
         assert dh is None and dw is None and db is None
     else:
         assert dh.dtype == dtype and dw.dtype == dtype and dh.is_contiguous() and dw.is_contiguous()
-    _check_lce((loss, dh, dw, db), expected, _torch_unfused(h, w, t, b, opts, reduction), dtype, chunks=3)
+    _check_lce((loss, dh, dw, db), (h, w, t, b), opts, reduction, dtype, chunks=3)
 
 
 def test_linear_cross_entropy_batch_dims_default_chunk():
@@ -414,6 +425,37 @@ def test_lce_chunk_rows():
         assert rows * v * 2 <= max(K.LCE_CHUNK_BYTES, v * hid * 2 // K.LCE_DWEIGHT_SHARE)
 
 
+def test_lce_plan():
+    """With dweight, min(N, H, chunk_size) tokens resident in it, the rest by lce_chunk_rows."""
+    assert K.lce_plan(8192, 128256, 4096, BF16) == (4096, 1024)  # then 4 chunks of 263 MB
+    assert K.lce_plan(2048, 128256, 4096, BF16) == (2048, 0)[:1] + (K.lce_chunk_rows(0, 128256, BF16, 0, 4096),)
+    assert K.lce_plan(8192, 128256, 4096, BF16, dweight=False) == (0, 1024)
+    assert K.lce_plan(8192, 128256, 4096, BF16, chunk_size=300) == (300, 300)
+    assert K.lce_plan(8192, 1, 4096, BF16) == (0, K.lce_chunk_rows(8192, 1, BF16, 0, 4096))
+
+
+@pytest.mark.parametrize("slice_rows", [16, 2048], ids=["many-slices", "one-slice"])
+@pytest.mark.parametrize("n,hid,chunk_size", [(16, 16, 0), (13, 32, 5), (40, 16, 0)],
+                         ids=["rows=H", "strided", "then-chunks"])
+@pytest.mark.parametrize("dtype", [FP32, BF16], ids=["fp32", "bf16"])
+def test_lce_resident_chunk(monkeypatch, dtype, n, hid, chunk_size, slice_rows):
+    """The first chunk's logits live in dweight's memory, shifted by LCE_DWEIGHT_SLICE rows,
+    and dweight is written over them slice by slice: every gradient matches float64 (with a
+    bias and every option), whether the chunk fills dweight's rows, leaves them strided, or is
+    followed by ordinary chunks."""
+    monkeypatch.setattr(K, "LCE_DWEIGHT_SLICE", slice_rows)
+    seen = []
+    real = K._resident_chunk
+    monkeypatch.setattr(K, "_resident_chunk", lambda h_c, *a: seen.append(h_c.shape[0]) or real(h_c, *a))
+    opts = OPTIONS["all"]
+    h, w, b, t = _lce_inputs(n, hid, 200, dtype, True, opts.ignore_index)
+    got = K.lce_fwd(h, w, t, b, chunk_size=chunk_size, block=BLOCK, **_kw(opts, "mean"))
+    assert seen == [min(n, hid, chunk_size or n)]
+    rest = n - seen[0]
+    chunks = 1 + (K.cdiv(rest, K.lce_plan(n, 200, hid, dtype, chunk_size)[1]) if rest else 0)
+    _check_lce(got, (h, w, t, b), opts, "mean", dtype, chunks=chunks)
+
+
 @pytest.mark.parametrize("dtype", [FP32, BF16])
 @pytest.mark.parametrize("scale", [1.0, 0.37, -2.5])
 def test_scale_unless_one(dtype, scale):
@@ -472,5 +514,4 @@ def test_cuda_linear_cross_entropy(reduction):
     opts = OPTIONS["smoothing"]
     h, w, b, t = _lce_inputs(2048, 1024, 32000, BF16, True, opts.ignore_index)
     got = K.lce_fwd(h, w, t, b, chunk_size=512, **_kw(opts, reduction))
-    _check_lce(got, _lce_expected(h, w, t, b, opts, reduction), _torch_unfused(h, w, t, b, opts, reduction), BF16,
-               chunks=4)
+    _check_lce(got, (h, w, t, b), opts, reduction, BF16, chunks=4)

@@ -46,7 +46,7 @@ def _traced(fn):
 
 
 def run(args) -> list[dict]:
-    from ..kernels.triton.cross_entropy import lce_chunk_rows
+    from ..kernels.triton.cross_entropy import lce_plan
     from ..ops.linear_cross_entropy import linear_cross_entropy
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -64,7 +64,9 @@ def run(args) -> list[dict]:
         labels = dict(op="linear_cross_entropy", shape=[n, hid, v])
         ref = _eager(h, w, t).item()
         got = linear_cross_entropy(h, w, t).item()
-        print(f"{n}x{hid}x{v}: {lce_chunk_rows(n, v, h.dtype, dweight_hidden=hid)}-token chunks with dweight; loss ours {got:.6f}, eager {ref:.6f}")
+        resident, chunk_rows = lce_plan(n, v, hid, h.dtype)
+        print(f"{n}x{hid}x{v}: with dweight {resident} tokens resident in it, then {chunk_rows}-token chunks; "
+              f"loss ours {got:.6f}, eager {ref:.6f}")
         fwd = {**{k: no_grad(f, h, w, t) for k, f in ours.items()},
                "eager": no_grad(_eager, h, w, t), "compile": no_grad(compiled, h, w, t),
                "liger": None if liger is None else no_grad(liger, h, w, t)}

@@ -16,9 +16,12 @@ saved lse in one read and one write. Ignored rows read nothing and get a zero gr
 Block size and warps follow a fixed rule (_launch_config) rather than autotuning: tuning reruns
 the kernel, and the in-place variants would need a logits-sized restore copy for that.
 
-linear_cross_entropy: token chunks; per chunk the logits come from cuBLAS (hidden @ weight.T +
-bias, in the input dtype), the kernel turns them into their gradient in place, and two more
-matmuls give dhidden's rows and add into dweight. The (N, V) logits never exist.
+linear_cross_entropy: token chunks; per chunk the logits come from cuBLAS column-major
+(weight @ hidden.T, in the input dtype: that GEMM runs faster than its transpose), a column
+kernel (_ce_cols_kernel: blocks of adjacent tokens, the vocabulary split across programs whose
+row statistics _ce_combine_kernel joins) adds the bias and turns them into their gradient in
+place, and two more GEMMs give dhidden's rows and dweight. The (N, V) logits never exist; the
+first chunk keeps its logits in dweight's own memory (_resident_chunk).
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ... import _dispatch
-from ...reference.cross_entropy import row_stride
+from ...reference.cross_entropy import LossOptions, row_stride
 from .launch import cdiv, launch, next_power_of_2
 from .scalars import fp32
 
@@ -57,6 +60,17 @@ LCE_CHUNK_BYTES = 256 * 2**20
 LCE_DWEIGHT_SHARE = 3
 # Chunk rows are rounded to a multiple of this (GEMM tile) where the chunk is that large.
 LCE_ROW_ALIGN = 128
+# The resident chunk's logits sit s = min(this, V // 2) dweight rows below their classes, and
+# its dweight GEMM runs in class slices of s rows (_resident_chunk): at 4096 hidden, 2048-row
+# slices are GEMMs of 2048 x 4096 x 4096 and the side buffer is 16 MiB.
+LCE_DWEIGHT_SLICE = 2048
+# _ce_cols_kernel's (rows per block (tokens, adjacent in memory), classes per block, warps,
+# programs per SM) for its statistics and its gradient pass
+LCE_COLS_STATS = (1024, 16, 4, 2)
+LCE_COLS_GRAD = (1024, 16, 4, 4)
+# _ce_combine_kernel: splits and rows per block
+LCE_COMBINE_BLOCK_S = 16
+LCE_COMBINE_BLOCK_R = 256
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -74,6 +88,44 @@ def _capped(x, softcap, inv_softcap, SOFTCAP: tl.constexpr):
         return softcap * th, th
     else:
         return x, x
+
+
+@triton.jit
+def _online_lse(m2, d, z2):
+    """(m2, d) -> (m2, d) with the block z2 (log2 units) folded in along axis 0: the running
+    max and the sum of exp2(z2 - max)."""
+    m_new = tl.maximum(m2, tl.max(z2, 0))
+    # while every logit so far is -inf (masked classes), shift by 0: exp2(-inf - -inf) is NaN
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    d = d * tl.exp2(m2 - m_use) + tl.sum(tl.exp2(z2 - tl.expand_dims(m_use, 0)), 0)
+    return m_new, d
+
+
+@triton.jit
+def _grad_coefs(w, lse2, z_loss, label_smoothing, n_classes):
+    """(coef, smooth, hit_w) of a row of weight w (0 on ignored rows) and lse2 (log2 units):
+    its gradient is p coef - smooth - hit_w [j == t]."""
+    coef = w * (1.0 + 2.0 * z_loss * (lse2 * _LN2))
+    return coef, w * label_smoothing / n_classes, w * (1.0 - label_smoothing)
+
+
+@triton.jit
+def _dz(z, th, lse2, coef, smooth, hit_w, is_target, SOFTCAP: tl.constexpr):
+    """The gradient at the capped logits z (th: their tanh) of rows given by _grad_coefs."""
+    dz = tl.exp2(z * _LOG2E - lse2) * coef - smooth
+    dz = tl.where(is_target, dz - hit_w, dz)
+    if SOFTCAP:
+        dz *= 1.0 - th * th
+    return dz
+
+
+@triton.jit
+def _loss(lse, z_t, z_sum, z_loss, label_smoothing, n_classes, SUM_Z: tl.constexpr):
+    """A row's loss from its whole-vocabulary statistics (0 for an ignored row's zeros)."""
+    loss = lse - z_t + z_loss * lse * lse
+    if SUM_Z:
+        loss += label_smoothing * (z_t - z_sum / n_classes)
+    return loss
 
 
 @triton.jit
@@ -109,12 +161,7 @@ def _ce_kernel(X, T, Loss, Lse, ZT, ZSum, G, Out, NValid, n_cols, n_classes, voc
                 mask = cols < n_cols
                 z, _ = _capped(tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32),
                                softcap, inv_softcap, SOFTCAP)
-                z2 = tl.where(mask, z * _LOG2E, float("-inf"))
-                m_new = tl.maximum(m2, tl.max(z2, 0))
-                # while every logit so far is -inf (masked classes), shift by 0: exp2(-inf - -inf) is NaN
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                d = d * tl.exp2(m2 - m_use) + tl.sum(tl.exp2(z2 - m_use), 0)
-                m2 = m_new
+                m2, d = _online_lse(m2, d, tl.where(mask, z * _LOG2E, float("-inf")))
                 if SUM_Z:
                     z_sum += tl.sum(tl.where(mask, z, 0.0), 0)
             lse2 = m2 + tl.log2(d)
@@ -130,10 +177,7 @@ def _ce_kernel(X, T, Loss, Lse, ZT, ZSum, G, Out, NValid, n_cols, n_classes, voc
             tl.store(ZSum + row, z_sum)
         else:
             # ignored rows: lse = z_t = z_sum = 0, so their loss is 0
-            loss = lse - z_t + z_loss * lse * lse
-            if SUM_Z:
-                loss += label_smoothing * (z_t - z_sum / n_classes)
-            tl.store(Loss + row, loss)
+            tl.store(Loss + row, _loss(lse, z_t, z_sum, z_loss, label_smoothing, n_classes, SUM_Z))
     else:
         lse2 = tl.load(Lse + row).to(tl.float32) * _LOG2E
     if WRITE_GRAD:
@@ -144,9 +188,7 @@ def _ce_kernel(X, T, Loss, Lse, ZT, ZSum, G, Out, NValid, n_cols, n_classes, voc
         if MEAN:
             w = w / tl.load(NValid).to(tl.float32)
         w = tl.where(valid, w, 0.0)  # also drops mean's inf when no row is valid
-        coef = w * (1.0 + 2.0 * z_loss * (lse2 * _LN2))
-        smooth = w * label_smoothing / n_classes
-        hit_w = w * (1.0 - label_smoothing)
+        coef, smooth, hit_w = _grad_coefs(w, lse2, z_loss, label_smoothing, n_classes)
         out_row = Out + row * stride_out
         n_read = tl.where(valid, n_cols, 0)  # ignored rows read nothing: with w = 0 they get 0
         # backwards: the blocks the first sweep read last are the likeliest still in L2
@@ -156,11 +198,121 @@ def _ce_kernel(X, T, Loss, Lse, ZT, ZSum, G, Out, NValid, n_cols, n_classes, voc
             mask = cols < n_cols
             z, th = _capped(tl.load(x_row + cols, mask=cols < n_read, other=0.0).to(tl.float32),
                             softcap, inv_softcap, SOFTCAP)
-            dz = tl.exp2(z * _LOG2E - lse2) * coef - smooth
-            dz = tl.where(cols == t_col, dz - hit_w, dz)
-            if SOFTCAP:
-                dz *= 1.0 - th * th
+            dz = _dz(z, th, lse2, coef, smooth, hit_w, cols == t_col, SOFTCAP)
             tl.store(out_row + cols, dz.to(Out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _biased(x, B, cols, n_cols, HAS_BIAS: tl.constexpr):
+    """A (BLOCK_V, BLOCK_R) block of column-major logits in fp32, plus B[cols] per class."""
+    x = x.to(tl.float32)
+    if HAS_BIAS:
+        x += tl.load(B + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[:, None]
+    return x
+
+
+@triton.jit
+def _ce_cols_kernel(X, B, T, Lse, ZT, ZSum, NValid, n_rows, n_cols, vocab_start, n_classes, split_cols,
+                    stride_x, stride_stats, ignore_index, label_smoothing, z_loss, softcap, inv_softcap,
+                    FORWARD: tl.constexpr, HAS_BIAS: tl.constexpr, MEAN: tl.constexpr, SUM_Z: tl.constexpr,
+                    SOFTCAP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Column-major logits: X[c * stride_x + r] (+ B[c] where HAS_BIAS, added in fp32) is class
+    vocab_start + c (of n_classes) of row r, c < n_cols, r < n_rows. A program takes BLOCK_R rows and a split of split_cols columns, so
+    each load is BLOCK_V runs of BLOCK_R adjacent rows.
+    FORWARD, program (i, j): rows [i BLOCK_R, ...), split j; writes the split's lse, z at the
+    target (0 if it lies elsewhere) and sum of z (SUM_Z) of each row to
+    Lse/ZT/ZSum[j * stride_stats + r], fp32, 0 on ignored rows (_ce_combine_kernel joins them).
+    Else: overwrites X with the gradient for an upstream gradient of 1 (1 / NValid[0] for MEAN),
+    Lse[r] being the whole row's lse, programs in the reverse order so that the first ones find
+    in L2 what the forward read last."""
+    label_smoothing, z_loss = fp32(label_smoothing), fp32(z_loss)
+    softcap, inv_softcap = fp32(softcap), fp32(inv_softcap)
+    pid_r, pid_s = tl.program_id(0), tl.program_id(1)
+    if not FORWARD:
+        pid_r, pid_s = tl.num_programs(0) - 1 - pid_r, tl.num_programs(1) - 1 - pid_s
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < n_rows
+    t = tl.load(T + rows, mask=row_ok, other=ignore_index)
+    valid = row_ok & (t != ignore_index)
+    c0 = pid_s * split_cols
+    c1 = tl.minimum(c0 + split_cols, n_cols)
+    t_local = t - vocab_start
+    hit = valid & (t_local >= c0) & (t_local < c1)
+    t_col = tl.where(hit, t_local, -1).to(tl.int32)
+    # 64-bit column offsets (columns x stride_x may pass 2^31 elements: 8192 x 256k), then
+    # pointers advanced a block at a time; masks constant along the rows (row_ok, not valid)
+    # keep the loads vectorized: ignored rows are read, and dropped below
+    ptrs = X + (c0.to(tl.int64) + tl.arange(0, BLOCK_V)[:, None]) * stride_x + rows[None, :]
+    step = BLOCK_V * stride_x
+    if FORWARD:
+        m2 = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        d = tl.zeros([BLOCK_R], dtype=tl.float32)
+        z_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for off in range(c0, c1, BLOCK_V):
+            cols = off + tl.arange(0, BLOCK_V)
+            mask = (cols < c1)[:, None] & row_ok[None, :]
+            z, _ = _capped(_biased(tl.load(ptrs, mask=mask, other=0.0), B, cols, c1, HAS_BIAS),
+                           softcap, inv_softcap, SOFTCAP)
+            m2, d = _online_lse(m2, d, tl.where(mask, z * _LOG2E, float("-inf")))
+            if SUM_Z:
+                z_sum += tl.sum(tl.where(mask, z, 0.0), 0)
+            ptrs += step
+        x_t = tl.load(X + t_col.to(tl.int64) * stride_x + rows, mask=hit, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            x_t += tl.load(B + t_col, mask=hit, other=0.0).to(tl.float32)
+        z_t, _ = _capped(x_t, softcap, inv_softcap, SOFTCAP)
+        out = pid_s * stride_stats + rows
+        tl.store(Lse + out, tl.where(valid, (m2 + tl.log2(d)) * _LN2, 0.0), mask=row_ok)
+        tl.store(ZT + out, tl.where(hit, z_t, 0.0), mask=row_ok)
+        if SUM_Z:
+            tl.store(ZSum + out, tl.where(valid, z_sum, 0.0), mask=row_ok)
+    else:
+        lse2 = tl.load(Lse + rows, mask=row_ok, other=0.0) * _LOG2E
+        w = tl.full([BLOCK_R], 1.0, tl.float32)
+        if MEAN:
+            w = w / tl.load(NValid).to(tl.float32)
+        w = tl.where(valid, w, 0.0)
+        coef, smooth, hit_w = _grad_coefs(w, lse2, z_loss, label_smoothing, n_classes)
+        for off in range(c0, c1, BLOCK_V):
+            cols = off + tl.arange(0, BLOCK_V)
+            mask = (cols < c1)[:, None] & row_ok[None, :]
+            z, th = _capped(_biased(tl.load(ptrs, mask=mask, other=0.0), B, cols, c1, HAS_BIAS),
+                            softcap, inv_softcap, SOFTCAP)
+            dz = _dz(z, th, lse2[None, :], coef[None, :], smooth[None, :], hit_w[None, :],
+                     cols[:, None] == t_col[None, :], SOFTCAP)
+            # ignored rows (w = 0) get 0, also where exp2 overflowed against their lse of 0
+            tl.store(ptrs, tl.where(valid[None, :], dz, 0.0).to(X.dtype.element_ty), mask=mask)
+            ptrs += step
+
+
+@triton.jit
+def _ce_combine_kernel(LseS, ZTS, ZSumS, T, Lse, Loss, n_rows, n_splits, stride_stats, ignore_index,
+                       n_classes, label_smoothing, z_loss, SUM_Z: tl.constexpr, BLOCK_S: tl.constexpr,
+                       BLOCK_R: tl.constexpr):
+    """Rows [program_id(0) BLOCK_R, ...): the whole row's lse (log-add-exp of the n_splits
+    splits' LseS[j * stride_stats + r]) and loss (with the sums of ZTS, ZSumS) to Lse[r],
+    Loss[r]; 0 on ignored rows, NaN where the target lies outside the vocabulary."""
+    label_smoothing, z_loss = fp32(label_smoothing), fp32(z_loss)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < n_rows
+    t = tl.load(T + rows, mask=row_ok, other=ignore_index)
+    valid = row_ok & (t != ignore_index)
+    m2 = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    d = tl.zeros([BLOCK_R], dtype=tl.float32)
+    z_t = tl.zeros([BLOCK_R], dtype=tl.float32)
+    z_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for s0 in range(0, n_splits, BLOCK_S):
+        splits = s0 + tl.arange(0, BLOCK_S)
+        mask = (splits < n_splits)[:, None] & row_ok[None, :]
+        offs = splits[:, None] * stride_stats + rows[None, :]
+        m2, d = _online_lse(m2, d, tl.load(LseS + offs, mask=mask, other=float("-inf")) * _LOG2E)
+        z_t += tl.sum(tl.load(ZTS + offs, mask=mask, other=0.0), 0)
+        if SUM_Z:
+            z_sum += tl.sum(tl.load(ZSumS + offs, mask=mask, other=0.0), 0)
+    lse = tl.where(valid, (m2 + tl.log2(d)) * _LN2, 0.0)
+    lse = tl.where(valid & ((t < 0) | (t >= n_classes)), float("nan"), lse)
+    tl.store(Lse + rows, lse, mask=row_ok)
+    tl.store(Loss + rows, _loss(lse, z_t, z_sum, z_loss, label_smoothing, n_classes, SUM_Z), mask=row_ok)
 
 
 @triton.jit
@@ -376,6 +528,112 @@ def lce_chunk_rows(n_rows: int, n_cols: int, dtype: torch.dtype, chunk_size: int
     return max(1, min(cap, aligned if cap >= LCE_ROW_ALIGN else even))
 
 
+def lce_plan(n_rows: int, n_cols: int, hid: int, dtype: torch.dtype, chunk_size: int = 0,
+             dweight: bool = True) -> tuple[int, int]:
+    """(tokens of the resident chunk, rows per chunk after it) of lce_fwd: where dweight is
+    computed, the first min(N, H, chunk_size) tokens keep their logits in dweight's memory
+    (_resident_chunk), the rest go lce_chunk_rows at a time."""
+    resident = min(n_rows, hid, chunk_size or n_rows) if dweight and n_cols >= 2 else 0
+    return resident, lce_chunk_rows(n_rows - resident, n_cols, dtype, chunk_size, hid if dweight else 0)
+
+
+def _cols_grid(config, n_cols: int, n_rows: int, device: torch.device, block: int | None):
+    """(grid, split_cols, BLOCK_R, BLOCK_V, warps) of _ce_cols_kernel over (n_cols, n_rows) logits
+    for config (BLOCK_R, BLOCK_V, warps, programs per SM): column splits enough for that many
+    programs. block forces BLOCK_V (tests)."""
+    block_r, block_v, warps, per_sm = config
+    block_r = min(block_r, next_power_of_2(n_rows))
+    block_v = block or block_v
+    row_blocks = cdiv(n_rows, block_r)
+    splits = max(1, min(cdiv(per_sm * _dispatch.sm_count(device), row_blocks), cdiv(n_cols, block_v)))
+    split = cdiv(cdiv(n_cols, splits), block_v) * block_v
+    return (row_blocks, cdiv(n_cols, split)), split, block_r, block_v, warps
+
+
+def _chunk_losses(shards, t, n_valid, n_classes, opts: LossOptions, reduction: str, write_grad: bool,
+                  block: int | None) -> torch.Tensor:
+    """fp32 losses (rows,) of a chunk of rows whose logits lie column-major in shards, a list of
+    (x (n_cols, rows) with unit row stride, class of x's first column, bias (n_cols,) or None)
+    that together hold all n_classes classes; the kernel adds the bias in fp32 (cuBLAS, given a
+    bias along the rows of its output, rounds the product and the sum apart). write_grad:
+    overwrite each shard with its gradient for an upstream gradient of 1 (mean's 1 / n_valid
+    folded in). Three passes: per-split row statistics, their combination into each row's lse
+    and loss, the gradient."""
+    n_rows = t.shape[0]
+    kw = dict(ignore_index=opts.ignore_index, label_smoothing=opts.label_smoothing, z_loss=opts.z_loss,
+              softcap=opts.softcap, inv_softcap=1.0 / opts.softcap if opts.softcap > 0 else 0.0,
+              MEAN=reduction == "mean", SUM_Z=opts.label_smoothing > 0, SOFTCAP=opts.softcap > 0)
+
+    def run(x, v0, b, config, lse, z_t, z_sum, forward):
+        grid, split, block_r, block_v, warps = _cols_grid(config, x.shape[0], n_rows, x.device, block)
+        launch(_ce_cols_kernel, grid, x, b, t, lse, z_t, z_sum, n_valid, n_rows, x.shape[0], v0, n_classes,
+               split, x.stride(0), n_rows, **kw, FORWARD=forward, HAS_BIAS=b is not None, BLOCK_R=block_r,
+               BLOCK_V=block_v, num_warps=warps)
+        return grid[1]
+
+    n_splits = sum(_cols_grid(LCE_COLS_STATS, x.shape[0], n_rows, x.device, block)[0][1] for x, _, _ in shards)
+    lse_s, z_t_s, z_sum_s = torch.empty(3, n_splits, n_rows, dtype=torch.float32, device=t.device)
+    first = 0
+    for x, v0, b in shards:
+        first += run(x, v0, b, LCE_COLS_STATS, lse_s[first:], z_t_s[first:], z_sum_s[first:], True)
+    lse, losses = torch.empty(2, n_rows, dtype=torch.float32, device=t.device)
+    block_r = min(LCE_COMBINE_BLOCK_R, next_power_of_2(n_rows))
+    launch(_ce_combine_kernel, (cdiv(n_rows, block_r),), lse_s, z_t_s, z_sum_s, t, lse, losses, n_rows,
+           n_splits, n_rows, opts.ignore_index, n_classes, opts.label_smoothing, opts.z_loss,
+           SUM_Z=opts.label_smoothing > 0, BLOCK_S=LCE_COMBINE_BLOCK_S, BLOCK_R=block_r)
+    if write_grad:
+        for x, v0, b in reversed(shards):  # the reverse of the forward's order, for L2
+            run(x, v0, b, LCE_COLS_GRAD, lse, None, None, False)
+    return losses
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b accumulated and returned in fp32 (half inputs: cuBLAS's fp32 output on CUDA)."""
+    if a.dtype == torch.float32:
+        return torch.mm(a, b)
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
+
+
+def _resident_chunk(h_c, t_c, weight, bias, dh_rows, dw, db, n_valid, opts, reduction, block):
+    """The first chunk where dweight is computed, its logits held in dweight's own memory.
+
+    dweight (V, H) is not written before the first chunk's dweight GEMM, so a chunk of rows <= H
+    tokens keeps its logits there, column-major (class v of token r at dweight[v + s, r]), shifted
+    down by s rows; the last s classes go to a small side buffer. The dweight GEMM then runs in
+    class slices of s rows in order: slice [a, b) writes dweight rows [a, b), which held the
+    logits of classes [a - s, b - s), already consumed. This chunk's dweight is written once,
+    with no read-modify-write, and a chunk as large as the hidden size costs no memory beyond
+    the side buffer (docs/perf/README.md, "Linear cross-entropy"). dhidden sums the two parts
+    in fp32, token pieces at a time, and is rounded once. Returns the chunk's losses."""
+    n_cols, hid = weight.shape
+    rows = h_c.shape[0]
+    s = min(LCE_DWEIGHT_SLICE, n_cols // 2)
+    head = n_cols - s
+    main = dw.as_strided((head, rows), (hid, 1), dw.storage_offset() + s * hid)
+    side = dw.new_empty(s, rows)
+    parts = ((main, slice(0, head)), (side, slice(head, n_cols)))
+    for x, cls in parts:
+        torch.mm(weight[cls], h_c.t(), out=x)
+    losses = _chunk_losses([(x, cls.start, None if bias is None else bias[cls]) for x, cls in parts], t_c,
+                           n_valid, n_cols, opts, reduction, True, block)
+    if dh_rows is not None:
+        piece = max(1, LCE_CHUNK_BYTES // (8 * hid))  # fp32 sum and one fp32 part
+        for r0 in range(0, rows, piece):
+            tok = slice(r0, r0 + piece)
+            acc = _mm_fp32(main[:, tok].t(), weight[:head])
+            acc += _mm_fp32(side[:, tok].t(), weight[head:])
+            dh_rows[tok].copy_(acc)
+    if db is not None:
+        for x, cls in parts:
+            db[cls] += x.sum(1, dtype=torch.float32)
+    bounds = [*range(0, head, s), head, n_cols]
+    for a, b in zip(bounds, bounds[1:]):
+        torch.mm(side if a == head else main[a:b], h_c, out=dw[a:b])
+    return losses
+
+
 def lce_fwd(hidden, weight, target, bias, *, ignore_index, label_smoothing, z_loss, softcap, reduction,
             chunk_size=0, grads=(True, True, True), block=None):
     """cross_entropy(hidden @ weight.T + bias, target): (loss, dhidden, dweight, dbias).
@@ -387,15 +645,23 @@ def lce_fwd(hidden, weight, target, bias, *, ignore_index, label_smoothing, z_lo
     and its GEMM), as are all three for reduction "none" (its per-row grad_loss is only known
     in the backward, which recomputes) and dbias without a bias.
 
-    Memory beyond the inputs: one chunk of logits (lce_chunk_rows), the outputs, and an fp32
-    dbias; at 8192 tokens x 4096 x 128256 bf16: 328 MB + 67 MB + 1.05 GB = 1.45 GB (1280-row
-    chunks; 263 MB in 1024-row ones without dweight). dweight
-    accumulates in weight's dtype through cuBLAS (fp32 inside each chunk's GEMM, rounded once
-    per chunk): an fp32 accumulator would triple dweight's memory for bf16 weights. Measured
-    (CPU, 2048 x 256 x 4000, against float64): 8 chunks put dweight at 1.27x the error of
-    PyTorch's unfused bf16 path (4 chunks 1.13x), the bf16 logits' own rounding dominating.
+    Per chunk of tokens, cuBLAS computes the logits column-major (weight @ hidden_chunk.T, in the
+    inputs' dtype, rounded once: the bias is added in fp32 by the loss kernels), which
+    _chunk_losses turns into their gradient in place, and two more GEMMs give dhidden's rows and
+    dweight's share. Where dweight is computed, the first min(N, H,
+    chunk_size) tokens keep their logits in dweight itself (_resident_chunk); the others go in
+    chunks of lce_chunk_rows through one buffer, each adding into dweight (lce_plan).
+
+    Memory beyond the inputs: the outputs, an fp32 dbias, and the larger of the resident chunk's
+    side buffer and fp32 dhidden piece and one chunk's logits; at 8192 tokens x 4096 x 128256
+    bf16: 1.05 GB + 67 MB + 263 MB = 1.38 GB (4096 resident tokens, then 1024-row chunks).
+    dweight accumulates in weight's dtype through cuBLAS (fp32 inside each GEMM, rounded once
+    per chunk): an fp32 accumulator would triple dweight's memory for bf16 weights. The resident
+    chunk rounds its share once, like PyTorch; the H100 at 8192 x 4096 x 128256 put dweight at
+    1.29e-3 relative to an fp32 reference, PyTorch-like row-major chunks of 1280 at 1.32e-3.
     """
     n_cols, hid = weight.shape
+    opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap)
     t = _flat(target)
     h = hidden.reshape(t.shape[0], hid)  # not -1: H may be 0
     n_rows = h.shape[0]
@@ -407,37 +673,32 @@ def lce_fwd(hidden, weight, target, bias, *, ignore_index, label_smoothing, z_lo
     db = torch.zeros(n_cols, dtype=torch.float32, device=hidden.device) if want_db else None
     if dw is not None and n_rows == 0:
         dw.zero_()
-    in_place = want_dh or want_dw or want_db
-    rows = lce_chunk_rows(n_rows, n_cols, hidden.dtype, chunk_size, hid if want_dw else 0)
-    buf = h.new_empty(min(rows, n_rows), n_cols)
+    write_grad = want_dh or want_dw or want_db
     dh_rows = None if dh is None else dh.view(h.shape)
-    # each chunk's losses (and lse, written but not needed) go to buffers of their own, joined at
-    # the end: traced by Inductor, a kernel writing slices of one buffer becomes a chain of
-    # slice copies that torch 2.11 miscompiled into an out-of-bounds read (H100, 8 chunks)
+    # each chunk's losses go to buffers of their own, joined at the end: traced by Inductor, a
+    # kernel writing slices of one buffer becomes a chain of slice copies that torch 2.11
+    # miscompiled into an out-of-bounds read (H100, 8 chunks)
     losses = []
-    for start in range(0, n_rows, rows):
+    done, rows = lce_plan(n_rows, n_cols, hid, hidden.dtype, chunk_size, dw is not None)
+    if done:
+        losses.append(_resident_chunk(h[:done], t[:done], weight, bias, None if dh is None else dh_rows[:done],
+                                      dw, db, n_valid, opts, reduction, block))
+    buf = h.new_empty(min(rows, n_rows - done) * n_cols)
+    for start in range(done, n_rows, rows):
         sl = slice(start, start + rows)
         h_c = h[sl]
-        logits = buf[:h_c.shape[0]]
-        if bias is None:
-            torch.mm(h_c, weight.t(), out=logits)
-        else:
-            torch.addmm(bias, h_c, weight.t(), out=logits)
-        loss = torch.empty(h_c.shape[0], dtype=torch.float32, device=hidden.device)
-        losses.append(loss)
-        # the kernel turns the chunk's logits into their gradient, in place
-        _launch(logits, t[sl], loss=loss, lse=torch.empty_like(loss), grad_loss=None,
-                out=logits if in_place else None, n_valid=n_valid, ignore_index=ignore_index,
-                label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, reduction=reduction,
-                block=block, in_place=in_place)
+        logits = buf[:h_c.shape[0] * n_cols].view(n_cols, h_c.shape[0])
+        torch.mm(weight, h_c.t(), out=logits)
+        losses.append(_chunk_losses([(logits, 0, bias)], t[sl], n_valid, n_cols, opts, reduction, write_grad,
+                                    block))
         if dh is not None:
-            torch.mm(logits, weight, out=dh_rows[sl])
+            torch.mm(logits.t(), weight, out=dh_rows[sl])
         if dw is not None and start == 0:
-            torch.mm(logits.t(), h_c, out=dw)
+            torch.mm(logits, h_c, out=dw)
         elif dw is not None:
-            dw.addmm_(logits.t(), h_c)
+            dw.addmm_(logits, h_c)
         if db is not None:
-            db += logits.sum(0, dtype=torch.float32)
+            db += logits.sum(1, dtype=torch.float32)
     if db is not None:
         db = db.to(bias.dtype)
     losses = torch.cat(losses) if losses else h.new_empty(0, dtype=torch.float32)
