@@ -442,8 +442,10 @@ def test_lce_resident_chunk(monkeypatch, dtype, n, hid, chunk_size, slice_rows):
     """The first chunk's logits live in dweight's memory, shifted by LCE_DWEIGHT_SLICE rows,
     and dweight is written over them slice by slice: every gradient matches float64 (with a
     bias and every option), whether the chunk fills dweight's rows, leaves them strided, or is
-    followed by ordinary chunks."""
+    followed by ordinary chunks; with many slices, dhidden goes in 3-token fp32 pieces."""
     monkeypatch.setattr(K, "LCE_DWEIGHT_SLICE", slice_rows)
+    if slice_rows < 200:
+        monkeypatch.setattr(K, "LCE_DH_PIECE_BYTES", 8 * hid * 3)
     seen = []
     real = K._resident_chunk
     monkeypatch.setattr(K, "_resident_chunk", lambda h_c, *a: seen.append(h_c.shape[0]) or real(h_c, *a))

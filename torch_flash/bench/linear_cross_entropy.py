@@ -19,7 +19,9 @@ from torch._library.triton import set_wrap_triton_enabled
 
 from .cross_entropy import measure, no_grad, plot_rows, with_grad
 
-SHAPES = [(8192, 4096, 128256)]  # (tokens, hidden, vocabulary)
+# (tokens, hidden, vocabulary): LLaMA-3 8B's lm-head, then 70B's, whose 8192 tokens all fit
+# in dweight's memory (kernels/triton/cross_entropy.py, _resident_chunk)
+SHAPES = [(8192, 4096, 128256), (8192, 8192, 128256)]
 QUICK = [(2048, 2048, 32000)]
 CPU_SHAPES = [(8, 32, 256)]  # smoke run under TRITON_INTERPRET=1
 
@@ -65,7 +67,8 @@ def run(args) -> list[dict]:
         ref = _eager(h, w, t).item()
         got = linear_cross_entropy(h, w, t).item()
         resident, chunk_rows = lce_plan(n, v, hid, h.dtype)
-        print(f"{n}x{hid}x{v}: with dweight {resident} tokens resident in it, then {chunk_rows}-token chunks; "
+        rest = f"then {chunk_rows}-token chunks" if resident < n else "no other chunk"
+        print(f"{n}x{hid}x{v}: with dweight {resident} tokens resident in it, {rest}; "
               f"loss ours {got:.6f}, eager {ref:.6f}")
         fwd = {**{k: no_grad(f, h, w, t) for k, f in ours.items()},
                "eager": no_grad(_eager, h, w, t), "compile": no_grad(compiled, h, w, t),

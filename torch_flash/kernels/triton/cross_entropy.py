@@ -64,6 +64,9 @@ LCE_ROW_ALIGN = 128
 # its dweight GEMM runs in class slices of s rows (_resident_chunk): at 4096 hidden, 2048-row
 # slices are GEMMs of 2048 x 4096 x 4096 and the side buffer is 16 MiB.
 LCE_DWEIGHT_SLICE = 2048
+# Its dhidden is summed in fp32 pieces of tokens whose two fp32 buffers take this much: at
+# hidden 8192 a whole 8192-token chunk would take 512 MiB, more than Liger-Kernel's memory.
+LCE_DH_PIECE_BYTES = 64 * 2**20
 # _ce_cols_kernel's (rows per block (tokens, adjacent in memory), classes per block, warps,
 # programs per SM) for its statistics and its gradient pass
 LCE_COLS_STATS = (1024, 16, 4, 2)
@@ -619,7 +622,7 @@ def _resident_chunk(h_c, t_c, weight, bias, dh_rows, dw, db, n_valid, opts, redu
     losses = _chunk_losses([(x, cls.start, None if bias is None else bias[cls]) for x, cls in parts], t_c,
                            n_valid, n_cols, opts, reduction, True, block)
     if dh_rows is not None:
-        piece = max(1, LCE_CHUNK_BYTES // (8 * hid))  # fp32 sum and one fp32 part
+        piece = max(1, LCE_DH_PIECE_BYTES // (8 * hid))  # an fp32 sum and an fp32 part
         for r0 in range(0, rows, piece):
             tok = slice(r0, r0 + piece)
             acc = _mm_fp32(main[:, tok].t(), weight[:head])
@@ -652,9 +655,11 @@ def lce_fwd(hidden, weight, target, bias, *, ignore_index, label_smoothing, z_lo
     chunk_size) tokens keep their logits in dweight itself (_resident_chunk); the others go in
     chunks of lce_chunk_rows through one buffer, each adding into dweight (lce_plan).
 
-    Memory beyond the inputs: the outputs, an fp32 dbias, and the larger of the resident chunk's
-    side buffer and fp32 dhidden piece and one chunk's logits; at 8192 tokens x 4096 x 128256
-    bf16: 1.05 GB + 67 MB + 263 MB = 1.38 GB (4096 resident tokens, then 1024-row chunks).
+    Memory beyond the inputs: the outputs, an fp32 dbias, and the larger of one chunk's logits
+    and the resident chunk's side buffer with its two fp32 dhidden pieces; at 8192 tokens x
+    4096 x 128256 bf16: 1.05 GB + 67 MB + 263 MB = 1.38 GB (4096 resident tokens, then
+    1024-row chunks); at hidden 8192 all 8192 tokens are resident: 2.10 GB + 134 MB + 34 MB +
+    67 MB = 2.34 GB.
     dweight accumulates in weight's dtype through cuBLAS (fp32 inside each GEMM, rounded once
     per chunk): an fp32 accumulator would triple dweight's memory for bf16 weights. The resident
     chunk rounds its share once, like PyTorch; the H100 at 8192 x 4096 x 128256 put dweight at
