@@ -569,18 +569,19 @@ def _chunk_losses(shards, t, n_valid, n_classes, opts: LossOptions, reduction: s
               softcap=opts.softcap, inv_softcap=1.0 / opts.softcap if opts.softcap > 0 else 0.0,
               MEAN=reduction == "mean", SUM_Z=opts.label_smoothing > 0, SOFTCAP=opts.softcap > 0)
 
-    def run(x, v0, b, config, lse, z_t, z_sum, forward):
-        grid, split, block_r, block_v, warps = _cols_grid(config, x.shape[0], n_rows, x.device, block)
+    def run(x, v0, b, plan, lse, z_t, z_sum, forward):
+        grid, split, block_r, block_v, warps = plan
         launch(_ce_cols_kernel, grid, x, b, t, lse, z_t, z_sum, n_valid, n_rows, x.shape[0], v0, n_classes,
                split, x.stride(0), n_rows, **kw, FORWARD=forward, HAS_BIAS=b is not None, BLOCK_R=block_r,
                BLOCK_V=block_v, num_warps=warps)
-        return grid[1]
 
-    n_splits = sum(_cols_grid(LCE_COLS_STATS, x.shape[0], n_rows, x.device, block)[0][1] for x, _, _ in shards)
+    stats = [_cols_grid(LCE_COLS_STATS, x.shape[0], n_rows, x.device, block) for x, _, _ in shards]
+    n_splits = sum(plan[0][1] for plan in stats)
     lse_s, z_t_s, z_sum_s = torch.empty(3, n_splits, n_rows, dtype=torch.float32, device=t.device)
     first = 0
-    for x, v0, b in shards:
-        first += run(x, v0, b, LCE_COLS_STATS, lse_s[first:], z_t_s[first:], z_sum_s[first:], True)
+    for (x, v0, b), plan in zip(shards, stats):
+        run(x, v0, b, plan, lse_s[first:], z_t_s[first:], z_sum_s[first:], True)
+        first += plan[0][1]
     lse, losses = torch.empty(2, n_rows, dtype=torch.float32, device=t.device)
     block_r = min(LCE_COMBINE_BLOCK_R, next_power_of_2(n_rows))
     launch(_ce_combine_kernel, (cdiv(n_rows, block_r),), lse_s, z_t_s, z_sum_s, t, lse, losses, n_rows,
@@ -588,7 +589,7 @@ def _chunk_losses(shards, t, n_valid, n_classes, opts: LossOptions, reduction: s
            SUM_Z=opts.label_smoothing > 0, BLOCK_S=LCE_COMBINE_BLOCK_S, BLOCK_R=block_r)
     if write_grad:
         for x, v0, b in reversed(shards):  # the reverse of the forward's order, for L2
-            run(x, v0, b, LCE_COLS_GRAD, lse, None, None, False)
+            run(x, v0, b, _cols_grid(LCE_COLS_GRAD, x.shape[0], n_rows, x.device, block), lse, None, None, False)
     return losses
 
 
