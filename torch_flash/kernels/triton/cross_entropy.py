@@ -222,8 +222,9 @@ def _ce_cols_kernel(X, B, T, Lse, ZT, ZSum, NValid, n_rows, n_cols, vocab_start,
                     FORWARD: tl.constexpr, HAS_BIAS: tl.constexpr, MEAN: tl.constexpr, SUM_Z: tl.constexpr,
                     SOFTCAP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
     """Column-major logits: X[c * stride_x + r] (+ B[c] where HAS_BIAS, added in fp32) is class
-    vocab_start + c (of n_classes) of row r, c < n_cols, r < n_rows. A program takes BLOCK_R rows and a split of split_cols columns, so
-    each load is BLOCK_V runs of BLOCK_R adjacent rows.
+    vocab_start + c (of n_classes) of row r, c < n_cols, r < n_rows. A program takes BLOCK_R
+    rows and a split of split_cols columns, so each load is BLOCK_V runs of BLOCK_R adjacent
+    rows.
     FORWARD, program (i, j): rows [i BLOCK_R, ...), split j; writes the split's lse, z at the
     target (0 if it lies elsewhere) and sum of z (SUM_Z) of each row to
     Lse/ZT/ZSum[j * stride_stats + r], fp32, 0 on ignored rows (_ce_combine_kernel joins them).
@@ -654,9 +655,9 @@ def lce_fwd(hidden, weight, target, bias, *, ignore_index, label_smoothing, z_lo
     Per chunk of tokens, cuBLAS computes the logits column-major (weight @ hidden_chunk.T, in the
     inputs' dtype, rounded once: the bias is added in fp32 by the loss kernels), which
     _chunk_losses turns into their gradient in place, and two more GEMMs give dhidden's rows and
-    dweight's share. Where dweight is computed, the first min(N, H,
-    chunk_size) tokens keep their logits in dweight itself (_resident_chunk); the others go in
-    chunks of lce_chunk_rows through one buffer, each adding into dweight (lce_plan).
+    dweight's share. Where dweight is computed, the first min(N, H, chunk_size) tokens keep
+    their logits in dweight itself (_resident_chunk); the others go in chunks of lce_chunk_rows
+    through one buffer, each adding into dweight (lce_plan).
 
     Memory beyond the inputs: the outputs, an fp32 dbias, and the larger of one chunk's logits
     and the resident chunk's side buffer with its two fp32 dhidden pieces; at 8192 tokens x
