@@ -209,6 +209,11 @@ def _run(name: str, impl: str, autocast: bool = False) -> Run:
     report = Report()
     loss_of = lambda **kw: model(**kw).loss  # noqa: E731  (the logits die in the graph)
     ref_loss, ref_grads = step(loss_of)
+    # every model compiles this one lambda's code: without a reset its cache entries pile up
+    # to dynamo's recompile limit (8) and the ninth model runs eagerly, with no graphs. The
+    # conftest's per-test reset is not enough: the H100 machine's pytest skipped that fixture
+    # here when the command line named test files of other folders in between
+    torch._dynamo.reset()
     compiled = torch.compile(loss_of, backend=torch_flash.backend(inner=aot, report=report))
     with torch._functorch.config.patch(decompose_custom_triton_ops=False):
         loss, grads = step(compiled)
