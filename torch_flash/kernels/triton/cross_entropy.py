@@ -54,9 +54,10 @@ LCE_CHUNK_BYTES = 256 * 2**20
 # Where dweight is computed, a chunk may hold up to 1/LCE_DWEIGHT_SHARE of dweight's bytes of
 # logits: at least hidden / 3 rows. Every chunk reads and writes the whole dweight (4*V*H bytes
 # in bf16) for 6*rows*V*H FLOPs of GEMMs, so the rows, not the bytes, set that overhead; at the
-# H100's power cap it is paid in joules (docs/perf/README.md, "At the power cap"). At 8192 x 4096
-# x 128256 that is 7 chunks of 1280 rows: 0.6 % faster than 8 of 1024 in one process
-# (lce_chunk_ab_h100.json).
+# H100's power cap it is paid in joules (docs/perf/README.md, "At the power cap"). Before the
+# resident chunk, 8192 x 4096 x 128256 ran as 7 chunks of 1280 rows, 0.6 % faster than 8 of 1024
+# in one process (lce_chunk_ab_h100.json); now its 4096 non-resident tokens split evenly under
+# that cap, 4 chunks of 1024.
 LCE_DWEIGHT_SHARE = 3
 # Chunk rows are rounded to a multiple of this (GEMM tile) where the chunk is that large.
 LCE_ROW_ALIGN = 128
