@@ -1,5 +1,5 @@
-"""Fakes for flash.linear_cross_entropy, flash.linear_cross_entropy_backward and
-flash.linear_cross_entropy_with_grads."""
+"""Fakes for flash.linear_cross_entropy, flash.linear_cross_entropy_backward,
+flash.linear_cross_entropy_with_grads and flash.linear_cross_entropy_scale_."""
 import torch
 
 from torch_flash.ops.cross_entropy import LossOptions, check_grad_loss, loss_shape
@@ -45,3 +45,9 @@ def linear_cross_entropy_with_grads(hidden, weight, target, bias=None, *, ignore
                                 label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                                 reduction=reduction, chunk_size=chunk_size)
     return loss, *_grads(hidden, weight, bias, grad_hidden, grad_weight, grad_bias)
+
+
+@torch.library.register_fake("flash::linear_cross_entropy_scale_")
+def linear_cross_entropy_scale_(grad, grad_loss):
+    check(grad_loss.numel() == 1, "linear_cross_entropy_scale_",
+          f"grad_loss must have one element, got shape {tuple(grad_loss.shape)}")

@@ -45,6 +45,8 @@ OPS: tuple[OpEntry, ...] = (
     OpEntry("linear_cross_entropy", "linear_cross_entropy", "loss", "linear_cross_entropy_backward"),
     # the autograd forward of linear_cross_entropy: loss and gradients in one pass
     OpEntry("linear_cross_entropy_with_grads", "linear_cross_entropy", "loss", None, public=False),
+    # a compiled backward's step over the gradients the forward computed: scaled in place
+    OpEntry("linear_cross_entropy_scale_", "linear_cross_entropy", "loss", None, ("grad",), public=False),
     OpEntry("rotary", "rotary", "rotary", "rotary_backward"),
     OpEntry("rotary_qk", "rotary", "rotary", "rotary_qk_backward"),
     # in-place forms, public as torch_flash.rotary / rotary_qk(..., inplace=True)

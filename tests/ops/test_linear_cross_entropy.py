@@ -67,10 +67,16 @@ def _samples_with_grads():
         yield (h, w, t, b), {**opts, "reduction": REDUCTIONS[i % 2], "chunk_size": i % 3, **flags}
 
 
+def _samples_scale():
+    for dtype, g in zip(DTYPES, (0.37, 1.0, -2.5)):
+        yield (torch.randn(3, 5, dtype=dtype), torch.tensor(g)), {}
+
+
 OPCHECK_SAMPLES = {
     "linear_cross_entropy": _samples_fwd,
     "linear_cross_entropy_backward": _samples_bwd,
     "linear_cross_entropy_with_grads": _samples_with_grads,
+    "linear_cross_entropy_scale_": _samples_scale,
 }
 
 
@@ -445,6 +451,78 @@ def test_gradient_flags_return_empty():
                 torch.testing.assert_close(bg, f)
             else:
                 assert g.numel() == 0 and bg.numel() == 0
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_scale_op(monkeypatch, backend):
+    """flash.linear_cross_entropy_scale_ scales in place, leaves the tensor bitwise as it was
+    for 1, names itself on bad input, and raises inside a backward that keeps its graph."""
+    monkeypatch.setenv("TORCH_FLASH_BACKEND", backend)
+    device = DEV if backend == "triton" else "cpu"
+    grad = torch.randn(4, 7, device=device)
+    before = grad.clone()
+    torch.ops.flash.linear_cross_entropy_scale_(grad, torch.ones((), device=device))
+    assert torch.equal(grad, before)
+    torch.ops.flash.linear_cross_entropy_scale_(grad, torch.full((1,), 0.37, device=device))
+    torch.testing.assert_close(grad, before * 0.37)
+    with pytest.raises(ValueError, match="flash.linear_cross_entropy_scale_: grad_loss must have one element"):
+        torch.ops.flash.linear_cross_entropy_scale_(grad, torch.ones(2, device=device))
+
+    class Scaled(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.grad = torch.ones_like(x)
+            return x.sum()
+
+        @staticmethod
+        def backward(ctx, g):
+            torch.ops.flash.linear_cross_entropy_scale_(ctx.grad, g)
+            return ctx.grad
+
+    x = torch.randn(3, device=device, requires_grad=True)
+    torch.testing.assert_close(torch.autograd.grad(Scaled.apply(x) * 2.0, x)[0], torch.full_like(x, 2.0))
+    with pytest.raises(RuntimeError, match="flash.linear_cross_entropy_scale_: cannot run in a backward with "
+                                           "retain_graph=True"):
+        torch.autograd.grad(Scaled.apply(x) * 2.0, x, retain_graph=True)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_backward_scales_in_place(backend):
+    """Compiled with donated buffers (torch's default), the backward hands out the forward's
+    gradients scaled in place by flash.linear_cross_entropy_scale_ (no multiply in the graph),
+    right for 1 and 0.37, and a retained graph is refused rather than computed twice; without
+    donation the graph multiplies, and backward twice through a retained graph stays right."""
+    h, w, t, b = _leaves("triton" if DEV == "cuda" else "reference")
+    seen = []
+
+    def inner(gm, example_inputs):
+        from functorch.compile import make_boxed_func
+        from torch._functorch.aot_autograd import aot_module_simplified
+
+        def record(g, _):
+            seen.append(str(g.code))
+            return make_boxed_func(g.forward)
+        return aot_module_simplified(gm, example_inputs, fw_compiler=record, bw_compiler=record)
+
+    def model(h, w, b):
+        return linear_cross_entropy(h, w, t, b, chunk_size=5, **LCE_OPTS)
+
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        compiled = torch.compile(model, backend=inner if backend == "aot_eager" else backend, fullgraph=True)
+        for scale in (1.0, 0.37):
+            got = torch.autograd.grad(compiled(h, w, b), (h, w, b), torch.tensor(scale, device=h.device))
+            _check_grads(got, h, w, t, b, scale, **LCE_OPTS)
+        if seen:
+            assert "flash.linear_cross_entropy_scale_" in seen[1] and "aten.mul" not in seen[1]
+        with pytest.raises(RuntimeError, match="retain_graph=False"):
+            torch.autograd.grad(compiled(h, w, b), (h, w, b), retain_graph=True)
+        torch._dynamo.reset()
+        with torch._functorch.config.patch(donated_buffer=False):
+            compiled = torch.compile(model, backend=backend, fullgraph=True)
+            loss = compiled(h, w, b)
+            for scale in (1.0, 0.37):
+                got = torch.autograd.grad(loss, (h, w, b), torch.tensor(scale, device=h.device), retain_graph=True)
+                _check_grads(got, h, w, t, b, scale, **LCE_OPTS)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

@@ -81,3 +81,8 @@ def linear_cross_entropy_with_grads(hidden: Tensor, weight: Tensor, target: Tens
     loss = linear_cross_entropy(hidden, weight, target, bias, opts, reduction, chunk_size)
     return (loss, *linear_cross_entropy_backward(torch.ones_like(loss), hidden, weight, target, bias,
                                                  opts, reduction, chunk_size, grads))
+
+
+def linear_cross_entropy_scale_(grad: Tensor, grad_loss: Tensor) -> None:
+    """grad *= grad_loss in place (grad_loss: one element)."""
+    grad.mul_(grad_loss.reshape(()).to(grad.dtype))
