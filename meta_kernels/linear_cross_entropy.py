@@ -4,7 +4,7 @@ import torch
 
 from torch_flash.ops.cross_entropy import LossOptions, check_grad_loss, loss_shape
 from torch_flash.ops._checks import check
-from torch_flash.ops.linear_cross_entropy import check_args
+from torch_flash.ops.linear_cross_entropy import check_args, check_scale_args
 from torch_flash.reference._common import compute_dtype
 
 
@@ -49,5 +49,4 @@ def linear_cross_entropy_with_grads(hidden, weight, target, bias=None, *, ignore
 
 @torch.library.register_fake("flash::linear_cross_entropy_scale_")
 def linear_cross_entropy_scale_(grad, grad_loss):
-    check(grad_loss.numel() == 1, "linear_cross_entropy_scale_",
-          f"grad_loss must have one element, got shape {tuple(grad_loss.shape)}")
+    check_scale_args("linear_cross_entropy_scale_", grad, grad_loss)

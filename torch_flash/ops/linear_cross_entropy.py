@@ -201,6 +201,15 @@ def _scale_unless_one_(grads, grad_loss: Tensor) -> None:
             t.mul_(grad_loss.to(t.dtype))
 
 
+def check_scale_args(op: str, grad, grad_loss) -> None:
+    """grad: a float tensor; grad_loss: one element on its device (metadata only: the fake
+    runs it too)."""
+    check_tensor(op, "grad", grad)
+    check_tensor(op, "grad_loss", grad_loss)
+    check(grad_loss.numel() == 1, op, f"grad_loss must have one element, got shape {tuple(grad_loss.shape)}")
+    check_same_device(op, grad=grad, grad_loss=grad_loss)
+
+
 def _keeps_graph() -> bool:
     """Whether this runs inside a backward that keeps its graph for another (retain_graph or
     create_graph)."""
@@ -218,10 +227,7 @@ def _linear_cross_entropy_scale_(grad: Tensor, grad_loss: Tensor) -> None:
     result; torch.compile refuses those backwards itself while its saved buffers are donated,
     the only graphs that use this op (see _backward)."""
     op = "linear_cross_entropy_scale_"
-    check_tensor(op, "grad", grad)
-    check_tensor(op, "grad_loss", grad_loss)
-    check(grad_loss.numel() == 1, op, f"grad_loss must have one element, got shape {tuple(grad_loss.shape)}")
-    check_same_device(op, grad=grad, grad_loss=grad_loss)
+    check_scale_args(op, grad, grad_loss)
     if _keeps_graph():
         fail(op, "cannot run in a backward with retain_graph=True or create_graph=True: the compiled graph "
                  "hands out the gradients its forward computed, scaled in place", RuntimeError)
