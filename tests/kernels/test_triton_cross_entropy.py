@@ -425,6 +425,20 @@ def test_lce_chunk_rows():
         assert rows * v * 2 <= max(K.LCE_CHUNK_BYTES, v * hid * 2 // K.LCE_DWEIGHT_SHARE)
 
 
+def test_lce_cols_grid_one_wave(monkeypatch):
+    """_ce_cols_kernel's grid fills the SMs' program slots (132 SMs x 2) and, where the row
+    blocks fit in them, no more: 5 row blocks get 52 splits (260 programs), not 53; each
+    split a whole number of class blocks, together covering every class."""
+    monkeypatch.setattr(K._dispatch, "sm_count", lambda device: 132)
+    config = (1024, 16, 4, 2)
+    for n_rows, n_cols, splits in ((1024, 128256, 259), (4096, 128256, 66), (5120, 100965, 52),
+                                   (7000, 128256, 37), (300 * 1024, 128256, 1), (1024, 100, 7)):
+        (row_blocks, n_splits), split, block_r, block_v, _ = K._cols_grid(config, n_cols, n_rows, "cpu", None)
+        assert (row_blocks, n_splits) == (K.cdiv(n_rows, 1024), splits)
+        assert split % block_v == 0 and (n_splits - 1) * split < n_cols <= n_splits * split
+        assert row_blocks * n_splits <= max(264, row_blocks)
+
+
 def test_lce_plan():
     """With dweight, min(N, H, chunk_size) tokens resident in it, the rest by lce_chunk_rows."""
     assert K.lce_plan(8192, 128256, 4096, BF16) == (4096, 1024)  # then 4 chunks of 263 MB
