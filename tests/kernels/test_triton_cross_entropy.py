@@ -440,35 +440,56 @@ def test_lce_cols_grid_one_wave(monkeypatch):
 
 
 def test_lce_plan():
-    """With dweight, min(N, H, chunk_size) tokens resident in it, the rest by lce_chunk_rows."""
-    assert K.lce_plan(8192, 128256, 4096, BF16) == (4096, 1024)  # then 4 chunks of 263 MB
+    """With dweight, min(N, H) tokens resident in it and one chunk's worth more in the chunk
+    buffer (min(N, H, chunk_size) for a given chunk_size), the rest by lce_chunk_rows."""
+    assert K.lce_plan(8192, 128256, 4096, BF16) == (5120, 1024)  # then 3 chunks of 263 MB
     assert K.lce_plan(2048, 128256, 4096, BF16)[0] == 2048  # every token resident, no chunk after
+    assert K.lce_plan(4500, 128256, 4096, BF16)[0] == 4500  # 404 beyond H, still resident
+    assert K.lce_plan(8192, 128256, 8192, BF16)[0] == 8192
     assert K.lce_plan(8192, 128256, 4096, BF16, dweight=False) == (0, 1024)
     assert K.lce_plan(8192, 128256, 4096, BF16, chunk_size=300) == (300, 300)
     assert K.lce_plan(8192, 1, 4096, BF16) == (0, K.lce_chunk_rows(8192, 1, BF16, 0, 4096))
+    assert K.lce_plan(8192, 128256, 0, BF16)[0] == 0  # an empty dweight holds nothing
+
+
+def test_lce_resident_layout():
+    """Each class slice [a, b) writes dweight elements [a H, b H) below the logits of class a,
+    which start at (a + shift) stride; the classes kept in dweight fit in it."""
+    for rows, n_cols, hid in ((4096, 128256, 4096), (5120, 128256, 4096), (2048, 128256, 4096),
+                              (8192, 128256, 8192), (40, 200, 16), (13, 200, 32), (32, 5, 2)):
+        s, stride, shift, head = K._resident_layout(rows, n_cols, hid)
+        assert 0 <= head < n_cols and (head == 0 or (head + shift) * stride <= n_cols * hid)
+        for a in range(0, head, s):
+            assert min(a + s, head) * hid <= (a + shift) * stride
+    assert K._resident_layout(4096, 128256, 4096) == (2048, 4096, 2048, 128256 - 2048)  # 16 MiB left over
 
 
 @pytest.mark.parametrize("slice_rows", [16, 2048], ids=["many-slices", "one-slice"])
-@pytest.mark.parametrize("n,hid,chunk_size", [(16, 16, 0), (13, 32, 5), (40, 16, 0)],
-                         ids=["rows=H", "strided", "then-chunks"])
+@pytest.mark.parametrize("n,hid,n_cols,chunk_size,chunk_rows,resident", [
+    (16, 16, 200, 0, 0, 16), (13, 32, 200, 5, 0, 5), (40, 16, 200, 0, 0, 40), (40, 16, 200, 0, 8, 24),
+    (32, 2, 5, 0, 0, 32)], ids=["rows=H", "strided", "beyond-H", "beyond-H-then-chunks", "all-in-buffer"])
 @pytest.mark.parametrize("dtype", [FP32, BF16], ids=["fp32", "bf16"])
-def test_lce_resident_chunk(monkeypatch, dtype, n, hid, chunk_size, slice_rows):
-    """The first chunk's logits live in dweight's memory, shifted by LCE_DWEIGHT_SLICE rows,
-    and dweight is written over them slice by slice: every gradient matches float64 (with a
-    bias and every option), whether the chunk fills dweight's rows, leaves them strided, or is
-    followed by ordinary chunks; with many slices, dhidden goes in 3-token fp32 pieces."""
+def test_lce_resident_chunk(monkeypatch, dtype, n, hid, n_cols, chunk_size, chunk_rows, resident, slice_rows):
+    """The first chunk's logits live in dweight's memory and the chunk buffer, and dweight is
+    written over them slice by slice: every gradient matches float64 (with a bias and every
+    option), whether the chunk leaves dweight's rows strided, fills them, holds more tokens
+    than H (with chunks of chunk_rows after it, where given) or keeps every class in the
+    buffer; with many slices, dhidden goes in 3-token fp32 pieces."""
     monkeypatch.setattr(K, "LCE_DWEIGHT_SLICE", slice_rows)
+    if chunk_rows:
+        monkeypatch.setattr(K, "LCE_CHUNK_BYTES", chunk_rows * n_cols * dtype.itemsize)
     if slice_rows < 200:
         monkeypatch.setattr(K, "LCE_DH_PIECE_BYTES", 8 * hid * 3)
     seen = []
     real = K._resident_chunk
     monkeypatch.setattr(K, "_resident_chunk", lambda h_c, *a: seen.append(h_c.shape[0]) or real(h_c, *a))
     opts = OPTIONS["all"]
-    h, w, b, t = _lce_inputs(n, hid, 200, dtype, True, opts.ignore_index)
+    h, w, b, t = _lce_inputs(n, hid, n_cols, dtype, True, opts.ignore_index)
     got = K.lce_fwd(h, w, t, b, chunk_size=chunk_size, block=BLOCK, **_kw(opts, "mean"))
-    assert seen == [min(n, hid, chunk_size or n)]
-    rest = n - seen[0]
-    chunks = 1 + (K.cdiv(rest, K.lce_plan(n, 200, hid, dtype, chunk_size)[1]) if rest else 0)
+    assert seen == [resident]
+    rest = n - resident
+    chunks = 1 + (K.cdiv(rest, K.lce_plan(n, n_cols, hid, dtype, chunk_size)[1]) if rest else 0)
+    assert chunks == {8: 3}.get(chunk_rows, 1 + (rest > 0) * K.cdiv(rest, chunk_size or 1))
     _check_lce(got, (h, w, t, b), opts, "mean", dtype, chunks=chunks)
 
 
@@ -531,3 +552,29 @@ def test_cuda_linear_cross_entropy(reduction):
     h, w, b, t = _lce_inputs(2048, 1024, 32000, BF16, True, opts.ignore_index)
     got = K.lce_fwd(h, w, t, b, chunk_size=512, **_kw(opts, reduction))
     _check_lce(got, (h, w, t, b), opts, reduction, BF16, chunks=4)
+
+
+@pytest.mark.cuda
+def test_cuda_lce_resident_memory(monkeypatch):
+    """4096 tokens, H 1024, V 32000 bf16 with 512-row chunks: 1024 + 512 tokens resident, 5
+    chunks after them. The launcher's peak is its outputs, the one chunk buffer (the larger of
+    the resident chunk's share and a chunk) and one fp32 dhidden piece, plus the loss kernels'
+    per-split statistics: no copy of the strided logits or of a GEMM's output. The gradients
+    are those of PyTorch's bf16 path."""
+    n, hid, n_cols = 4096, 1024, 32000
+    monkeypatch.setattr(K, "LCE_CHUNK_BYTES", 512 * n_cols * 2)
+    resident, rows = K.lce_plan(n, n_cols, hid, BF16)
+    assert (resident, rows) == (1536, 512)
+    opts = OPTIONS["plain"]
+    h, w, b, t = _lce_inputs(n, hid, n_cols, BF16, False, opts.ignore_index)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    got = K.lce_fwd(h, w, t, b, **_kw(opts, "mean"))
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    tail = (n_cols - K._resident_layout(resident, n_cols, hid)[3]) * resident
+    piece = min(resident, K.LCE_DH_PIECE_BYTES // (8 * hid)) * hid * 8
+    outputs = (n_cols + n) * hid * 2
+    assert outputs + max(tail, rows * n_cols) * 2 + piece <= peak <= outputs + tail * 2 + piece + 8 * 2**20
+    _check_lce(got, (h, w, t, b), opts, "mean", BF16, chunks=6)

@@ -68,7 +68,7 @@ def run(args) -> list[dict]:
         got = linear_cross_entropy(h, w, t).item()
         resident, chunk_rows = lce_plan(n, v, hid, h.dtype)
         rest = f"then {chunk_rows}-token chunks" if resident < n else "no other chunk"
-        print(f"{n}x{hid}x{v}: with dweight {resident} tokens resident in it, {rest}; "
+        print(f"{n}x{hid}x{v}: with dweight {resident} tokens resident (in it and the chunk buffer), {rest}; "
               f"loss ours {got:.6f}, eager {ref:.6f}")
         fwd = {**{k: no_grad(f, h, w, t) for k, f in ours.items()},
                "eager": no_grad(_eager, h, w, t), "compile": no_grad(compiled, h, w, t),

@@ -5,8 +5,9 @@ loss = cross_entropy(hidden @ weight.T + bias, target, ...) with flash.cross_ent
 options, output shape and dtype. Token chunks of `chunk_size` rows (0: as many as keep a
 chunk's logits, in the inputs' dtype, within a fixed budget, or within a third of dweight
 where that is computed and larger) mean the (N, V) logits never exist; where dweight is
-computed, the first min(N, H, chunk_size) tokens keep theirs in dweight's own memory before
-it is written (kernels/triton/cross_entropy.py, _resident_chunk). With gradients needed
+computed, the first tokens (H of them and one chunk more; min(N, H, chunk_size) for a given
+chunk_size) keep theirs in dweight's own memory before it is written and in the chunk buffer
+(kernels/triton/cross_entropy.py, _resident_chunk). With gradients needed
 (mean/sum), the forward runs flash.linear_cross_entropy_with_grads, which also computes the
 gradients chunk by chunk, and the backward hands them out scaled in
 place (no second dweight-sized buffer; no pass at all for an upstream gradient of 1); "none", a

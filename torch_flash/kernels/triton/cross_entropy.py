@@ -56,18 +56,18 @@ LCE_CHUNK_BYTES = 256 * 2**20
 # in bf16) for 6*rows*V*H FLOPs of GEMMs, so the rows, not the bytes, set that overhead; at the
 # H100's power cap it is paid in joules (docs/perf/README.md, "At the power cap"). Before the
 # resident chunk, 8192 x 4096 x 128256 ran as 7 chunks of 1280 rows, 0.6 % faster than 8 of 1024
-# in one process (lce_chunk_ab_h100.json); now its 4096 non-resident tokens split evenly under
-# that cap, 4 chunks of 1024.
+# in one process (lce_chunk_ab_h100.json); now 4096 + 1024 tokens are resident and the other
+# 3072 split evenly under that cap, 3 chunks of 1024.
 LCE_DWEIGHT_SHARE = 3
 # Chunk rows are rounded to a multiple of this (GEMM tile) where the chunk is that large.
 LCE_ROW_ALIGN = 128
-# The resident chunk's logits sit s = min(this, V // 2) dweight rows below their classes, and
-# its dweight GEMM runs in class slices of s rows (_resident_chunk): at 4096 hidden, 2048-row
-# slices are GEMMs of 2048 x 4096 x 4096 and the side buffer is 16 MiB.
+# The resident chunk's dweight GEMM runs in class slices of s = min(this, V // 2) rows, its
+# logits shifted far enough that each slice writes only consumed logits (_resident_layout): at
+# 4096 hidden and 4096 + 1024 tokens, GEMMs of 2048 x 4096 x 5120.
 LCE_DWEIGHT_SLICE = 2048
 # Its dhidden is summed in fp32 pieces of tokens whose two fp32 buffers take this much: at
 # hidden 8192 a whole 8192-token chunk would take 512 MiB, more than Liger-Kernel's memory.
-LCE_DH_PIECE_BYTES = 64 * 2**20
+LCE_DH_PIECE_BYTES = 32 * 2**20
 # _ce_cols_kernel's (rows per block (tokens, adjacent in memory), classes per block, warps,
 # programs per SM) for its statistics and its gradient pass
 LCE_COLS_STATS = (1024, 16, 4, 2)
@@ -537,11 +537,37 @@ def lce_chunk_rows(n_rows: int, n_cols: int, dtype: torch.dtype, chunk_size: int
 
 def lce_plan(n_rows: int, n_cols: int, hid: int, dtype: torch.dtype, chunk_size: int = 0,
              dweight: bool = True) -> tuple[int, int]:
-    """(tokens of the resident chunk, rows per chunk after it) of lce_fwd: where dweight is
-    computed, the first min(N, H, chunk_size) tokens keep their logits in dweight's memory
-    (_resident_chunk), the rest go lce_chunk_rows at a time."""
-    resident = min(n_rows, hid, chunk_size or n_rows) if dweight and n_cols >= 2 else 0
-    return resident, lce_chunk_rows(n_rows - resident, n_cols, dtype, chunk_size, hid if dweight else 0)
+    """(tokens of the resident chunk, rows per chunk after it) of lce_fwd. Where dweight is
+    computed, the first tokens keep their logits in dweight's memory (_resident_chunk): H of
+    them fit there, and by default one chunk's worth more in the chunk buffer, which is not in
+    use yet (chunk_size given: min(N, H, chunk_size)); the rest go lce_chunk_rows at a time."""
+    if not dweight or n_cols < 2 or hid == 0:
+        return 0, lce_chunk_rows(n_rows, n_cols, dtype, chunk_size, hid if dweight else 0)
+    if chunk_size:
+        return min(n_rows, hid, chunk_size), chunk_size
+    resident = min(n_rows, hid)
+    if resident < n_rows:
+        resident = min(n_rows, resident + lce_chunk_rows(n_rows - resident, n_cols, dtype, 0, hid))
+    return resident, lce_chunk_rows(n_rows - resident, n_cols, dtype, 0, hid)
+
+
+def _resident_layout(rows: int, n_cols: int, hid: int) -> tuple[int, int, int, int]:
+    """(s, stride, shift, head) of a resident chunk of rows tokens in a (n_cols, hid) dweight.
+
+    Classes [0, head) keep their logits in dweight's memory, class v at element (v + shift) *
+    stride, token r at + r; classes [head, V) in the chunk buffer, (V - head, rows) contiguous.
+    The dweight GEMM then writes class slices [a, b) of at most s rows in order, elements
+    [a * H, b * H), and must not overwrite logits of class a or later, which start at (a +
+    shift) * stride: with stride = max(rows, H) and shift = ceil(s * H / stride), b * H <= (a +
+    s) * H <= (a + shift) * stride. head is as many classes as fit below V * H, rounded down to
+    a multiple of 16: the loss kernels' class count is specialized by Triton on that, and ran
+    1.5x slower without it (H100, _ce_cols_kernel: 1.78 TB/s over 100965 classes, 2.70 over
+    126208, at 4096 and 5120 tokens alike)."""
+    s = max(1, min(LCE_DWEIGHT_SLICE, n_cols // 2))
+    stride = max(rows, hid)
+    shift = cdiv(s * hid, stride)
+    head = max(0, min(n_cols, n_cols * hid // stride - shift))
+    return s, stride, shift, head - head % 16
 
 
 def _cols_grid(config, n_cols: int, n_rows: int, device: torch.device, block: int | None):
@@ -605,24 +631,24 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a.float(), b.float())
 
 
-def _resident_chunk(h_c, t_c, weight, bias, dh_rows, dw, db, n_valid, opts, reduction, block):
+def _resident_chunk(h_c, t_c, weight, bias, dh_rows, dw, db, buf, n_valid, opts, reduction, block):
     """The first chunk where dweight is computed, its logits held in dweight's own memory.
 
-    dweight (V, H) is not written before the first chunk's dweight GEMM, so a chunk of rows <= H
-    tokens keeps its logits there, column-major (class v of token r at dweight[v + s, r]), shifted
-    down by s rows; the last s classes go to a small side buffer. The dweight GEMM then runs in
-    class slices of s rows in order: slice [a, b) writes dweight rows [a, b), which held the
-    logits of classes [a - s, b - s), already consumed. This chunk's dweight is written once,
-    with no read-modify-write, and a chunk as large as the hidden size costs no memory beyond
-    the side buffer (docs/perf/README.md, "Linear cross-entropy"). dhidden sums the two parts
-    in fp32, token pieces at a time, and is rounded once. Returns the chunk's losses."""
+    dweight (V, H) is not written before the first chunk's dweight GEMM, so that chunk keeps
+    the logits of most classes there, column-major (token r of class v at dweight's element
+    (v + shift) * stride + r), and those of the last classes in buf, the chunk buffer
+    (_resident_layout). The dweight GEMM then runs in class slices in order, each writing
+    dweight rows whose logits it or an earlier slice has read. Up to H tokens cost no memory
+    beyond a few thousand classes in buf; tokens beyond H fill buf as a chunk would, but their
+    dweight share is written once, with no read-modify-write (docs/perf/README.md, "Linear
+    cross-entropy"). dhidden sums the two parts in fp32, token pieces at a time, and is
+    rounded once. Returns the chunk's losses."""
     n_cols, hid = weight.shape
     rows = h_c.shape[0]
-    s = min(LCE_DWEIGHT_SLICE, n_cols // 2)
-    head = n_cols - s
-    main = dw.as_strided((head, rows), (hid, 1), dw.storage_offset() + s * hid)
-    side = dw.new_empty(s, rows)
-    parts = ((main, slice(0, head)), (side, slice(head, n_cols)))
+    s, stride, shift, head = _resident_layout(rows, n_cols, hid)
+    main = dw.as_strided((head, rows), (stride, 1), dw.storage_offset() + shift * stride)
+    tail = buf[:(n_cols - head) * rows].view(n_cols - head, rows)
+    parts = [(x, cls) for x, cls in ((main, slice(0, head)), (tail, slice(head, n_cols))) if x.shape[0]]
     for x, cls in parts:
         torch.mm(weight[cls], h_c.t(), out=x)
     losses = _chunk_losses([(x, cls.start, None if bias is None else bias[cls]) for x, cls in parts], t_c,
@@ -632,14 +658,15 @@ def _resident_chunk(h_c, t_c, weight, bias, dh_rows, dw, db, n_valid, opts, redu
         for r0 in range(0, rows, piece):
             tok = slice(r0, r0 + piece)
             acc = _mm_fp32(main[:, tok].t(), weight[:head])
-            acc += _mm_fp32(side[:, tok].t(), weight[head:])
+            acc += _mm_fp32(tail[:, tok].t(), weight[head:])
             dh_rows[tok].copy_(acc)
     if db is not None:
         for x, cls in parts:
             db[cls] += x.sum(1, dtype=torch.float32)
-    bounds = [*range(0, head, s), head, n_cols]
-    for a, b in zip(bounds, bounds[1:]):
-        torch.mm(side if a == head else main[a:b], h_c, out=dw[a:b])
+    for a in range(0, head, s):
+        b = min(a + s, head)
+        torch.mm(main[a:b], h_c, out=dw[a:b])
+    torch.mm(tail, h_c, out=dw[head:])  # every class in dweight's memory consumed by now
     return losses
 
 
@@ -657,15 +684,15 @@ def lce_fwd(hidden, weight, target, bias, *, ignore_index, label_smoothing, z_lo
     Per chunk of tokens, cuBLAS computes the logits column-major (weight @ hidden_chunk.T, in the
     inputs' dtype, rounded once: the bias is added in fp32 by the loss kernels), which
     _chunk_losses turns into their gradient in place, and two more GEMMs give dhidden's rows and
-    dweight's share. Where dweight is computed, the first min(N, H, chunk_size) tokens keep
-    their logits in dweight itself (_resident_chunk); the others go in chunks of lce_chunk_rows
-    through one buffer, each adding into dweight (lce_plan).
+    dweight's share. Where dweight is computed, the first tokens keep their logits in dweight
+    itself and the chunk buffer (_resident_chunk); the others go in chunks of lce_chunk_rows
+    through that buffer, each adding into dweight (lce_plan).
 
-    Memory beyond the inputs: the outputs, an fp32 dbias, and the larger of one chunk's logits
-    and the resident chunk's side buffer with its two fp32 dhidden pieces; at 8192 tokens x
-    4096 x 128256 bf16: 1.05 GB + 67 MB + 263 MB = 1.38 GB (4096 resident tokens, then
-    1024-row chunks); at hidden 8192 all 8192 tokens are resident: 2.10 GB + 134 MB + 34 MB +
-    67 MB = 2.34 GB.
+    Memory beyond the inputs: the outputs, an fp32 dbias, the larger of one chunk's logits and
+    the resident chunk's share of the buffer, and while the resident chunk runs its two fp32
+    dhidden pieces; at 8192 tokens x 4096 x 128256 bf16: 1.05 GB + 67 MB + 279 MB + 34 MB = 1.43
+    GB (5120 resident tokens, then 3 chunks of 1024); at hidden 8192 all 8192 tokens are
+    resident: 2.10 GB + 134 MB + 34 MB + 34 MB = 2.30 GB.
     dweight accumulates in weight's dtype through cuBLAS (fp32 inside each GEMM, rounded once
     per chunk): an fp32 accumulator would triple dweight's memory for bf16 weights. The resident
     chunk rounds its share once, like PyTorch; the H100 at 8192 x 4096 x 128256 put dweight at
@@ -691,10 +718,11 @@ def lce_fwd(hidden, weight, target, bias, *, ignore_index, label_smoothing, z_lo
     # miscompiled into an out-of-bounds read (H100, 8 chunks)
     losses = []
     done, rows = lce_plan(n_rows, n_cols, hid, hidden.dtype, chunk_size, dw is not None)
+    tail = (n_cols - _resident_layout(done, n_cols, hid)[3]) * done if done else 0
+    buf = h.new_empty(max(tail, min(rows, n_rows - done) * n_cols))
     if done:
         losses.append(_resident_chunk(h[:done], t[:done], weight, bias, None if dh is None else dh_rows[:done],
-                                      dw, db, n_valid, opts, reduction, block))
-    buf = h.new_empty(min(rows, n_rows - done) * n_cols)
+                                      dw, db, buf, n_valid, opts, reduction, block))
     for start in range(done, n_rows, rows):
         sl = slice(start, start + rows)
         h_c = h[sl]
