@@ -465,16 +465,18 @@ def test_lce_resident_layout():
 
 
 @pytest.mark.parametrize("slice_rows", [16, 2048], ids=["many-slices", "one-slice"])
-@pytest.mark.parametrize("n,hid,n_cols,chunk_size,chunk_rows,resident", [
-    (16, 16, 200, 0, 0, 16), (13, 32, 200, 5, 0, 5), (40, 16, 200, 0, 0, 40), (40, 16, 200, 0, 8, 24),
-    (32, 2, 5, 0, 0, 32)], ids=["rows=H", "strided", "beyond-H", "beyond-H-then-chunks", "all-in-buffer"])
+@pytest.mark.parametrize("n,hid,n_cols,chunk_size,chunk_rows,resident,chunks", [
+    (16, 16, 200, 0, 0, 16, 1), (13, 32, 200, 5, 0, 5, 3), (40, 16, 200, 0, 0, 40, 1), (40, 16, 200, 0, 8, 24, 3),
+    (32, 2, 5, 0, 0, 32, 1)], ids=["rows=H", "strided", "beyond-H", "beyond-H-then-chunks", "all-in-buffer"])
 @pytest.mark.parametrize("dtype", [FP32, BF16], ids=["fp32", "bf16"])
-def test_lce_resident_chunk(monkeypatch, dtype, n, hid, n_cols, chunk_size, chunk_rows, resident, slice_rows):
+def test_lce_resident_chunk(monkeypatch, dtype, n, hid, n_cols, chunk_size, chunk_rows, resident, chunks,
+                            slice_rows):
     """The first chunk's logits live in dweight's memory and the chunk buffer, and dweight is
     written over them slice by slice: every gradient matches float64 (with a bias and every
     option), whether the chunk leaves dweight's rows strided, fills them, holds more tokens
     than H (with chunks of chunk_rows after it, where given) or keeps every class in the
-    buffer; with many slices, dhidden goes in 3-token fp32 pieces."""
+    buffer; with many slices, dhidden goes in 3-token fp32 pieces. chunks counts the resident
+    chunk and those after it."""
     monkeypatch.setattr(K, "LCE_DWEIGHT_SLICE", slice_rows)
     if chunk_rows:
         monkeypatch.setattr(K, "LCE_CHUNK_BYTES", chunk_rows * n_cols * dtype.itemsize)
@@ -488,8 +490,7 @@ def test_lce_resident_chunk(monkeypatch, dtype, n, hid, n_cols, chunk_size, chun
     got = K.lce_fwd(h, w, t, b, chunk_size=chunk_size, block=BLOCK, **_kw(opts, "mean"))
     assert seen == [resident]
     rest = n - resident
-    chunks = 1 + (K.cdiv(rest, K.lce_plan(n, n_cols, hid, dtype, chunk_size)[1]) if rest else 0)
-    assert chunks == {8: 3}.get(chunk_rows, 1 + (rest > 0) * K.cdiv(rest, chunk_size or 1))
+    assert 1 + (K.cdiv(rest, K.lce_plan(n, n_cols, hid, dtype, chunk_size)[1]) if rest else 0) == chunks
     _check_lce(got, (h, w, t, b), opts, "mean", dtype, chunks=chunks)
 
 

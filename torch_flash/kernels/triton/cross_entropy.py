@@ -631,13 +631,13 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a.float(), b.float())
 
 
-def _resident_chunk(h_c, t_c, weight, bias, dh_rows, dw, db, buf, n_valid, opts, reduction, block):
+def _resident_chunk(h_c, t_c, weight, bias, dh_rows, dw, db, buf, layout, n_valid, opts, reduction, block):
     """The first chunk where dweight is computed, its logits held in dweight's own memory.
 
     dweight (V, H) is not written before the first chunk's dweight GEMM, so that chunk keeps
     the logits of most classes there, column-major (token r of class v at dweight's element
-    (v + shift) * stride + r), and those of the last classes in buf, the chunk buffer
-    (_resident_layout). The dweight GEMM then runs in class slices in order, each writing
+    (v + shift) * stride + r), and those of the last classes in buf, the chunk buffer; layout
+    is _resident_layout's (s, stride, shift, head) for this chunk, which also sized buf. The dweight GEMM then runs in class slices in order, each writing
     dweight rows whose logits it or an earlier slice has read. Up to H tokens cost no memory
     beyond a few thousand classes in buf; tokens beyond H fill buf as a chunk would, but their
     dweight share is written once, with no read-modify-write (docs/perf/README.md, "Linear
@@ -645,7 +645,7 @@ def _resident_chunk(h_c, t_c, weight, bias, dh_rows, dw, db, buf, n_valid, opts,
     rounded once. Returns the chunk's losses."""
     n_cols, hid = weight.shape
     rows = h_c.shape[0]
-    s, stride, shift, head = _resident_layout(rows, n_cols, hid)
+    s, stride, shift, head = layout
     main = dw.as_strided((head, rows), (stride, 1), dw.storage_offset() + shift * stride)
     tail = buf[:(n_cols - head) * rows].view(n_cols - head, rows)
     parts = [(x, cls) for x, cls in ((main, slice(0, head)), (tail, slice(head, n_cols))) if x.shape[0]]
@@ -718,11 +718,12 @@ def lce_fwd(hidden, weight, target, bias, *, ignore_index, label_smoothing, z_lo
     # miscompiled into an out-of-bounds read (H100, 8 chunks)
     losses = []
     done, rows = lce_plan(n_rows, n_cols, hid, hidden.dtype, chunk_size, dw is not None)
-    tail = (n_cols - _resident_layout(done, n_cols, hid)[3]) * done if done else 0
+    layout = _resident_layout(done, n_cols, hid) if done else None
+    tail = (n_cols - layout[3]) * done if done else 0
     buf = h.new_empty(max(tail, min(rows, n_rows - done) * n_cols))
     if done:
         losses.append(_resident_chunk(h[:done], t[:done], weight, bias, None if dh is None else dh_rows[:done],
-                                      dw, db, buf, n_valid, opts, reduction, block))
+                                      dw, db, buf, layout, n_valid, opts, reduction, block))
     for start in range(done, n_rows, rows):
         sl = slice(start, start + rows)
         h_c = h[sl]
