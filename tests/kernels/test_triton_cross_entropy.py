@@ -439,6 +439,24 @@ def test_lce_cols_grid_one_wave(monkeypatch):
         assert row_blocks * n_splits <= max(264, row_blocks)
 
 
+@pytest.mark.parametrize("opts", [OPTIONS["plain"], OPTIONS["all"]], ids=["plain", "all"])
+def test_lce_cols_partial_class_block(monkeypatch, opts):
+    """1003 classes in 8-class blocks on 8 SMs: in both passes the last split holds whole blocks,
+    which _ce_cols_kernel's main loop reads masked by row only, then a partial one (its tail)."""
+    monkeypatch.setattr(K._dispatch, "sm_count", lambda device: 8)
+    n_cols, block = 1003, 8
+    h, w, b, t = _lce_inputs(9, 16, n_cols, FP32, True, opts.ignore_index)
+    for config in (K.LCE_COLS_STATS, K.LCE_COLS_GRAD):
+        (_, n_splits), split, *_ = K._cols_grid(config, n_cols, 9, h.device, block)
+        last = n_cols - (n_splits - 1) * split
+        assert last > block and last % block, (config, split, last)
+    loss, dh, dw, db = K.lce_fwd(h, w, t, b, grads=(True, False, True), block=block, **_kw(opts, "sum"))
+    e_loss, e_dh, _, e_db = _lce_expected(h, w, t, b, opts, "sum")
+    assert dw is None
+    for got, exp, what in ((loss, e_loss, "loss"), (dh, e_dh, "dhidden"), (db, e_db, "dbias")):
+        assert_rel_close(got, exp, TOL[FP32], what=what)
+
+
 def test_lce_plan():
     """With dweight, min(N, H) tokens resident in it and one chunk's worth more in the chunk
     buffer (min(N, H, chunk_size) for a given chunk_size), the rest by lce_chunk_rows."""

@@ -218,6 +218,31 @@ def _biased(x, B, cols, n_cols, HAS_BIAS: tl.constexpr):
 
 
 @triton.jit
+def _stats_block(ptrs, mask, cols, c1, B, m2, d, z_sum, softcap, inv_softcap, HAS_BIAS: tl.constexpr,
+                 SUM_Z: tl.constexpr, SOFTCAP: tl.constexpr):
+    """(m2, d, z_sum) with the (BLOCK_V, BLOCK_R) block of column-major logits at ptrs folded in
+    (classes cols, mask: what to read)."""
+    z, _ = _capped(_biased(tl.load(ptrs, mask=mask, other=0.0), B, cols, c1, HAS_BIAS), softcap, inv_softcap,
+                   SOFTCAP)
+    m2, d = _online_lse(m2, d, tl.where(mask, z * _LOG2E, float("-inf")))
+    if SUM_Z:
+        z_sum += tl.sum(tl.where(mask, z, 0.0), 0)
+    return m2, d, z_sum
+
+
+@triton.jit
+def _grad_block(ptrs, mask, cols, c1, B, t_col, valid, lse2, coef, smooth, hit_w, softcap, inv_softcap,
+                HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Overwrites the block at ptrs (as _stats_block's) with its gradient, rows as _grad_coefs's."""
+    z, th = _capped(_biased(tl.load(ptrs, mask=mask, other=0.0), B, cols, c1, HAS_BIAS), softcap, inv_softcap,
+                    SOFTCAP)
+    dz = _dz(z, th, lse2[None, :], coef[None, :], smooth[None, :], hit_w[None, :], cols[:, None] == t_col[None, :],
+             SOFTCAP)
+    # ignored rows (w = 0) get 0, also where exp2 overflowed against their lse of 0
+    tl.store(ptrs, tl.where(valid[None, :], dz, 0.0).to(ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _ce_cols_kernel(X, B, T, Lse, ZT, ZSum, NValid, n_rows, n_cols, vocab_start, n_classes, split_cols,
                     stride_x, stride_stats, ignore_index, label_smoothing, z_loss, softcap, inv_softcap,
                     FORWARD: tl.constexpr, HAS_BIAS: tl.constexpr, MEAN: tl.constexpr, SUM_Z: tl.constexpr,
@@ -251,19 +276,23 @@ def _ce_cols_kernel(X, B, T, Lse, ZT, ZSum, NValid, n_rows, n_cols, vocab_start,
     # keep the loads vectorized: ignored rows are read, and dropped below
     ptrs = X + (c0.to(tl.int64) + tl.arange(0, BLOCK_V)[:, None]) * stride_x + rows[None, :]
     step = BLOCK_V * stride_x
+    # whole class blocks first, masked by row only: a class mask in the loop, where Triton
+    # cannot prove it uniform over a block (a class count not divisible by 16), cost 1.5x
+    # (H100, 5120 tokens: 1.78 TB/s over 100965 classes, 2.70 over 126208); then the partial one
+    full = c0 + (c1 - c0) // BLOCK_V * BLOCK_V
+    tail_cols = full + tl.arange(0, BLOCK_V)
+    tail_mask = (tail_cols < c1)[:, None] & row_ok[None, :]
     if FORWARD:
         m2 = tl.full([BLOCK_R], float("-inf"), tl.float32)
         d = tl.zeros([BLOCK_R], dtype=tl.float32)
         z_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
-        for off in range(c0, c1, BLOCK_V):
-            cols = off + tl.arange(0, BLOCK_V)
-            mask = (cols < c1)[:, None] & row_ok[None, :]
-            z, _ = _capped(_biased(tl.load(ptrs, mask=mask, other=0.0), B, cols, c1, HAS_BIAS),
-                           softcap, inv_softcap, SOFTCAP)
-            m2, d = _online_lse(m2, d, tl.where(mask, z * _LOG2E, float("-inf")))
-            if SUM_Z:
-                z_sum += tl.sum(tl.where(mask, z, 0.0), 0)
+        for off in range(c0, full, BLOCK_V):
+            m2, d, z_sum = _stats_block(ptrs, row_ok[None, :], off + tl.arange(0, BLOCK_V), c1, B, m2, d, z_sum,
+                                        softcap, inv_softcap, HAS_BIAS, SUM_Z, SOFTCAP)
             ptrs += step
+        if full < c1:
+            m2, d, z_sum = _stats_block(ptrs, tail_mask, tail_cols, c1, B, m2, d, z_sum, softcap, inv_softcap,
+                                        HAS_BIAS, SUM_Z, SOFTCAP)
         x_t = tl.load(X + t_col.to(tl.int64) * stride_x + rows, mask=hit, other=0.0).to(tl.float32)
         if HAS_BIAS:
             x_t += tl.load(B + t_col, mask=hit, other=0.0).to(tl.float32)
@@ -280,16 +309,13 @@ def _ce_cols_kernel(X, B, T, Lse, ZT, ZSum, NValid, n_rows, n_cols, vocab_start,
             w = w / tl.load(NValid).to(tl.float32)
         w = tl.where(valid, w, 0.0)
         coef, smooth, hit_w = _grad_coefs(w, lse2, z_loss, label_smoothing, n_classes)
-        for off in range(c0, c1, BLOCK_V):
-            cols = off + tl.arange(0, BLOCK_V)
-            mask = (cols < c1)[:, None] & row_ok[None, :]
-            z, th = _capped(_biased(tl.load(ptrs, mask=mask, other=0.0), B, cols, c1, HAS_BIAS),
-                            softcap, inv_softcap, SOFTCAP)
-            dz = _dz(z, th, lse2[None, :], coef[None, :], smooth[None, :], hit_w[None, :],
-                     cols[:, None] == t_col[None, :], SOFTCAP)
-            # ignored rows (w = 0) get 0, also where exp2 overflowed against their lse of 0
-            tl.store(ptrs, tl.where(valid[None, :], dz, 0.0).to(X.dtype.element_ty), mask=mask)
+        for off in range(c0, full, BLOCK_V):
+            _grad_block(ptrs, row_ok[None, :], off + tl.arange(0, BLOCK_V), c1, B, t_col, valid, lse2, coef,
+                        smooth, hit_w, softcap, inv_softcap, HAS_BIAS, SOFTCAP)
             ptrs += step
+        if full < c1:
+            _grad_block(ptrs, tail_mask, tail_cols, c1, B, t_col, valid, lse2, coef, smooth, hit_w, softcap,
+                        inv_softcap, HAS_BIAS, SOFTCAP)
 
 
 @triton.jit
