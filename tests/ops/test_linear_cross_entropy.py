@@ -622,6 +622,25 @@ def test_inductor_many_chunks(reduction):
     assert_rel_close(got.detach().cpu().double(), exact, TOL[torch.float32])
 
 
+@pytest.mark.cuda
+def test_inductor_dynamic_vocabulary():
+    """The inference op under Inductor with every size dynamic, then a second vocabulary and
+    hidden size: the launcher specializes on both (torch 2.11's Inductor raised an
+    AssertionError decomposing the traced kernels at 1024 x 768 x 128000, dynamic=True, and
+    after 128256 classes then 128000 without it; smaller shapes passed)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(linear_cross_entropy, dynamic=True)
+    for n, hid, v in ((1024, 768, 128000), (1000, 512, 50257)):
+        h = torch.randn(n, hid, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(v, hid, device="cuda", dtype=torch.bfloat16) * hid**-0.5
+        t = torch.randint(0, v, (n,), device="cuda")
+        with torch.no_grad():
+            got, eager = compiled(h, w, t), linear_cross_entropy(h, w, t)
+        torch.testing.assert_close(got, eager)
+        # the logits are rounded to bf16 once, as F.linear's are
+        assert_rel_close(got.double(), F.cross_entropy(F.linear(h.double(), w.double()), t), 1e-3)
+
+
 @pytest.mark.parametrize("mode", ["real", "fake", "symbolic"])
 def test_backward_traces_with_make_fx(mode):
     """make_fx traces the backward with proxied tensors (real ones in "real" mode, where

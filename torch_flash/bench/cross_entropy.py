@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ._common import copy_bandwidth, median_or_none, peak_memory, time_rounds
+from ._common import compile_fresh, copy_bandwidth, median_or_none, peak_memory, time_rounds
 
 SHAPES = [(8192, 128256), (4096, 256000)]  # (tokens, vocabulary)
 QUICK = [(2048, 32000)]
@@ -122,10 +122,10 @@ def run(args) -> list[dict]:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = CPU_SHAPES if device == "cpu" else (QUICK if args.quick else SHAPES)
-    compiled = torch.compile(_eager)
     liger = _liger()
     rows: list[dict] = []
     for n, v in shapes:
+        compiled, = compile_fresh(_eager)
         x = torch.randn(n, v, device=device, dtype=torch.bfloat16) * 4
         t = torch.randint(0, v, (n,), device=device)
         one = torch.ones((), device=device)

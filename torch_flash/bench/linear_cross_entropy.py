@@ -17,11 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch._library.triton import set_wrap_triton_enabled
 
+from ._common import compile_fresh
 from .cross_entropy import measure, no_grad, plot_rows, with_grad
 
 # (tokens, hidden, vocabulary): LLaMA-3 8B's lm-head, then 70B's, whose 8192 tokens all fit
-# in dweight's memory (kernels/triton/cross_entropy.py, _resident_chunk)
-SHAPES = [(8192, 4096, 128256), (8192, 8192, 128256)]
+# in dweight's memory (kernels/triton/cross_entropy.py, _resident_chunk), then GPT-2 small's (a
+# small hidden size, a vocabulary not divisible by 16)
+SHAPES = [(8192, 4096, 128256), (8192, 8192, 128256), (8192, 768, 50257)]
 QUICK = [(2048, 2048, 32000)]
 CPU_SHAPES = [(8, 32, 256)]  # smoke run under TRITON_INTERPRET=1
 
@@ -53,13 +55,13 @@ def run(args) -> list[dict]:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = CPU_SHAPES if device == "cpu" else (QUICK if args.quick else SHAPES)
-    compiled = torch.compile(_eager)
-    ours = {"ours": linear_cross_entropy}
-    if device == "cuda":  # under the Triton interpreter torch.compile cannot trace the kernels
-        ours["ours, compiled"] = _traced(torch.compile(linear_cross_entropy))
     liger = _liger()
     rows: list[dict] = []
     for n, hid, v in shapes:
+        compiled, ours_compiled = compile_fresh(_eager, linear_cross_entropy)
+        ours = {"ours": linear_cross_entropy}
+        if device == "cuda":  # under the Triton interpreter torch.compile cannot trace the kernels
+            ours["ours, compiled"] = _traced(ours_compiled)
         h = torch.randn(n, hid, device=device, dtype=torch.bfloat16)
         w = torch.randn(v, hid, device=device, dtype=torch.bfloat16) * hid**-0.5
         t = torch.randint(0, v, (n,), device=device)

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ._common import copy_bandwidth, median_or_none, over_retained_graphs, time_rounds
+from ._common import compile_fresh, copy_bandwidth, median_or_none, over_retained_graphs, time_rounds
 
 SHAPES = [(32768, 4096), (65536, 1024), (4096, 8192)]
 QUICK = [(4096, 1024)]
@@ -156,12 +156,9 @@ def run(args) -> list[dict]:
     shapes = CPU_SHAPES if device == "cpu" else (QUICK if args.quick else SHAPES)
     rows: list[dict] = []
     for op, is_rms, residual in OPS:
-        # the ops' naive functions share one code object (_with_residual's f), whose compiled
-        # variants would pile up against dynamo's recompile limit and fall back to eager
-        torch._dynamo.reset()
-        compiled = torch.compile(_naive(is_rms))
         liger = _liger(is_rms, residual)
         for shape in shapes:
+            compiled, = compile_fresh(_naive(is_rms))
             m, n = shape
             x = torch.randn(shape, device=device, dtype=torch.bfloat16)
             r = torch.randn_like(x) if residual else None

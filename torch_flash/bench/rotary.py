@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ._common import compile_fresh
 from .norm import autograd_pair, plot_bars, time_impls
 
 HEADS, HEAD_DIM = 32, 128
@@ -45,10 +46,10 @@ def run(args) -> list[dict]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = CPU_SHAPES if device == "cpu" else (QUICK if args.quick else SHAPES)
     heads = 2 if device == "cpu" else HEADS
-    compiled = torch.compile(_hf_rope)
     liger = _liger()
     rows: list[dict] = []
     for batch, seqlen in shapes:
+        compiled, = compile_fresh(_hf_rope)
         q, k, gq, gk = (torch.randn(batch, seqlen, heads, HEAD_DIM, device=device, dtype=torch.bfloat16)
                         .transpose(1, 2) for _ in range(4))
         inv_freq = 1.0 / 10000 ** (torch.arange(0, HEAD_DIM, 2, device=device) / HEAD_DIM)

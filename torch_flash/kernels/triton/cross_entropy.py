@@ -724,7 +724,11 @@ def lce_fwd(hidden, weight, target, bias, *, ignore_index, label_smoothing, z_lo
     chunk rounds its share once, like PyTorch; the H100 at 8192 x 4096 x 128256 put dweight at
     1.29e-3 relative to an fp32 reference, PyTorch-like row-major chunks of 1280 at 1.32e-3.
     """
-    n_cols, hid = weight.shape
+    # int(): traced by torch.compile with a vocabulary or hidden size gone dynamic (a second
+    # size seen), Inductor failed to decompose the kernels (torch 2.11: AssertionError in
+    # replace_by_example, e.g. 1024 x 768 x 128256 then 128000 classes); both are fixed for a
+    # model, so the graph specializes on them, guarded, and only the token count may vary
+    n_cols, hid = int(weight.shape[0]), int(weight.shape[1])
     opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap)
     t = _flat(target)
     h = hidden.reshape(t.shape[0], hid)  # not -1: H may be 0
