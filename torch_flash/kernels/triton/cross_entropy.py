@@ -276,9 +276,9 @@ def _ce_cols_kernel(X, B, T, Lse, ZT, ZSum, NValid, n_rows, n_cols, vocab_start,
     # keep the loads vectorized: ignored rows are read, and dropped below
     ptrs = X + (c0.to(tl.int64) + tl.arange(0, BLOCK_V)[:, None]) * stride_x + rows[None, :]
     step = BLOCK_V * stride_x
-    # whole class blocks first, masked by row only: a class mask in the loop, where Triton
-    # cannot prove it uniform over a block (a class count not divisible by 16), cost 1.5x
-    # (H100, 5120 tokens: 1.78 TB/s over 100965 classes, 2.70 over 126208); then the partial one
+    # whole class blocks first, masked by row only, then the partial one: with a class mask in
+    # the loop, which Triton cannot prove uniform over a block for a class count not divisible
+    # by 16, the loop ran 1.5x slower (H100, 4096 tokens x 50257 classes: 1.75 TB/s, 2.62 now)
     full = c0 + (c1 - c0) // BLOCK_V * BLOCK_V
     tail_cols = full + tl.arange(0, BLOCK_V)
     tail_mask = (tail_cols < c1)[:, None] & row_ok[None, :]
@@ -586,9 +586,10 @@ def _resident_layout(rows: int, n_cols: int, hid: int) -> tuple[int, int, int, i
     [a * H, b * H), and must not overwrite logits of class a or later, which start at (a +
     shift) * stride: with stride = max(rows, H) and shift = ceil(s * H / stride), b * H <= (a +
     s) * H <= (a + shift) * stride. head is as many classes as fit below V * H, rounded down to
-    a multiple of 16: the loss kernels' class count is specialized by Triton on that, and ran
-    1.5x slower without it (H100, _ce_cols_kernel: 1.78 TB/s over 100965 classes, 2.70 over
-    126208, at 4096 and 5120 tokens alike)."""
+    a multiple of 16, which Triton specializes the loss kernels on: before _ce_cols_kernel
+    peeled its partial class block, an odd count ran 1.5x slower (H100: 1.78 TB/s over 100965
+    classes, 2.70 over 126208); since, 2.70 and 2.66 over 100965 and 100960, and the benchmarks
+    of docs/perf ran with the rounding, which costs at most 15 classes of buffer."""
     s = max(1, min(LCE_DWEIGHT_SLICE, n_cols // 2))
     stride = max(rows, hid)
     shift = cdiv(s * hid, stride)

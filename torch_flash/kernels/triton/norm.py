@@ -37,11 +37,13 @@ FWD_MAX_BLOCK = 16384
 BWD_MAX_BLOCK = 8192
 # Target elements per program tile: short rows are processed several at a time.
 TILE = 4096
-# Backward programs per SM: BWD_ELEMENTS_PER_SM // row block, at most 8 (dW partials are
+# Backward programs per SM: BWD_ELEMENTS_PER_SM // row block, at most 2 (dW partials are
 # programs x N fp32). Measured on the H100 (scripts/sweep_norm.py, 2026-11-21): at (32768, 4096)
-# 2 programs per SM reached 0.91 / 0.86 of copy (RMSNorm / LayerNorm) where 4 reached 0.88 / 0.81.
+# 2 programs per SM reached 0.91 / 0.86 of copy (RMSNorm / LayerNorm) where 4 reached 0.88 / 0.81;
+# at (65536, 1024) 2 reached 0.89 / 0.89 where the 8 of the rule before reached 0.81 / 0.81
+# (docs/perf/norm_1024_h100.json, 2026-11-23).
 BWD_ELEMENTS_PER_SM = 8192
-BWD_MAX_PROGRAMS_PER_SM = 8
+BWD_MAX_PROGRAMS_PER_SM = 2
 
 _ROUND_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
