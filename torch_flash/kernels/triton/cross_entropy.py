@@ -218,12 +218,18 @@ def _biased(x, B, cols, n_cols, HAS_BIAS: tl.constexpr):
 
 
 @triton.jit
+def _block_z(ptrs, mask, cols, c1, B, softcap, inv_softcap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr):
+    """(z, tanh) of _capped for the (BLOCK_V, BLOCK_R) block of column-major logits at ptrs
+    (classes cols, mask: what to read), the bias added in fp32."""
+    return _capped(_biased(tl.load(ptrs, mask=mask, other=0.0), B, cols, c1, HAS_BIAS), softcap, inv_softcap, SOFTCAP)
+
+
+@triton.jit
 def _stats_block(ptrs, mask, cols, c1, B, m2, d, z_sum, softcap, inv_softcap, HAS_BIAS: tl.constexpr,
                  SUM_Z: tl.constexpr, SOFTCAP: tl.constexpr):
     """(m2, d, z_sum) with the (BLOCK_V, BLOCK_R) block of column-major logits at ptrs folded in
     (classes cols, mask: what to read)."""
-    z, _ = _capped(_biased(tl.load(ptrs, mask=mask, other=0.0), B, cols, c1, HAS_BIAS), softcap, inv_softcap,
-                   SOFTCAP)
+    z, _ = _block_z(ptrs, mask, cols, c1, B, softcap, inv_softcap, HAS_BIAS, SOFTCAP)
     m2, d = _online_lse(m2, d, tl.where(mask, z * _LOG2E, float("-inf")))
     if SUM_Z:
         z_sum += tl.sum(tl.where(mask, z, 0.0), 0)
@@ -234,8 +240,7 @@ def _stats_block(ptrs, mask, cols, c1, B, m2, d, z_sum, softcap, inv_softcap, HA
 def _grad_block(ptrs, mask, cols, c1, B, t_col, valid, lse2, coef, smooth, hit_w, softcap, inv_softcap,
                 HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr):
     """Overwrites the block at ptrs (as _stats_block's) with its gradient, rows as _grad_coefs's."""
-    z, th = _capped(_biased(tl.load(ptrs, mask=mask, other=0.0), B, cols, c1, HAS_BIAS), softcap, inv_softcap,
-                    SOFTCAP)
+    z, th = _block_z(ptrs, mask, cols, c1, B, softcap, inv_softcap, HAS_BIAS, SOFTCAP)
     dz = _dz(z, th, lse2[None, :], coef[None, :], smooth[None, :], hit_w[None, :], cols[:, None] == t_col[None, :],
              SOFTCAP)
     # ignored rows (w = 0) get 0, also where exp2 overflowed against their lse of 0
@@ -664,8 +669,9 @@ def _resident_chunk(h_c, t_c, weight, bias, dh_rows, dw, db, buf, layout, n_vali
     dweight (V, H) is not written before the first chunk's dweight GEMM, so that chunk keeps
     the logits of most classes there, column-major (token r of class v at dweight's element
     (v + shift) * stride + r), and those of the last classes in buf, the chunk buffer; layout
-    is _resident_layout's (s, stride, shift, head) for this chunk, which also sized buf. The dweight GEMM then runs in class slices in order, each writing
-    dweight rows whose logits it or an earlier slice has read. Up to H tokens cost no memory
+    is _resident_layout's (s, stride, shift, head) for this chunk, which also sized buf. The
+    dweight GEMM then runs in class slices in order, each writing dweight rows whose logits it
+    or an earlier slice has read. Up to H tokens cost no memory
     beyond a few thousand classes in buf; tokens beyond H fill buf as a chunk would, but their
     dweight share is written once, with no read-modify-write (docs/perf/README.md, "Linear
     cross-entropy"). dhidden sums the two parts in fp32, token pieces at a time, and is
