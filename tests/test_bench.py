@@ -90,3 +90,27 @@ def test_suites_refuse_cpu_without_the_interpreter(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main(["norm", "--out", "unused"])
     assert "no CUDA GPU here" in capsys.readouterr().err
+
+
+def test_linear_cross_entropy_targets_smoke_run_on_cpu(tmp_path, monkeypatch):
+    """--targets times issue 4's point alone (tiny on CPU) and keeps each round's ratio to
+    torch.compile for ours, with the sign test over the rounds."""
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU the run times the full target shape (docs/perf)")
+    monkeypatch.setenv("TORCH_FLASH_BACKEND", "unset")
+    monkeypatch.delenv("TORCH_FLASH_BACKEND")
+    main(["linear_cross_entropy", "--targets", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "linear_cross_entropy_targets.json").read_text())["rows"]
+    ours = next(r for r in rows if r["impl"] == "ours")
+    compiled = next(r for r in rows if r["impl"] == "compile")
+    assert len(ours["round_ratios"]) == 3 and ours["ms"] > 0 and compiled["ms"] > 0
+    assert ours["vs_compile"] == pytest.approx(sorted(ours["round_ratios"])[1])
+    assert ours["rounds_faster"] == sum(r > 1 for r in ours["round_ratios"])
+    assert ours["met_speed"] == (ours["vs_compile"] >= 1.0)
+
+
+def test_sign_test():
+    from torch_flash.bench.linear_cross_entropy import _sign_test
+    assert _sign_test(0, 5) == 1.0
+    assert _sign_test(5, 5) == pytest.approx(1 / 32)
+    assert _sign_test(4, 5) == pytest.approx(6 / 32)  # 4 or 5 of 5

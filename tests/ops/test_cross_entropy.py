@@ -591,3 +591,27 @@ def test_cuda_inplace_backward_memory(inplace):
     assert (extra < logits_bytes / 16) if inplace else (extra >= logits_bytes), extra
     assert (dlogits.data_ptr() == logits.data_ptr()) == inplace
     assert_rel_close(dlogits, exact_in.grad, TOL[torch.bfloat16], what="dlogits")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("inplace", [False, True])
+def test_inductor_dynamic_vocabulary(inplace):
+    """Under Inductor with every size dynamic, over two vocabularies (one not divisible by 16)
+    at large sizes, loss and gradient as eager (flash.linear_cross_entropy's inference op once
+    failed to compile this way at 1024 x 128000: tests/ops/test_linear_cross_entropy.py)."""
+    torch._dynamo.reset()
+
+    def loss_of(x, t):
+        return cross_entropy(x * 2, t, label_smoothing=0.1, inplace_backward=inplace)
+
+    compiled = torch.compile(loss_of, dynamic=True)
+    for n, v in ((1024, 128000), (1000, 50257)):
+        x = torch.randn(n, v, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        t = torch.randint(0, v, (n,), device="cuda")
+        got, eager = compiled(x, t), loss_of(x, t)
+        (g_got,), (g_eager,) = torch.autograd.grad(got, x), torch.autograd.grad(eager, x)
+        torch.testing.assert_close(got, eager)
+        torch.testing.assert_close(g_got, g_eager)
+        exact = x.detach().double().requires_grad_()
+        F.cross_entropy(exact * 2, t, label_smoothing=0.1).backward()
+        assert_rel_close(g_got, exact.grad, TOL[torch.bfloat16], what="dlogits")

@@ -10,14 +10,19 @@ Liger-Kernel's LigerFusedLinearCrossEntropyFunction where installed.
 No bias, mean reduction, upstream gradient 1. Compute-bound: ms and peak memory only (peak_mb:
 beyond what existed before the call, the gradients included). Rows: {op, shape, pass, impl, ms,
 tbps (None), peak_mb}.
+--targets: issue 4's target point alone, forward + backward in TARGET_ROUNDS rounds, each
+round's ratio to torch.compile kept (rows add vs_compile, round_ratios, rounds_faster and the
+targets' verdicts).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 from torch._library.triton import set_wrap_triton_enabled
 
-from ._common import compile_fresh
+from ._common import compile_fresh, median_or_none, peak_memory, time_rounds
 from .cross_entropy import measure, no_grad, plot_rows, with_grad
 
 # (tokens, hidden, vocabulary): LLaMA-3 8B's lm-head, then 70B's, whose 8192 tokens all fit
@@ -26,6 +31,11 @@ from .cross_entropy import measure, no_grad, plot_rows, with_grad
 SHAPES = [(8192, 4096, 128256), (8192, 8192, 128256), (8192, 768, 50257)]
 QUICK = [(2048, 2048, 32000)]
 CPU_SHAPES = [(8, 32, 256)]  # smoke run under TRITON_INTERPRET=1
+# Issue 4: forward + backward at LLaMA-3 8B's lm-head no slower than torch.compile of linear +
+# cross_entropy, within the extra memory of Liger's fused kernel (the issue measured 1.45 GB).
+# The two sides are about 1 % apart, as far as single rounds move: --targets times this point
+# alone in more rounds and keeps each round's ratio.
+TARGET_SHAPE, TARGET_ROUNDS, TARGET_PEAK_BYTES = (8192, 4096, 128256), 25, 1.45e9
 
 
 def _eager(h, w, t):
@@ -49,11 +59,58 @@ def _traced(fn):
     return call
 
 
+def _inputs(n: int, hid: int, v: int, device: str):
+    h = torch.randn(n, hid, device=device, dtype=torch.bfloat16)
+    w = torch.randn(v, hid, device=device, dtype=torch.bfloat16) * hid**-0.5
+    return h, w, torch.randint(0, v, (n,), device=device)
+
+
+def _sign_test(faster: int, rounds: int) -> float:
+    """One-sided p-value of faster or more of rounds won if each round were a coin toss."""
+    return sum(math.comb(rounds, k) for k in range(faster, rounds + 1)) / 2**rounds
+
+
+def run_targets(device: str) -> list[dict]:
+    """Issue 4's point, ours and Liger against torch.compile in TARGET_ROUNDS interleaved rounds
+    (3 on CPU: a smoke run of tiny shapes); ratios are torch.compile's ms / the impl's, per round."""
+    from ..ops.linear_cross_entropy import linear_cross_entropy
+
+    n, hid, v = TARGET_SHAPE if device == "cuda" else CPU_SHAPES[0]
+    h, w, t = _inputs(n, hid, v, device)
+    compiled, = compile_fresh(_eager)
+    impls = {"ours": linear_cross_entropy, "compile": compiled, "liger": _liger()}
+    fns = {k: with_grad(f, h, w, t) for k, f in impls.items() if f is not None}
+    times = time_rounds(fns, rounds=TARGET_ROUNDS if device == "cuda" else 3)
+    peaks = {k: peak_memory(fn) if device == "cuda" and times[k] else None for k, fn in fns.items()}
+    rows = []
+    for impl, ms in times.items():
+        row = {"op": "linear_cross_entropy", "shape": [n, hid, v], "pass": "fwd+bwd", "impl": impl,
+               "ms": median_or_none(ms), "tbps": None, "peak_mb": None if peaks[impl] is None else peaks[impl] / 2**20}
+        if impl != "compile" and ms and times["compile"]:
+            ratios = [c / o for c, o in zip(times["compile"], ms)]
+            faster = sum(r > 1 for r in ratios)
+            row.update(vs_compile=median_or_none(ratios), round_ratios=ratios, rounds_faster=faster,
+                       sign_test_p=_sign_test(faster, len(ratios)))
+            print(f"  {impl:>8}: {row['ms']:9.3f} ms, x{row['vs_compile']:.4f} torch.compile (rounds "
+                  f"{min(ratios):.4f}-{max(ratios):.4f}, faster in {faster} of {len(ratios)}, sign test p = "
+                  f"{row['sign_test_p']:.2g})" + ("" if peaks[impl] is None else f", peak {row['peak_mb']:.0f} MiB"))
+        rows.append(row)
+    ours = next(r for r in rows if r["impl"] == "ours")
+    if "vs_compile" in ours:
+        ours["met_speed"] = ours["vs_compile"] >= 1.0
+    if peaks["ours"] is not None:
+        ours["met_memory"] = peaks["ours"] <= TARGET_PEAK_BYTES
+        ours["vs_liger_peak"] = None if not peaks.get("liger") else peaks["ours"] / peaks["liger"]
+    return rows
+
+
 def run(args) -> list[dict]:
     from ..kernels.triton.cross_entropy import lce_plan
     from ..ops.linear_cross_entropy import linear_cross_entropy
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if getattr(args, "targets", False):
+        return run_targets(device)
     shapes = CPU_SHAPES if device == "cpu" else (QUICK if args.quick else SHAPES)
     liger = _liger()
     rows: list[dict] = []
@@ -62,9 +119,7 @@ def run(args) -> list[dict]:
         ours = {"ours": linear_cross_entropy}
         if device == "cuda":  # under the Triton interpreter torch.compile cannot trace the kernels
             ours["ours, compiled"] = _traced(ours_compiled)
-        h = torch.randn(n, hid, device=device, dtype=torch.bfloat16)
-        w = torch.randn(v, hid, device=device, dtype=torch.bfloat16) * hid**-0.5
-        t = torch.randint(0, v, (n,), device=device)
+        h, w, t = _inputs(n, hid, v, device)
         labels = dict(op="linear_cross_entropy", shape=[n, hid, v])
         ref = _eager(h, w, t).item()
         got = linear_cross_entropy(h, w, t).item()
@@ -84,4 +139,36 @@ def run(args) -> list[dict]:
 
 
 def plot(data: dict, path: str) -> None:
-    plot_rows(data, path, "ms", "ms (lower is better)")
+    """Bars of ms per pass and shape; for a --targets run, each round's ratio to torch.compile
+    and the peak memory, against the targets."""
+    if any("round_ratios" in r for r in data["rows"]):
+        _plot_targets(data, path)
+    else:
+        plot_rows(data, path, "ms", "ms (lower is better)")
+
+
+def _plot_targets(data: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = data["rows"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
+    ours = next(r for r in rows if r["impl"] == "ours")  # Liger's ratios (about 0.6) are in the JSON
+    rounds = range(1, len(ours["round_ratios"]) + 1)
+    left.plot(rounds, ours["round_ratios"], "o-", ms=3, label=f"ours (median x{ours['vs_compile']:.3f})")
+    left.axhline(1.0, color="k", ls="--", lw=1, label="torch.compile (target: no slower)")
+    left.set_xlabel("round")
+    left.set_ylabel("x torch.compile's speed, per round")
+    left.legend(fontsize=8)
+    measured = [r for r in rows if r["peak_mb"] is not None]
+    right.bar([r["impl"] for r in measured], [r["peak_mb"] * 2**20 / 1e9 for r in measured])
+    right.axhline(TARGET_PEAK_BYTES / 1e9, color="k", ls="--", lw=1, label="target: 1.45 GB")
+    right.set_ylabel("peak extra memory, GB")
+    right.legend(fontsize=8)
+    n, hid, v = rows[0]["shape"]
+    fig.suptitle(f"linear cross-entropy fwd+bwd, {n} x {hid} x {v} bf16, on {data['env']['device']} "
+                 f"({data['env']['date'][:10]})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
