@@ -85,8 +85,16 @@ def _compile_fx_predispatch(gm: fx.GraphModule, example_inputs):
     import torch._inductor.config as config
     from torch._inductor.compile_fx import compile_fx
 
-    with config.patch(is_predispatch=True):
-        return compile_fx(gm, example_inputs)
+    # config_patches, not config.patch alone: they also hold when the backward is compiled
+    return compile_fx(gm, example_inputs, config_patches={
+        "is_predispatch": True, "post_grad_custom_post_pass": _post_grad_pass(config.post_grad_custom_post_pass)})
+
+
+def _post_grad_pass(current):
+    """current (Inductor's post-grad custom pass) with the flash backend's after it."""
+    from .post_grad import FlashPostGradPass
+
+    return current if isinstance(current, FlashPostGradPass) else FlashPostGradPass(current)
 
 
 class _PreGradPass:
@@ -114,19 +122,24 @@ class _PreGradPass:
 
 
 def enable() -> None:
-    """Make a plain `torch.compile(model)` (Inductor) rewrite into flash ops too."""
+    """Make a plain `torch.compile(model)` (Inductor) rewrite into flash ops too, and run the
+    flash backend's post-grad pass."""
     import torch._inductor.config as config
 
     if not isinstance(config.pre_grad_custom_pass, _PreGradPass):
         config.pre_grad_custom_pass = _PreGradPass(config.pre_grad_custom_pass)
+    config.post_grad_custom_post_pass = _post_grad_pass(config.post_grad_custom_post_pass)
 
 
 def disable() -> None:
     """Undo enable()."""
     import torch._inductor.config as config
+    from .post_grad import FlashPostGradPass
 
     if isinstance(config.pre_grad_custom_pass, _PreGradPass):
         config.pre_grad_custom_pass = config.pre_grad_custom_pass.previous
+    if isinstance(config.post_grad_custom_post_pass, FlashPostGradPass):
+        config.post_grad_custom_post_pass = config.post_grad_custom_post_pass.previous
 
 
 def rewrite(obj, ops: Iterable[str] | None = None):
