@@ -31,7 +31,13 @@ def _donated_inputs(graph: fx.Graph) -> set[fx.Node]:
 
 def scale_donated_in_place(graph: fx.Graph) -> int:
     """auto_functionalized_v2(linear_cross_entropy_scale_, grad=whole donated input) -> the op
-    on that input; returns how many it rewrote."""
+    on that input, except under CUDA graphs; returns how many it rewrote."""
+    from torch._inductor import config
+
+    if config.triton.cudagraphs:
+        # mode="reduce-overhead": the gradients would be the forward graph's outputs, in the
+        # memory its next replay writes, where the clone gives them the backward's own
+        return 0
     op = torch.ops.flash.linear_cross_entropy_scale_.default
     donated = _donated_inputs(graph)
     done = 0

@@ -37,6 +37,23 @@ def test_backward_scales_the_donated_gradients_in_place(scale):
     assert "clone" not in bw_code and "empty_strided" not in bw_code.split("def call")[-1], bw_code
 
 
+def test_left_alone_under_cuda_graphs():
+    """With CUDA graphs (mode="reduce-overhead" sets triton.cudagraphs) the backward keeps
+    Inductor's copy: in place, the gradients would live in the forward graph's output memory,
+    which its next replay overwrites."""
+    torch.manual_seed(0)
+    h, w = torch.randn(40, 16, device=DEV), torch.randn(50, 16, device=DEV)
+    b, t = torch.randn(50, device=DEV), torch.randint(0, 50, (40,), device=DEV)
+    torch._dynamo.reset()
+    compiled = torch.compile(linear_cross_entropy, backend="flash", fullgraph=True)
+    with torch._functorch.config.patch(enable_autograd_cache=False), \
+            torch._inductor.config.patch({"fx_graph_cache": False, "triton.cudagraphs": True}):
+        got, (_, bw_code) = run_and_get_code(_grads, compiled, h, w, t, b, 0.37)
+    for g, want in zip(got, _grads(linear_cross_entropy, h, w, t, b, 0.37)):
+        torch.testing.assert_close(g, want)
+    assert "clone" in bw_code, bw_code
+
+
 def test_a_forward_graph_keeps_its_input_mutation():
     """The pass leaves graphs without upstream gradients alone: the scale op called on a
     compiled function's own input scales the caller's tensor, as eagerly."""
