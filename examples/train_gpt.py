@@ -183,10 +183,15 @@ def wrap_parallel(model: nn.Module, args, world: int, device: torch.device) -> n
     if world == 1:
         return model
     if args.parallel == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else None
-        kw = {"mp_policy": mp} if mp else {}
+        # the mesh on the training device: fully_shard's default takes CUDA wherever there is a
+        # GPU, and a CPU run of two processes on a one-GPU host failed setting device 1
+        kw = {"mesh": init_device_mesh(device.type, (world,))}
+        if mp:
+            kw["mp_policy"] = mp
         for block in model.blocks:
             fully_shard(block, **kw)
         return fully_shard(model, **kw)
