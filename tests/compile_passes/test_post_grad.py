@@ -17,22 +17,30 @@ def _grads(fn, h, w, t, b, scale):
     return torch.autograd.grad(loss, leaves, torch.tensor(scale, device=h.device))
 
 
-@pytest.mark.parametrize("scale", [1.0, 0.37])
-def test_backward_scales_the_donated_gradients_in_place(scale):
-    """The backward graph Inductor generates under the flash backend is the scale op on each
-    saved gradient and nothing else: plain Inductor clones each into its own buffer first
-    (auto_functionalized_v2 of a graph input, torch 2.11-2.13), a pass over dweight. The
-    gradients are eager's, for an upstream gradient of 1 and of 0.37."""
+def _backward_code(scale: float, **inductor_config) -> str:
+    """The backward code Inductor generates for flash.linear_cross_entropy under the flash
+    backend (with inductor_config), after checking its gradients against eager's for an
+    upstream gradient of scale."""
     torch.manual_seed(0)
     h, w = torch.randn(40, 16, device=DEV), torch.randn(50, 16, device=DEV)
     b, t = torch.randn(50, device=DEV), torch.randint(0, 50, (40,), device=DEV)
     torch._dynamo.reset()
     compiled = torch.compile(linear_cross_entropy, backend="flash", fullgraph=True)
     with torch._functorch.config.patch(enable_autograd_cache=False), \
-            torch._inductor.config.patch(fx_graph_cache=False):
-        got, (fw_code, bw_code) = run_and_get_code(_grads, compiled, h, w, t, b, scale)
+            torch._inductor.config.patch({"fx_graph_cache": False, **inductor_config}):
+        got, (_, bw_code) = run_and_get_code(_grads, compiled, h, w, t, b, scale)
     for g, want in zip(got, _grads(linear_cross_entropy, h, w, t, b, scale)):
         torch.testing.assert_close(g, want)
+    return bw_code
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.37])
+def test_backward_scales_the_donated_gradients_in_place(scale):
+    """The backward graph Inductor generates under the flash backend is the scale op on each
+    saved gradient and nothing else: plain Inductor clones each into its own buffer first
+    (auto_functionalized_v2 of a graph input, torch 2.11-2.13), a pass over dweight. The
+    gradients are eager's, for an upstream gradient of 1 and of 0.37."""
+    bw_code = _backward_code(scale)
     assert bw_code.count("torch.ops.flash.linear_cross_entropy_scale_.default(") == 3, bw_code
     assert "clone" not in bw_code and "empty_strided" not in bw_code.split("def call")[-1], bw_code
 
@@ -41,17 +49,7 @@ def test_left_alone_under_cuda_graphs():
     """With CUDA graphs (mode="reduce-overhead" sets triton.cudagraphs) the backward keeps
     Inductor's copy: in place, the gradients would live in the forward graph's output memory,
     which its next replay overwrites."""
-    torch.manual_seed(0)
-    h, w = torch.randn(40, 16, device=DEV), torch.randn(50, 16, device=DEV)
-    b, t = torch.randn(50, device=DEV), torch.randint(0, 50, (40,), device=DEV)
-    torch._dynamo.reset()
-    compiled = torch.compile(linear_cross_entropy, backend="flash", fullgraph=True)
-    with torch._functorch.config.patch(enable_autograd_cache=False), \
-            torch._inductor.config.patch({"fx_graph_cache": False, "triton.cudagraphs": True}):
-        got, (_, bw_code) = run_and_get_code(_grads, compiled, h, w, t, b, 0.37)
-    for g, want in zip(got, _grads(linear_cross_entropy, h, w, t, b, 0.37)):
-        torch.testing.assert_close(g, want)
-    assert "clone" in bw_code, bw_code
+    assert "clone" in _backward_code(0.37, **{"triton.cudagraphs": True})
 
 
 def test_a_forward_graph_keeps_its_input_mutation():
