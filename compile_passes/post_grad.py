@@ -29,18 +29,17 @@ def _donated_inputs(graph: fx.Graph) -> set[fx.Node]:
     return {placeholders[i] for i in get_donated_idxs() or () if i < len(placeholders)}
 
 
-def scale_donated_in_place(graph: fx.Graph) -> int:
+def scale_donated_in_place(graph: fx.Graph) -> None:
     """auto_functionalized_v2(linear_cross_entropy_scale_, grad=whole donated input) -> the op
-    on that input, except under CUDA graphs; returns how many it rewrote."""
+    on that input, except under CUDA graphs."""
     from torch._inductor import config
 
     if config.triton.cudagraphs:
         # mode="reduce-overhead": the gradients would be the forward graph's outputs, in the
         # memory its next replay writes, where the clone gives them the backward's own
-        return 0
+        return
     op = torch.ops.flash.linear_cross_entropy_scale_.default
     donated = _donated_inputs(graph)
-    done = 0
     for node in list(graph.find_nodes(op="call_function", target=torch.ops.higher_order.auto_functionalized_v2)):
         kw = node.kwargs
         bases = kw.get("_all_bases", ())
@@ -57,8 +56,6 @@ def scale_donated_in_place(graph: fx.Graph) -> int:
                 user.replace_all_uses_with(base)
             graph.erase_node(user)
         graph.erase_node(node)
-        done += 1
-    return done
 
 
 class FlashPostGradPass(CustomGraphPass):
