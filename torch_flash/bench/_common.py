@@ -19,15 +19,15 @@ def over_retained_graphs(run: Callable) -> Callable:
     return torch._functorch.config.patch(donated_buffer=False)(run)
 
 
-def compile_fresh(*fns: Callable) -> list[Callable]:
-    """torch.compile of each fn after torch._dynamo.reset(): call it once per shape, so that each
+def compile_fresh(fn: Callable) -> Callable:
+    """torch.compile of fn after torch._dynamo.reset(): call it once per shape, so that the
     compiled baseline is specialized to its shape, as a model of fixed shapes gets it. Compiled
     again at a second shape, Dynamo recompiles with dynamic sizes (automatic dynamic shapes),
     and variants of one code object pile up toward its recompile limit, past which it runs
     eagerly (the linear cross-entropy bench's third shape: torch.compile 16.9 ms where a fresh
     compile takes 4.6)."""
     torch._dynamo.reset()
-    return [torch.compile(fn) for fn in fns]
+    return torch.compile(fn)
 
 
 def env_info() -> dict:

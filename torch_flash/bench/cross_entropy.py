@@ -125,7 +125,7 @@ def run(args) -> list[dict]:
     liger = _liger()
     rows: list[dict] = []
     for n, v in shapes:
-        compiled, = compile_fresh(_eager)
+        compiled = compile_fresh(_eager)
         x = torch.randn(n, v, device=device, dtype=torch.bfloat16) * 4
         t = torch.randint(0, v, (n,), device=device)
         one = torch.ones((), device=device)

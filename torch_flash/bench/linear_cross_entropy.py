@@ -50,17 +50,27 @@ def _liger():
     return lambda h, w, t: LigerFusedLinearCrossEntropyFunction.apply(h, w, t)[0]
 
 
-def _flash_compiled():
-    """torch.compile(backend="flash") of the op, the path of a model compiled with the flash
+def _flash_compiled(op):
+    """torch.compile(backend="flash") of op, the path of a model compiled with the flash
     backend; called with wrap_triton's tracing hook on (bench.__main__ turns it off for the
     launchers), through which torch.compile traces the inference op's kernels."""
-    from ..ops.linear_cross_entropy import linear_cross_entropy
-    compiled = torch.compile(linear_cross_entropy, backend="flash")
+    compiled = torch.compile(op, backend="flash")
 
     def call(*args):
         with set_wrap_triton_enabled(True):
             return compiled(*args)
     return call
+
+
+def _ours(device: str) -> dict:
+    """Our implementations by name: the op, and on a GPU the op compiled with the flash backend
+    (under the Triton interpreter torch.compile cannot trace the kernels). Call it after
+    compile_fresh, whose reset would drop the compiled one's graphs."""
+    from ..ops.linear_cross_entropy import linear_cross_entropy
+    ours = {"ours": linear_cross_entropy}
+    if device == "cuda":
+        ours["ours, compiled"] = _flash_compiled(linear_cross_entropy)
+    return ours
 
 
 def _inputs(n: int, hid: int, v: int, device: str):
@@ -77,14 +87,10 @@ def _sign_test(faster: int, rounds: int) -> float:
 def run_targets(device: str) -> list[dict]:
     """Issue 4's point, ours and Liger against torch.compile in TARGET_ROUNDS interleaved rounds
     (3 on CPU: a smoke run of tiny shapes); ratios are torch.compile's ms / the impl's, per round."""
-    from ..ops.linear_cross_entropy import linear_cross_entropy
-
     n, hid, v = TARGET_SHAPE if device == "cuda" else CPU_SHAPES[0]
     h, w, t = _inputs(n, hid, v, device)
-    compiled, = compile_fresh(_eager)
-    impls = {"ours": linear_cross_entropy, "compile": compiled, "liger": _liger()}
-    if device == "cuda":
-        impls["ours, compiled"] = _flash_compiled()
+    compiled = compile_fresh(_eager)
+    impls = {**_ours(device), "compile": compiled, "liger": _liger()}
     fns = {k: with_grad(f, h, w, t) for k, f in impls.items() if f is not None}
     times = time_rounds(fns, rounds=TARGET_ROUNDS if device == "cuda" else 3)
     peaks = {k: peak_memory(fn) if device == "cuda" and times[k] else None for k, fn in fns.items()}
@@ -121,10 +127,8 @@ def run(args) -> list[dict]:
     liger = _liger()
     rows: list[dict] = []
     for n, hid, v in shapes:
-        compiled, = compile_fresh(_eager)
-        ours = {"ours": linear_cross_entropy}
-        if device == "cuda":  # under the Triton interpreter torch.compile cannot trace the kernels
-            ours["ours, compiled"] = _flash_compiled()
+        compiled = compile_fresh(_eager)
+        ours = _ours(device)
         h, w, t = _inputs(n, hid, v, device)
         labels = dict(op="linear_cross_entropy", shape=[n, hid, v])
         ref = _eager(h, w, t).item()

@@ -158,7 +158,7 @@ def run(args) -> list[dict]:
     for op, is_rms, residual in OPS:
         liger = _liger(is_rms, residual)
         for shape in shapes:
-            compiled, = compile_fresh(_naive(is_rms))
+            compiled = compile_fresh(_naive(is_rms))
             m, n = shape
             x = torch.randn(shape, device=device, dtype=torch.bfloat16)
             r = torch.randn_like(x) if residual else None

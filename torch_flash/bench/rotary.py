@@ -49,7 +49,7 @@ def run(args) -> list[dict]:
     liger = _liger()
     rows: list[dict] = []
     for batch, seqlen in shapes:
-        compiled, = compile_fresh(_hf_rope)
+        compiled = compile_fresh(_hf_rope)
         q, k, gq, gk = (torch.randn(batch, seqlen, heads, HEAD_DIM, device=device, dtype=torch.bfloat16)
                         .transpose(1, 2) for _ in range(4))
         inv_freq = 1.0 / 10000 ** (torch.arange(0, HEAD_DIM, 2, device=device) / HEAD_DIM)
