@@ -107,6 +107,18 @@ def test_linear_cross_entropy_targets_smoke_run_on_cpu(tmp_path, monkeypatch):
     assert ours["vs_compile"] == pytest.approx(sorted(ours["round_ratios"])[1])
     assert ours["rounds_faster"] == sum(r > 1 for r in ours["round_ratios"])
     assert ours["met_speed"] == (ours["vs_compile"] >= 1.0)
+    at_liger = next(r for r in rows if r["impl"] == "ours, Liger's chunk")
+    assert len(at_liger["round_ratios"]) == 3 and at_liger["ms"] > 0
+
+
+def test_liger_chunk():
+    """Liger-Kernel's tokens per chunk, as its source computes them (its own example: 16384 x
+    4096 x 32000 in chunks of 2048)."""
+    from torch_flash.bench.linear_cross_entropy import _liger_chunk
+    assert _liger_chunk(16384, 4096, 32000) == 2048
+    assert _liger_chunk(8192, 4096, 128256) == 256
+    assert _liger_chunk(8192, 768, 50257) == 128  # 8192 / 66 = 124.1, up to a power of 2
+    assert _liger_chunk(100, 4096, 1000) == 100  # one chunk of every token
 
 
 def test_sign_test():

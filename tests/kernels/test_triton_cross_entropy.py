@@ -353,8 +353,9 @@ def _check_lce(got, inputs, opts, reduction, dtype, chunks=1):
 @pytest.mark.parametrize("dtype,has_bias", [(FP32, True), (BF16, False), (BF16, True)],
                          ids=["fp32-bias", "bf16", "bf16-bias"])
 def test_linear_cross_entropy(dtype, has_bias, opts, reduction):
-    """13 tokens in chunks of 5 (the last one partial): loss and all gradients."""
-    h, w, b, t = _lce_inputs(13, 32, 200, dtype, has_bias, opts.ignore_index)
+    """40 tokens with chunk_size 5: with dweight 16 resident (5 padded to LCE_PITCH), then
+    chunks of 5, each padded and the last partial (without, 8 chunks): loss and all gradients."""
+    h, w, b, t = _lce_inputs(40, 32, 200, dtype, has_bias, opts.ignore_index)
     before = [p.clone() for p in (h, w, t) + ((b,) if has_bias else ())]
     loss, dh, dw, db = K.lce_fwd(h, w, t, b, chunk_size=5, block=BLOCK, **_kw(opts, reduction))
     assert all(torch.equal(p, q) for p, q in zip((h, w, t, b), before))
@@ -364,7 +365,7 @@ def test_linear_cross_entropy(dtype, has_bias, opts, reduction):
         assert dh is None and dw is None and db is None
     else:
         assert dh.dtype == dtype and dw.dtype == dtype and dh.is_contiguous() and dw.is_contiguous()
-    _check_lce((loss, dh, dw, db), (h, w, t, b), opts, reduction, dtype, chunks=3)
+    _check_lce((loss, dh, dw, db), (h, w, t, b), opts, reduction, dtype, chunks=6)
 
 
 def test_linear_cross_entropy_batch_dims_default_chunk():
@@ -459,33 +460,81 @@ def test_lce_cols_partial_class_block(monkeypatch, opts):
 
 def test_lce_plan():
     """With dweight, min(N, H) tokens resident in it and one chunk's worth more in the chunk
-    buffer (min(N, H, chunk_size) for a given chunk_size), the rest by lce_chunk_rows."""
+    buffer (for a given chunk_size, as many as keep the buffer within chunk_size rows of
+    logits), the rest by lce_chunk_rows."""
     assert K.lce_plan(8192, 128256, 4096, BF16) == (5120, 1024)  # then 3 chunks of 263 MB
     assert K.lce_plan(2048, 128256, 4096, BF16)[0] == 2048  # every token resident, no chunk after
     assert K.lce_plan(4500, 128256, 4096, BF16)[0] == 4500  # 404 beyond H, still resident
     assert K.lce_plan(8192, 128256, 8192, BF16)[0] == 8192
     assert K.lce_plan(8192, 128256, 4096, BF16, dweight=False) == (0, 1024)
-    assert K.lce_plan(8192, 128256, 4096, BF16, chunk_size=300) == (300, 300)
+    assert K.lce_plan(8192, 128256, 4096, BF16, chunk_size=256) == (4272, 256)  # then 16 chunks, not 31
+    assert K.lce_plan(8192, 128256, 4096, BF16, chunk_size=300) == (4320, 300)
+    assert K.lce_plan(8192, 128256, 4096, BF16, chunk_size=5000) == (8192, 5000)
+    assert K.lce_plan(8192, 128256, 4096, BF16, chunk_size=1) == (48, 1)  # each token's last 2048 classes
+    for n, n_cols, hid in ((8192, 128256, 4096), (8192, 50257, 768), (100, 200, 16), (40, 5, 2)):
+        for chunk_size in (1, 3, 64, 256, 1000):
+            resident, _ = K.lce_plan(n, n_cols, hid, BF16, chunk_size)
+            cap = chunk_size * n_cols  # the chunk buffer's elements
+            least, most = (min(n, K._pitch(r)) for r in (min(n, hid, chunk_size), min(n, hid + chunk_size)))
+            assert least <= resident <= most and (resident == n or resident % K.LCE_PITCH == 0)
+            assert resident == least or K._resident_share(resident, n_cols, hid) <= cap
+            assert resident == most or K._resident_share(resident + 1, n_cols, hid) > cap
     assert K.lce_plan(8192, 1, 4096, BF16) == (0, K.lce_chunk_rows(8192, 1, BF16, 0, 4096))
     assert K.lce_plan(8192, 128256, 0, BF16)[0] == 0  # an empty dweight holds nothing
 
 
 def test_lce_resident_layout():
     """Each class slice [a, b) writes dweight elements [a H, b H) below the logits of class a,
-    which start at (a + shift) stride; the classes kept in dweight fit in it."""
+    which start at (a + shift) stride; the classes kept in dweight fit in it, their tokens a
+    multiple of LCE_PITCH elements apart."""
     for rows, n_cols, hid in ((4096, 128256, 4096), (5120, 128256, 4096), (2048, 128256, 4096),
-                              (8192, 128256, 8192), (40, 200, 16), (13, 200, 32), (32, 5, 2)):
+                              (4286, 128256, 4096), (8192, 128256, 8192), (40, 200, 16), (13, 200, 32),
+                              (32, 5, 2), (100, 300, 70)):
         s, stride, shift, head = K._resident_layout(rows, n_cols, hid)
+        assert stride >= max(rows, hid) and stride % K.LCE_PITCH == 0
         assert 0 <= head < n_cols and (head == 0 or (head + shift) * stride <= n_cols * hid)
         for a in range(0, head, s):
             assert min(a + s, head) * hid <= (a + shift) * stride
     assert K._resident_layout(4096, 128256, 4096) == (2048, 4096, 2048, 128256 - 2048)  # 16 MiB left over
 
 
+@pytest.mark.parametrize("n,hid,chunk_size", [(13, 32, 5), (40, 16, 0), (45, 32, 0), (45, 32, 7)],
+                         ids=["chunks", "resident-and-chunks", "all-resident", "resident-and-chunks-of-7"])
+def test_lce_gemm_token_extents(monkeypatch, n, hid, chunk_size):
+    """Every GEMM sees a token count that is a multiple of LCE_PITCH (ragged chunks padded with
+    ignored tokens; cuBLAS runs other extents in slower kernels), and the gradients still match
+    float64: 224 classes and the hidden size are multiples of 16, so every operand's every
+    dimension must be."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Shapes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+                seen.extend(d for a in args if isinstance(a, torch.Tensor) for d in a.shape)
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(K, "LCE_CHUNK_BYTES", 8 * 224 * 4)  # 8-row chunks after the resident one
+    opts = OPTIONS["all"]
+    h, w, b, t = _lce_inputs(n, hid, 224, FP32, True, opts.ignore_index)
+    seen = []
+    with Shapes():
+        got = K.lce_fwd(h, w, t, b, chunk_size=chunk_size, block=BLOCK, **_kw(opts, "mean"))
+    assert seen and all(d % K.LCE_PITCH == 0 for d in seen), sorted(set(seen))
+    _check_lce(got, (h, w, t, b), opts, "mean", FP32)
+
+
+def test_pad_rows():
+    h, t = torch.randn(5, 8), torch.arange(5)
+    h_p, t_p = K._pad_rows(h, t, -7)
+    assert h_p.shape == (16, 8) and torch.equal(h_p[:5], h) and not h_p[5:].any()
+    assert t_p.tolist() == list(range(5)) + [-7] * 11
+    assert K._pad_rows(h_p, t_p, -7)[0] is h_p  # a multiple of LCE_PITCH: as it is
+
+
 @pytest.mark.parametrize("slice_rows", [16, 2048], ids=["many-slices", "one-slice"])
 @pytest.mark.parametrize("n,hid,n_cols,chunk_size,chunk_rows,resident,chunks", [
-    (16, 16, 200, 0, 0, 16, 1), (13, 32, 200, 5, 0, 5, 3), (40, 16, 200, 0, 0, 40, 1), (40, 16, 200, 0, 8, 24, 3),
-    (32, 2, 5, 0, 0, 32, 1)], ids=["rows=H", "strided", "beyond-H", "beyond-H-then-chunks", "all-in-buffer"])
+    (16, 16, 200, 0, 0, 16, 1), (40, 32, 200, 5, 0, (32, 16), (3, 6)), (40, 16, 200, 0, 0, 40, 1),
+    (48, 16, 200, 0, 8, 32, 3), (32, 2, 5, 0, 0, 32, 1)], ids=["rows=H", "strided", "beyond-H", "beyond-H-then-chunks", "all-in-buffer"])
 @pytest.mark.parametrize("dtype", [FP32, BF16], ids=["fp32", "bf16"])
 def test_lce_resident_chunk(monkeypatch, dtype, n, hid, n_cols, chunk_size, chunk_rows, resident, chunks,
                             slice_rows):
@@ -494,7 +543,11 @@ def test_lce_resident_chunk(monkeypatch, dtype, n, hid, n_cols, chunk_size, chun
     option), whether the chunk leaves dweight's rows strided, fills them, holds more tokens
     than H (with chunks of chunk_rows after it, where given) or keeps every class in the
     buffer; with many slices, dhidden goes in 3-token fp32 pieces. chunks counts the resident
-    chunk and those after it."""
+    chunk and those after it; a pair is (many slices, one slice): with chunk_size given, the
+    resident tokens are as many as leave the last s classes' logits within one chunk (rounded up
+    to LCE_PITCH tokens, as padding would)."""
+    if isinstance(resident, tuple):
+        resident, chunks = resident[slice_rows == 2048], chunks[slice_rows == 2048]
     monkeypatch.setattr(K, "LCE_DWEIGHT_SLICE", slice_rows)
     if chunk_rows:
         monkeypatch.setattr(K, "LCE_CHUNK_BYTES", chunk_rows * n_cols * dtype.itemsize)
@@ -502,7 +555,8 @@ def test_lce_resident_chunk(monkeypatch, dtype, n, hid, n_cols, chunk_size, chun
         monkeypatch.setattr(K, "LCE_DH_PIECE_BYTES", 8 * hid * 3)
     seen = []
     real = K._resident_chunk
-    monkeypatch.setattr(K, "_resident_chunk", lambda h_c, *a: seen.append(h_c.shape[0]) or real(h_c, *a))
+    monkeypatch.setattr(K, "_resident_chunk", lambda h_c, t_c, w, b, dh_rows, *a: seen.append(dh_rows.shape[0])
+                        or real(h_c, t_c, w, b, dh_rows, *a))
     opts = OPTIONS["all"]
     h, w, b, t = _lce_inputs(n, hid, n_cols, dtype, True, opts.ignore_index)
     got = K.lce_fwd(h, w, t, b, chunk_size=chunk_size, block=BLOCK, **_kw(opts, "mean"))
@@ -566,11 +620,12 @@ def test_cuda_64bit_offsets():
 @pytest.mark.cuda
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_cuda_linear_cross_entropy(reduction):
-    """2048 tokens, H 1024, V 32000 in 512-token chunks: no worse than PyTorch's bf16 path."""
+    """2048 tokens, H 1024, V 32000 with chunk_size 512 (1456 resident, then two chunks): no
+    worse than PyTorch's bf16 path."""
     opts = OPTIONS["smoothing"]
     h, w, b, t = _lce_inputs(2048, 1024, 32000, BF16, True, opts.ignore_index)
     got = K.lce_fwd(h, w, t, b, chunk_size=512, **_kw(opts, reduction))
-    _check_lce(got, (h, w, t, b), opts, reduction, BF16, chunks=4)
+    _check_lce(got, (h, w, t, b), opts, reduction, BF16, chunks=3)
 
 
 @pytest.mark.cuda
@@ -592,7 +647,7 @@ def test_cuda_lce_resident_memory(monkeypatch):
     got = K.lce_fwd(h, w, t, b, **_kw(opts, "mean"))
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before
-    tail = (n_cols - K._resident_layout(resident, n_cols, hid)[3]) * resident
+    tail = K._resident_share(resident, n_cols, hid)
     piece = min(resident, K.LCE_DH_PIECE_BYTES // (8 * hid)) * hid * 8
     outputs = (n_cols + n) * hid * 2
     assert outputs + max(tail, rows * n_cols) * 2 + piece <= peak <= outputs + tail * 2 + piece + 8 * 2**20

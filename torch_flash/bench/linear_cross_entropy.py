@@ -12,10 +12,12 @@ beyond what existed before the call, the gradients included). Rows: {op, shape, 
 tbps (None), peak_mb}.
 --targets: issue 4's target point alone, forward + backward in TARGET_ROUNDS rounds, each
 round's ratio to torch.compile kept (rows add vs_compile, round_ratios, rounds_faster and the
-targets' verdicts).
+targets' verdicts); ours also with chunk_size set to Liger's chunk ("ours, Liger's chunk"), the
+same memory as Liger's.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -73,6 +75,13 @@ def _ours(device: str) -> dict:
     return ours
 
 
+def _liger_chunk(n: int, hid: int, v: int) -> int:
+    """The tokens per chunk of Liger-Kernel's fused linear cross-entropy (0.8.5,
+    ops/fused_linear_cross_entropy.py: the next power of 2 of N / ceil(V / H), at most N): 256
+    at 8192 x 4096 x 128256."""
+    return min(n, 1 << max(0, math.ceil(math.log2(math.ceil(n / math.ceil(v / hid))))))
+
+
 def _inputs(n: int, hid: int, v: int, device: str):
     h = torch.randn(n, hid, device=device, dtype=torch.bfloat16)
     w = torch.randn(v, hid, device=device, dtype=torch.bfloat16) * hid**-0.5
@@ -90,7 +99,9 @@ def run_targets(device: str) -> list[dict]:
     n, hid, v = TARGET_SHAPE if device == "cuda" else CPU_SHAPES[0]
     h, w, t = _inputs(n, hid, v, device)
     compiled = compile_fresh(_eager)
-    impls = {**_ours(device), "compile": compiled, "liger": _liger()}
+    ours = _ours(device)
+    ours["ours, Liger's chunk"] = functools.partial(ours["ours"], chunk_size=_liger_chunk(n, hid, v))
+    impls = {**ours, "compile": compiled, "liger": _liger()}
     fns = {k: with_grad(f, h, w, t) for k, f in impls.items() if f is not None}
     times = time_rounds(fns, rounds=TARGET_ROUNDS if device == "cuda" else 3)
     peaks = {k: peak_memory(fn) if device == "cuda" and times[k] else None for k, fn in fns.items()}

@@ -5,9 +5,9 @@ loss = cross_entropy(hidden @ weight.T + bias, target, ...) with flash.cross_ent
 options, output shape and dtype. Token chunks of `chunk_size` rows (0: as many as keep a
 chunk's logits, in the inputs' dtype, within a fixed budget, or within a third of dweight
 where that is computed and larger) mean the (N, V) logits never exist; where dweight is
-computed, the first tokens (H of them and one chunk more; min(N, H, chunk_size) for a given
-chunk_size) keep theirs in dweight's own memory before it is written and in the chunk buffer
-(kernels/triton/cross_entropy.py, _resident_chunk). With gradients needed
+computed, the first tokens (H of them and up to one chunk more) keep theirs in dweight's own
+memory before it is written and in the chunk buffer (kernels/triton/cross_entropy.py,
+_resident_chunk, lce_plan). With gradients needed
 (mean/sum), the forward runs flash.linear_cross_entropy_with_grads, which also computes the
 gradients chunk by chunk, and the backward hands them out scaled in
 place (no second dweight-sized buffer; no pass at all for an upstream gradient of 1); "none", a
@@ -285,9 +285,11 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
     processed chunk_size rows at a time (None: picked so a chunk's logits, in the inputs'
     dtype, stay within 256 MiB, or within a third of dweight where the weight needs a gradient
     and that is more: every chunk reads and writes all of dweight; a smaller chunk_size takes
-    less memory and more time). Where the weight needs a gradient, the first min(tokens, H,
-    chunk_size) tokens need no chunk memory: their logits live in the weight gradient's memory
-    before it is written. Gradients for hidden, weight and bias.
+    less memory and more time). Where the weight needs a gradient, the first H tokens need no
+    chunk memory: their logits live in the weight gradient's memory before it is written; up
+    to one chunk's worth more join them in the chunk buffer (with chunk_size given, as many as
+    it holds), and only the tokens after those go in chunks. Gradients for hidden, weight and
+    bias.
     """
     return torch.ops.flash.linear_cross_entropy(
         hidden, weight, target, bias, ignore_index=ignore_index, label_smoothing=label_smoothing,

@@ -61,6 +61,14 @@ LCE_CHUNK_BYTES = 256 * 2**20
 LCE_DWEIGHT_SHARE = 3
 # Chunk rows are rounded to a multiple of this (GEMM tile) where the chunk is that large.
 LCE_ROW_ALIGN = 128
+# Every chunk's token count is a multiple of this, a ragged chunk padded (_pad_rows), and so
+# is the resident chunk's stride: cuBLAS runs a GEMM whose token extent or leading dimension is
+# not in slower sm80 kernels, and Triton specializes the loss kernels on sizes and strides
+# divisible by 16 (H100, 8192 x 4096 x 128256 forward + backward: 111 ms with 4286 tokens
+# resident at stride 4286, against Liger-Kernel's 64 at the same memory; 8190 tokens, whose last
+# chunk has 1022, 48.2 ms of kernels against 36.5 for 8192: the loss kernel 7.0 ms against 2.4,
+# and that chunk's GEMMs 3x slower; lce_ragged_profile_h100.json).
+LCE_PITCH = 16
 # The resident chunk's dweight GEMM runs in class slices of s = min(this, V // 2) rows, its
 # logits shifted far enough that each slice writes only consumed logits (_resident_layout): at
 # 4096 hidden and 4096 + 1024 tokens, GEMMs of 2048 x 4096 x 5120.
@@ -570,16 +578,20 @@ def lce_plan(n_rows: int, n_cols: int, hid: int, dtype: torch.dtype, chunk_size:
              dweight: bool = True) -> tuple[int, int]:
     """(tokens of the resident chunk, rows per chunk after it) of lce_fwd. Where dweight is
     computed, the first tokens keep their logits in dweight's memory (_resident_chunk): H of
-    them fit there, and by default one chunk's worth more in the chunk buffer, which is not in
-    use yet (chunk_size given: min(N, H, chunk_size)); the rest go lce_chunk_rows at a time."""
+    them fit there, and more in the chunk buffer, which is not in use yet: by default one
+    chunk's worth more; with chunk_size given, as many more as keep the buffer within
+    chunk_size rows of logits (_resident_within). The rest go lce_chunk_rows at a time."""
     if not dweight or n_cols < 2 or hid == 0:
         return 0, lce_chunk_rows(n_rows, n_cols, dtype, chunk_size, hid if dweight else 0)
     if chunk_size:
-        return min(n_rows, hid, chunk_size), chunk_size
-    resident = min(n_rows, hid)
-    if resident < n_rows:
-        resident = min(n_rows, resident + lce_chunk_rows(n_rows - resident, n_cols, dtype, 0, hid))
-    return resident, lce_chunk_rows(n_rows - resident, n_cols, dtype, 0, hid)
+        resident = _resident_within(n_rows, n_cols, hid, chunk_size)
+    else:
+        resident = min(n_rows, hid)
+        if resident < n_rows:
+            resident = min(n_rows, resident + lce_chunk_rows(n_rows - resident, n_cols, dtype, 0, hid))
+    if resident < n_rows:  # rounded up as padding would (the same buffer): only the last chunk pads
+        resident = min(n_rows, _pitch(resident))
+    return resident, chunk_size or lce_chunk_rows(n_rows - resident, n_cols, dtype, 0, hid)
 
 
 def _resident_layout(rows: int, n_cols: int, hid: int) -> tuple[int, int, int, int]:
@@ -589,17 +601,54 @@ def _resident_layout(rows: int, n_cols: int, hid: int) -> tuple[int, int, int, i
     stride, token r at + r; classes [head, V) in the chunk buffer, (V - head, rows) contiguous.
     The dweight GEMM then writes class slices [a, b) of at most s rows in order, elements
     [a * H, b * H), and must not overwrite logits of class a or later, which start at (a +
-    shift) * stride: with stride = max(rows, H) and shift = ceil(s * H / stride), b * H <= (a +
-    s) * H <= (a + shift) * stride. head is as many classes as fit below V * H, rounded down to
+    shift) * stride: with stride = max(rows, H) rounded up to LCE_PITCH and shift = ceil(s * H
+    / stride), b * H <= (a + s) * H <= (a + shift) * stride. head is as many classes as fit below V * H, rounded down to
     a multiple of 16, which Triton specializes the loss kernels on: before _ce_cols_kernel
     peeled its partial class block, an odd count ran 1.5x slower (H100: 1.78 TB/s over 100965
     classes, 2.70 over 126208); since, 2.70 and 2.66 over 100965 and 100960, and the benchmarks
     of docs/perf ran with the rounding, which costs at most 15 classes of buffer."""
     s = max(1, min(LCE_DWEIGHT_SLICE, n_cols // 2))
-    stride = max(rows, hid)
+    stride = _pitch(max(rows, hid))
     shift = cdiv(s * hid, stride)
     head = max(0, min(n_cols, n_cols * hid // stride - shift))
     return s, stride, shift, head - head % 16
+
+
+def _pitch(rows: int) -> int:
+    """rows rounded up to a multiple of LCE_PITCH."""
+    return cdiv(rows, LCE_PITCH) * LCE_PITCH
+
+
+def _pad_rows(h_c: torch.Tensor, t_c: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's hidden states (rows, H) and targets (rows,), padded to _pitch(rows) rows with
+    zero states and ignored targets, whose gradients are zero; unchanged where rows is a
+    multiple of LCE_PITCH."""
+    rows = h_c.shape[0]
+    if rows % LCE_PITCH == 0:
+        return h_c, t_c
+    h_p = h_c.new_zeros(_pitch(rows), h_c.shape[1])
+    h_p[:rows] = h_c
+    t_p = t_c.new_full((_pitch(rows),), ignore_index)
+    t_p[:rows] = t_c
+    return h_p, t_p
+
+
+def _resident_share(rows: int, n_cols: int, hid: int) -> int:
+    """Elements of the chunk buffer that a resident chunk of rows tokens (padded) fills: the
+    logits of the classes beyond _resident_layout's head."""
+    return (n_cols - _resident_layout(_pitch(rows), n_cols, hid)[3]) * _pitch(rows)
+
+
+def _resident_within(n_rows: int, n_cols: int, hid: int, chunk_size: int) -> int:
+    """The most tokens, up to H + chunk_size, whose resident chunk fills no more of the chunk
+    buffer than chunk_size rows of logits; min(N, H, chunk_size) at least (its share is the
+    last s classes, s <= V / 2). At 8192 x 4096 x 128256 and chunk_size 256: 4272 tokens, then
+    16 chunks, where a resident chunk of 256 left 31."""
+    lo, hi = min(n_rows, hid, chunk_size), min(n_rows, hid + chunk_size)
+    while lo < hi:  # the share grows with the tokens
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if _resident_share(mid, n_cols, hid) <= chunk_size * n_cols else (lo, mid - 1)
+    return lo
 
 
 def _cols_grid(config, n_cols: int, n_rows: int, device: torch.device, block: int | None):
@@ -675,7 +724,8 @@ def _resident_chunk(h_c, t_c, weight, bias, dh_rows, dw, db, buf, layout, n_vali
     beyond a few thousand classes in buf; tokens beyond H fill buf as a chunk would, but their
     dweight share is written once, with no read-modify-write (docs/perf/README.md, "Linear
     cross-entropy"). dhidden sums the two parts in fp32, token pieces at a time, and is
-    rounded once. Returns the chunk's losses."""
+    rounded once. h_c and t_c come padded (_pad_rows), dh_rows has the real tokens' rows.
+    Returns the chunk's losses, padding included."""
     n_cols, hid = weight.shape
     rows = h_c.shape[0]
     s, stride, shift, head = layout
@@ -687,12 +737,13 @@ def _resident_chunk(h_c, t_c, weight, bias, dh_rows, dw, db, buf, layout, n_vali
     losses = _chunk_losses([(x, cls.start, None if bias is None else bias[cls]) for x, cls in parts], t_c,
                            n_valid, n_cols, opts, reduction, True, block)
     if dh_rows is not None:
-        piece = max(1, LCE_DH_PIECE_BYTES // (8 * hid))  # an fp32 sum and an fp32 part
-        for r0 in range(0, rows, piece):
+        piece = max(1, LCE_DH_PIECE_BYTES // (8 * hid) // LCE_PITCH) * LCE_PITCH  # an fp32 sum and part
+        for r0 in range(0, dh_rows.shape[0], piece):
             tok = slice(r0, r0 + piece)
             acc = _mm_fp32(main[:, tok].t(), weight[:head])
             acc += _mm_fp32(tail[:, tok].t(), weight[head:])
-            dh_rows[tok].copy_(acc)
+            out = dh_rows[tok]
+            out.copy_(acc[:out.shape[0]])
     if db is not None:
         for x, cls in parts:
             db[cls] += x.sum(1, dtype=torch.float32)
@@ -755,21 +806,25 @@ def lce_fwd(hidden, weight, target, bias, *, ignore_index, label_smoothing, z_lo
     # miscompiled into an out-of-bounds read (H100, 8 chunks)
     losses = []
     done, rows = lce_plan(n_rows, n_cols, hid, hidden.dtype, chunk_size, dw is not None)
-    layout = _resident_layout(done, n_cols, hid) if done else None
-    tail = (n_cols - layout[3]) * done if done else 0
-    buf = h.new_empty(max(tail, min(rows, n_rows - done) * n_cols))
+    layout = _resident_layout(_pitch(done), n_cols, hid) if done else None
+    tail = _resident_share(done, n_cols, hid) if done else 0
+    buf = h.new_empty(max(tail, _pitch(min(rows, n_rows - done)) * n_cols))
     if done:
-        losses.append(_resident_chunk(h[:done], t[:done], weight, bias, None if dh is None else dh_rows[:done],
-                                      dw, db, buf, layout, n_valid, opts, reduction, block))
+        losses.append(_resident_chunk(*_pad_rows(h[:done], t[:done], ignore_index), weight, bias,
+                                      None if dh is None else dh_rows[:done], dw, db, buf, layout, n_valid, opts,
+                                      reduction, block)[:done])
     for start in range(done, n_rows, rows):
         sl = slice(start, start + rows)
-        h_c = h[sl]
+        n_c = min(rows, n_rows - start)
+        h_c, t_c = _pad_rows(h[sl], t[sl], ignore_index)
         logits = buf[:h_c.shape[0] * n_cols].view(n_cols, h_c.shape[0])
         torch.mm(weight, h_c.t(), out=logits)
-        losses.append(_chunk_losses([(logits, 0, bias)], t[sl], n_valid, n_cols, opts, reduction, write_grad,
-                                    block))
-        if dh is not None:
+        losses.append(_chunk_losses([(logits, 0, bias)], t_c, n_valid, n_cols, opts, reduction, write_grad,
+                                    block)[:n_c])
+        if dh is not None and h_c.shape[0] == n_c:
             torch.mm(logits.t(), weight, out=dh_rows[sl])
+        elif dh is not None:  # padded: the padding's rows go nowhere
+            dh_rows[sl] = torch.mm(logits.t(), weight)[:n_c]
         if dw is not None and start == 0:
             torch.mm(logits, h_c, out=dw)
         elif dw is not None:
