@@ -67,7 +67,7 @@ LCE_ROW_ALIGN = 128
 # divisible by 16 (H100, 8192 x 4096 x 128256 forward + backward: 111 ms with 4286 tokens
 # resident at stride 4286, against Liger-Kernel's 64 at the same memory; 8190 tokens, whose last
 # chunk has 1022, 48.2 ms of kernels against 36.5 for 8192: the loss kernel 7.0 ms against 2.4,
-# and that chunk's GEMMs 3x slower; lce_ragged_profile_h100.json).
+# and that chunk's GEMMs 3x slower; lce_ragged_profile_before_h100.json).
 LCE_PITCH = 16
 # The resident chunk's dweight GEMM runs in class slices of s = min(this, V // 2) rows, its
 # logits shifted far enough that each slice writes only consumed logits (_resident_layout): at
