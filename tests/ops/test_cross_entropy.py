@@ -250,6 +250,9 @@ def _bad_ce(logits=None, target=None, **kw):
     (_bad_ce(target=torch.tensor([0, 1, 10, 2])), "target contains 10, outside \\[0, 10\\)"),
     (_bad_ce(target=torch.tensor([0, -1, 3, 2])), "target contains -1"),
     (_bad_ce(target=torch.tensor([0, -100, 3, 2]), ignore_index=-1), "target contains -100"),
+    # torch compares an int32 tensor with the scalar wrapped to int32: 2**40 would ignore class 0
+    (_bad_ce(target=torch.tensor([0, 1, 3, 2], dtype=torch.int32), ignore_index=2**40),
+     "ignore_index=1099511627776 does not fit target's dtype torch.int32"),
     (_bad_ce(reduction="avg"), "reduction must be one of"),
     (_bad_ce(label_smoothing=1.5), "label_smoothing must be in \\[0, 1\\]"),
     (_bad_ce(z_loss=-1.0), "z_loss must be >= 0"),

@@ -196,6 +196,7 @@ def _bad(h=None, w=None, t=None, b=None, **kw):
     (_bad(t=torch.zeros(3, dtype=torch.long)), "target shape"),
     (_bad(t=torch.zeros(4)), "target has dtype"),
     (_bad(t=torch.tensor([0, 10, 1, 2])), "target contains 10, outside \\[0, 10\\)"),
+    (_bad(t=torch.tensor([0, 1, 3, 2], dtype=torch.int32), ignore_index=-2**31 - 1), "does not fit target's dtype"),
     (_bad(reduction="mean "), "reduction must be one of"),
     (_bad(chunk_size=-1), "chunk_size must be >= 0"),
     (_bad(label_smoothing=-0.1), "label_smoothing must be in"),

@@ -45,11 +45,16 @@ def check_options(op: str, opts: LossOptions, reduction: str) -> None:
     check(opts.softcap >= 0.0, op, f"softcap must be >= 0 (0 disables it), got {opts.softcap}")
 
 
-def check_target(op: str, target, batch_shape, input_name: str) -> None:
+def check_target(op: str, target, batch_shape, input_name: str, ignore_index: int) -> None:
+    """target: class indices of batch_shape, in a dtype that holds ignore_index (compared
+    with an int32 target, torch wraps the scalar: 2**40 would ignore class 0)."""
     check_tensor(op, "target", target, dtypes=INDEX_DTYPES)
     check(tuple(target.shape) == tuple(batch_shape), op,
           f"target shape {tuple(target.shape)} must equal {input_name} shape without its last "
           f"dimension, {tuple(batch_shape)}")
+    info = torch.iinfo(target.dtype)
+    check(info.min <= ignore_index <= info.max, op,
+          f"ignore_index={ignore_index} does not fit target's dtype {target.dtype}; pass int64 targets")
 
 
 def check_grad_loss(op: str, grad_loss, target, reduction: str) -> None:
@@ -152,7 +157,7 @@ def check_args(op: str, logits, target, opts: LossOptions, reduction: str) -> No
     check_tensor(op, "logits", logits, min_ndim=1)
     check(logits.shape[-1] > 0, op,
           f"logits must have a non-empty last (class) dimension, got shape {tuple(logits.shape)}")
-    check_target(op, target, logits.shape[:-1], "logits")
+    check_target(op, target, logits.shape[:-1], "logits", opts.ignore_index)
     check_options(op, opts, reduction)
     check_same_device(op, logits=logits, target=target)
 

@@ -46,7 +46,7 @@ def check_args(op: str, hidden, weight, target, bias, opts: LossOptions, reducti
         check(bias.shape[0] == weight.shape[0], op,
               f"bias has {bias.shape[0]} elements but weight has {weight.shape[0]} rows (classes)")
     check_same_dtype(op, hidden=hidden, weight=weight, bias=bias)
-    check_target(op, target, hidden.shape[:-1], "hidden")
+    check_target(op, target, hidden.shape[:-1], "hidden", opts.ignore_index)
     check_options(op, opts, reduction)
     check(chunk_size >= 0, op, f"chunk_size must be >= 0 (0 picks it), got {chunk_size}")
     check_same_device(op, hidden=hidden, weight=weight, target=target, bias=bias)

@@ -602,8 +602,9 @@ def _resident_layout(rows: int, n_cols: int, hid: int) -> tuple[int, int, int, i
     The dweight GEMM then writes class slices [a, b) of at most s rows in order, elements
     [a * H, b * H), and must not overwrite logits of class a or later, which start at (a +
     shift) * stride: with stride = max(rows, H) rounded up to LCE_PITCH and shift = ceil(s * H
-    / stride), b * H <= (a + s) * H <= (a + shift) * stride. head is as many classes as fit below V * H, rounded down to
-    a multiple of 16, which Triton specializes the loss kernels on: before _ce_cols_kernel
+    / stride), b * H <= (a + s) * H <= (a + shift) * stride. head is as many classes as fit
+    below V * H, rounded down to a multiple of 16, which Triton specializes the loss kernels on:
+    before _ce_cols_kernel
     peeled its partial class block, an odd count ran 1.5x slower (H100: 1.78 TB/s over 100965
     classes, 2.70 over 126208); since, 2.70 and 2.66 over 100965 and 100960, and the benchmarks
     of docs/perf ran with the rounding, which costs at most 15 classes of buffer."""
@@ -622,7 +623,7 @@ def _pitch(rows: int) -> int:
 def _pad_rows(h_c: torch.Tensor, t_c: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A chunk's hidden states (rows, H) and targets (rows,), padded to _pitch(rows) rows with
     zero states and ignored targets, whose gradients are zero; unchanged where rows is a
-    multiple of LCE_PITCH."""
+    multiple of LCE_PITCH. ignore_index fits the targets' dtype (the ops check)."""
     rows = h_c.shape[0]
     if rows % LCE_PITCH == 0:
         return h_c, t_c
