@@ -604,10 +604,10 @@ def _resident_layout(rows: int, n_cols: int, hid: int) -> tuple[int, int, int, i
     shift) * stride: with stride = max(rows, H) rounded up to LCE_PITCH and shift = ceil(s * H
     / stride), b * H <= (a + s) * H <= (a + shift) * stride. head is as many classes as fit
     below V * H, rounded down to a multiple of 16, which Triton specializes the loss kernels on:
-    before _ce_cols_kernel
-    peeled its partial class block, an odd count ran 1.5x slower (H100: 1.78 TB/s over 100965
-    classes, 2.70 over 126208); since, 2.70 and 2.66 over 100965 and 100960, and the benchmarks
-    of docs/perf ran with the rounding, which costs at most 15 classes of buffer."""
+    before _ce_cols_kernel peeled its partial class block, an odd count ran 1.5x slower (H100:
+    1.78 TB/s over 100965 classes, 2.70 over 126208); since, 2.70 and 2.66 over 100965 and
+    100960, and the benchmarks of docs/perf ran with the rounding, which costs at most 15
+    classes of buffer."""
     s = max(1, min(LCE_DWEIGHT_SLICE, n_cols // 2))
     stride = _pitch(max(rows, hid))
     shift = cdiv(s * hid, stride)
