@@ -505,6 +505,7 @@ def test_lce_gemm_token_extents(monkeypatch, n, hid, chunk_size):
     ignored tokens; cuBLAS runs other extents in slower kernels), and the gradients still match
     float64: 224 classes and the hidden size are multiples of 16, so every operand's every
     dimension must be."""
+    from torch._library.triton import set_wrap_triton_enabled
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Shapes(TorchDispatchMode):
@@ -517,7 +518,7 @@ def test_lce_gemm_token_extents(monkeypatch, n, hid, chunk_size):
     opts = OPTIONS["all"]
     h, w, b, t = _lce_inputs(n, hid, 224, FP32, True, opts.ignore_index)
     seen = []
-    with Shapes():
+    with set_wrap_triton_enabled(False), Shapes():  # as the ops launch: plain Triton calls, no operator
         got = K.lce_fwd(h, w, t, b, chunk_size=chunk_size, block=BLOCK, **_kw(opts, "mean"))
     assert seen and all(d % K.LCE_PITCH == 0 for d in seen), sorted(set(seen))
     _check_lce(got, (h, w, t, b), opts, "mean", FP32)
