@@ -168,6 +168,25 @@ def plot(data: dict, path: str) -> None:
         plot_rows(data, path, "ms", "ms (lower is better)")
 
 
+def plot_time_memory(ax, rows: list[dict], compiled: str) -> None:
+    """Median ms against peak extra memory, a labelled point per row with both ({impl, ms,
+    peak_mb}), the row impl == compiled as a horizontal line and issue 4's memory target as a
+    vertical one."""
+    measured = [r for r in rows if r["peak_mb"] is not None and r["ms"] is not None]
+    for i, row in enumerate(measured):
+        gb = row["peak_mb"] * 2**20 / 1e9
+        ax.plot(gb, row["ms"], "o")
+        ax.annotate(row["impl"], (gb, row["ms"]), textcoords="offset points", xytext=(5, 4 - 15 * (i % 2)),
+                    fontsize=8)  # alternately above and below: points may share a place
+    ms = next((r["ms"] for r in measured if r["impl"] == compiled), None)
+    if ms is not None:
+        ax.axhline(ms, color="k", ls=":", lw=1, label="torch.compile's time")
+    ax.axvline(TARGET_PEAK_BYTES / 1e9, color="k", ls="--", lw=1, label="target memory: 1.45 GB")
+    ax.set_xlabel("peak extra memory, GB")
+    ax.set_ylabel("ms, median (lower is better)")
+    ax.legend(fontsize=8, loc="upper right")
+
+
 def _plot_targets(data: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -183,19 +202,7 @@ def _plot_targets(data: dict, path: str) -> None:
     left.set_xlabel("round")
     left.set_ylabel("x torch.compile's speed, per round")
     left.legend(fontsize=8)
-    measured = [r for r in rows if r["peak_mb"] is not None and r["ms"] is not None]
-    for i, row in enumerate(measured):  # time against memory: the target is the corner below both lines
-        gb = row["peak_mb"] * 2**20 / 1e9
-        right.plot(gb, row["ms"], "o")
-        right.annotate(row["impl"], (gb, row["ms"]), textcoords="offset points", xytext=(5, 4 - 15 * (i % 2)),
-                       fontsize=8)  # alternately above and below: ours and ours compiled share a point
-    compiled = next((r["ms"] for r in rows if r["impl"] == "compile"), None)
-    if compiled is not None:
-        right.axhline(compiled, color="k", ls=":", lw=1, label="torch.compile's time")
-    right.axvline(TARGET_PEAK_BYTES / 1e9, color="k", ls="--", lw=1, label="target memory: 1.45 GB")
-    right.set_xlabel("peak extra memory, GB")
-    right.set_ylabel("ms, median (lower is better)")
-    right.legend(fontsize=8, loc="upper right")
+    plot_time_memory(right, rows, "compile")  # the target is the corner below both lines
     n, hid, v = rows[0]["shape"]
     fig.suptitle(f"linear cross-entropy fwd+bwd, {n} x {hid} x {v} bf16, on {data['env']['device']} "
                  f"({data['env']['date'][:10]})")
