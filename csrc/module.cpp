@@ -36,7 +36,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         info["hdims"] = built_hdims();
         info["cuda_version"] = torch_flash::cuda_version();
         info["cutlass_version"] = std::string(FLASH_CUTLASS_VERSION);
-        info["ops"] = std::vector<std::string>{"flash::attention_fwd_sm90", "flash::linear_cross_entropy_logits_sm90"};
+        info["ops"] = std::vector<std::string>{"flash::attention_fwd_sm90"};
         return info;
       },
       "dict: archs, hdims, cuda_version, cutlass_version, ops (flash ops with CUDA kernels here)");

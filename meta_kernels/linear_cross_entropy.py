@@ -1,11 +1,10 @@
 """Fakes for flash.linear_cross_entropy, flash.linear_cross_entropy_backward,
-flash.linear_cross_entropy_with_grads, flash.linear_cross_entropy_scale_ and
-flash.linear_cross_entropy_logits_sm90."""
+flash.linear_cross_entropy_with_grads and flash.linear_cross_entropy_scale_."""
 import torch
 
 from torch_flash.ops.cross_entropy import LossOptions, check_grad_loss, loss_shape
 from torch_flash.ops._checks import check
-from torch_flash.ops.linear_cross_entropy import check_args, check_logits_sm90_args, check_scale_args
+from torch_flash.ops.linear_cross_entropy import check_args, check_scale_args
 from torch_flash.reference._common import compute_dtype
 
 
@@ -51,8 +50,3 @@ def linear_cross_entropy_with_grads(hidden, weight, target, bias=None, *, ignore
 @torch.library.register_fake("flash::linear_cross_entropy_scale_")
 def linear_cross_entropy_scale_(grad, grad_loss):
     check_scale_args("linear_cross_entropy_scale_", grad, grad_loss)
-
-
-@torch.library.register_fake("flash::linear_cross_entropy_logits_sm90")
-def linear_cross_entropy_logits_sm90(weight, hidden, logits, pairs):
-    check_logits_sm90_args("linear_cross_entropy_logits_sm90", weight, hidden, logits, pairs)

@@ -47,9 +47,6 @@ OPS: tuple[OpEntry, ...] = (
     OpEntry("linear_cross_entropy_with_grads", "linear_cross_entropy", "loss", None, public=False),
     # a compiled backward's step over the gradients the forward computed: scaled in place
     OpEntry("linear_cross_entropy_scale_", "linear_cross_entropy", "loss", None, ("grad",), public=False),
-    # the Hopper logits GEMM (csrc/linear_cross_entropy) with the loss's statistics per class tile
-    OpEntry("linear_cross_entropy_logits_sm90", "linear_cross_entropy", "loss", None, ("logits", "pairs"),
-            public=False),
     OpEntry("rotary", "rotary", "rotary", "rotary_backward"),
     OpEntry("rotary_qk", "rotary", "rotary", "rotary_qk_backward"),
     # in-place forms, public as torch_flash.rotary / rotary_qk(..., inplace=True)

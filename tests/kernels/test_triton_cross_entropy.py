@@ -368,39 +368,6 @@ def test_linear_cross_entropy(dtype, has_bias, opts, reduction):
     _check_lce((loss, dh, dw, db), (h, w, t, b), opts, reduction, dtype, chunks=6)
 
 
-@pytest.mark.parametrize("reduction", ["mean", "none"])
-@pytest.mark.parametrize("opts", [OPTIONS["plain"], OPTIONS["z_loss"]], ids=["plain", "z_loss"])
-def test_linear_cross_entropy_logits_sm90_path(monkeypatch, opts, reduction):
-    """The chunks' statistics from flash.linear_cross_entropy_logits_sm90's pairs (on CPU its
-    reference body) through _ce_pairs_kernel: 300 tokens in chunks of 160, so the resident
-    chunk (160 tokens, its classes in two shards) runs in GEMM slices of 128 tokens and a
-    ragged 32, then one chunk of 140 padded to 144: loss and gradients as with the loss
-    kernels' own statistics, and within tolerance of float64."""
-    calls = []
-
-    def counted(*args):
-        calls.append(args[1].shape[0])
-        return stats(*args)
-
-    stats = K._logits_stats_sm90
-    monkeypatch.setattr(K, "_logits_stats_sm90", counted)
-    monkeypatch.setattr(K, "LCE_LOGITS_SLICE", 128)
-    h, w, _, t = _lce_inputs(300, 32, 200, BF16, False, opts.ignore_index)
-    kw = dict(chunk_size=160, block=BLOCK, **_kw(opts, reduction))
-    assert K.lce_plan(300, 200, 32, BF16, 160) == (160, 160)
-    monkeypatch.setattr(K, "_logits_sm90_serves", lambda *args: False)
-    own = K.lce_fwd(h, w, t, None, **kw)
-    monkeypatch.setattr(K, "_logits_sm90_serves", lambda *args: True)
-    got = K.lce_fwd(h, w, t, None, **kw)
-    assert calls == [160, 144]
-    for name, g, o in zip(("loss", "dhidden", "dweight"), got, own):
-        if o is None:
-            assert g is None
-            continue
-        assert rel_err(g, o) < (1e-5 if name == "loss" else 2e-3), name
-    _check_lce(got, (h, w, t, None), opts, reduction, BF16, chunks=2)
-
-
 def test_linear_cross_entropy_batch_dims_default_chunk():
     """hidden (2, 3, H): default chunking (one chunk here), gradients shaped like the inputs."""
     opts = OPTIONS["z_loss"]

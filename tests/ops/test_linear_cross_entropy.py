@@ -1,7 +1,5 @@
 """flash.linear_cross_entropy: opcheck, gradcheck, equality with cross_entropy(hidden @ W.T + b),
 chunking (the full logits never exist), bad inputs, empty batch, inputs untouched."""
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -74,22 +72,7 @@ def _samples_scale():
         yield (torch.randn(3, 5, dtype=dtype), torch.tensor(g)), {}
 
 
-def _samples_logits_sm90():
-    """The Hopper logits GEMM's contract (on CPU the op's reference body runs): class tiles
-    with a partial last one, tokens not a multiple of the token tile, logits as a column
-    slice of a wider buffer (a chunk's token slice); CUDA tensors too where the kernel is."""
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    for device, (dtype, n_classes, n, hid, wide) in zip(devices * 2, (
-            (torch.bfloat16, 300, 40, 16, 40), (torch.float16, 128, 136, 32, 144))):
-        w = torch.randn(n_classes, hid, device=device).to(dtype)
-        h = torch.randn(n, hid, device=device).to(dtype)
-        logits = torch.empty(n_classes, wide, dtype=dtype, device=device)[:, :n]
-        pairs = torch.empty(-(-n_classes // 128), -(-n // 128) * 128, 2, device=device)
-        yield (w, h, logits, pairs), {}
-
-
 OPCHECK_SAMPLES = {
-    "linear_cross_entropy_logits_sm90": _samples_logits_sm90,
     "linear_cross_entropy": _samples_fwd,
     "linear_cross_entropy_backward": _samples_bwd,
     "linear_cross_entropy_with_grads": _samples_with_grads,
@@ -714,35 +697,3 @@ def test_cuda_backward_never_waits_for_the_gpu(scale):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     _check_grads(got, h, w, t, b, scale)
-
-
-def test_logits_sm90_reference():
-    """The reference of the Hopper GEMM's pairs: per class tile the max and sum of exp2 of the
-    logits in log2 units, so that their log-add-exp over the tiles is each token's lse; the
-    padding tokens (-inf, 0)."""
-    w = torch.randn(300, 16).to(torch.bfloat16)
-    h = torch.randn(40, 16).to(torch.bfloat16)
-    logits = torch.empty(300, 40, dtype=torch.bfloat16)
-    pairs = torch.empty(3, 128, 2)
-    torch.ops.flash.linear_cross_entropy_logits_sm90(w, h, logits, pairs)
-    assert torch.equal(logits, w @ h.t())
-    m, s = pairs[:, :40].unbind(-1)
-    lse = torch.logsumexp((m + torch.log2(s)) * math.log(2), 0)
-    torch.testing.assert_close(lse, torch.logsumexp(logits.float(), 0))
-    assert torch.equal(m[:, 40:], torch.full_like(m[:, 40:], -math.inf)) and not s[:, 40:].any()
-    for i in range(3):
-        z = logits[i * 128:(i + 1) * 128].float() * math.log2(math.e)
-        torch.testing.assert_close(m[i], z.amax(0))
-
-
-def test_logits_sm90_bad_inputs():
-    w = torch.randn(300, 16).to(torch.bfloat16)
-    h = torch.randn(40, 16).to(torch.bfloat16)
-    logits = torch.empty(300, 40, dtype=torch.bfloat16)
-    op = torch.ops.flash.linear_cross_entropy_logits_sm90
-    with pytest.raises(ValueError, match=r"flash.linear_cross_entropy_logits_sm90: pairs must be .* \(3, 128, 2\)"):
-        op(w, h, logits, torch.empty(3, 40, 2))
-    with pytest.raises(ValueError, match="flash.linear_cross_entropy_logits_sm90: weight must be float16 or bfloat16"):
-        op(w.float(), h.float(), logits.float(), torch.empty(3, 128, 2))
-    with pytest.raises(ValueError, match=r"flash.linear_cross_entropy_logits_sm90: logits must have shape \(300, 40\)"):
-        op(w, h, logits[:, :20], torch.empty(3, 128, 2))

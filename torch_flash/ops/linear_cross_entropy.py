@@ -235,37 +235,6 @@ def _linear_cross_entropy_scale_(grad: Tensor, grad_loss: Tensor) -> None:
     _scale_unless_one_([grad], grad_loss)
 
 
-def check_logits_sm90_args(op: str, weight, hidden, logits, pairs) -> None:
-    """The Hopper logits GEMM's contract (metadata only: the fake runs it too): weight (V, H)
-    and hidden (N, H) fp16/bf16, logits (V, N) of their dtype, each with a contiguous last dim;
-    pairs fp32 (ceil(V / 128), N rounded up to 128, 2), contiguous. The kernel also needs
-    16-byte aligned rows, which its binding checks."""
-    for name, t in (("weight", weight), ("hidden", hidden), ("logits", logits)):
-        check_tensor(op, name, t, ndim=2)
-        check(t.stride(1) == 1, op, f"{name} must have a contiguous last dim, got strides {t.stride()}")
-    check(weight.dtype in (torch.float16, torch.bfloat16), op, f"weight must be float16 or bfloat16, got {weight.dtype}")
-    check_same_dtype(op, weight=weight, hidden=hidden, logits=logits)
-    check(hidden.shape[1] == weight.shape[1], op,
-          f"hidden has shape {tuple(hidden.shape)} but weight has {tuple(weight.shape)}: their last dims must match")
-    check(tuple(logits.shape) == (weight.shape[0], hidden.shape[0]), op,
-          f"logits must have shape {(weight.shape[0], hidden.shape[0])} (classes, tokens), got {tuple(logits.shape)}")
-    want = (-(-weight.shape[0] // 128), -(-hidden.shape[0] // 128) * 128, 2)
-    check(pairs.dtype == torch.float32 and tuple(pairs.shape) == want and pairs.is_contiguous(), op,
-          f"pairs must be a contiguous float32 tensor of shape {want}, got {pairs.dtype} {tuple(pairs.shape)}")
-    check_same_device(op, weight=weight, hidden=hidden, logits=logits, pairs=pairs)
-
-
-@torch.library.custom_op("flash::linear_cross_entropy_logits_sm90", mutates_args=("logits", "pairs"))
-def _linear_cross_entropy_logits_sm90(weight: Tensor, hidden: Tensor, logits: Tensor, pairs: Tensor) -> None:
-    """logits (V, N) = weight (V, H) @ hidden (N, H).T, and per class tile of 128 and token the
-    (max, sum of exp2) of its logits in log2 units (reference.linear_cross_entropy_logits_sm90):
-    the logits GEMM of linear_cross_entropy's chunks with the loss's statistics in its epilogue.
-    torch_flash._C registers the Hopper kernel (csrc/linear_cross_entropy) for CUDA tensors;
-    this body, the reference, runs elsewhere."""
-    check_logits_sm90_args("linear_cross_entropy_logits_sm90", weight, hidden, logits, pairs)
-    ref.linear_cross_entropy_logits_sm90(weight, hidden, logits, pairs)
-
-
 def _backward(ctx, grad_loss):
     grads = ctx.grads
     if grads is not None and _dispatch.symbolic(grad_loss) and functorch_config.donated_buffer:

@@ -8,7 +8,6 @@ The backward recomputes each chunk's logits instead of saving them.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -87,19 +86,3 @@ def linear_cross_entropy_with_grads(hidden: Tensor, weight: Tensor, target: Tens
 def linear_cross_entropy_scale_(grad: Tensor, grad_loss: Tensor) -> None:
     """grad *= grad_loss in place (grad_loss: one element)."""
     grad.mul_(grad_loss.reshape(()).to(grad.dtype))
-
-
-def linear_cross_entropy_logits_sm90(weight: Tensor, hidden: Tensor, logits: Tensor, pairs: Tensor,
-                                     tile: int = 128) -> None:
-    """logits (V, N) = weight (V, H) @ hidden (N, H).T in their dtype, and pairs (ceil(V /
-    tile), tokens padded to a multiple of tile, 2) fp32: per class tile i and token r, (m, s) =
-    (max, sum of exp2(z - m)) of z = logits[i tile:(i + 1) tile, r] * log2(e) (what the loss
-    kernels' first sweep computes); (-inf, 0) for the padding tokens."""
-    logits.copy_(weight @ hidden.t())
-    n_classes, n = logits.shape
-    z = logits.float() * math.log2(math.e)
-    z = F.pad(z, (0, pairs.shape[1] - n, 0, pairs.shape[0] * tile - n_classes), value=-math.inf)
-    z = z.view(pairs.shape[0], tile, pairs.shape[1])
-    m = z.amax(1)
-    s = torch.exp2(z - m.masked_fill(m == -math.inf, 0).unsqueeze(1)).sum(1)
-    pairs.copy_(torch.stack((m, s), -1))

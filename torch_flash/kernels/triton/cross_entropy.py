@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ... import _dispatch, _extension
+from ... import _dispatch
 from ...reference.cross_entropy import LossOptions, row_stride
 from .launch import cdiv, launch, next_power_of_2
 from .scalars import fp32
@@ -85,15 +85,6 @@ LCE_COLS_GRAD = (1024, 16, 4, 4)
 # 0.122 ms with 256 x 16 blocks; lce_resident_chunk_probe_h100.json)
 LCE_COMBINE_BLOCK_S = 128
 LCE_COMBINE_BLOCK_R = 32
-
-# Where flash.linear_cross_entropy_logits_sm90 serves (_logits_sm90_serves), it gives each
-# chunk's logits and their statistics in one GEMM, called per slice of this many tokens (with
-# its class tiles of LCE_LOGITS_TILE, csrc/linear_cross_entropy/lce_logits_sm90.h); the loss
-# kernels then read the logits once for the gradient instead of twice. False turns it off (A/B
-# runs, tests).
-LCE_LOGITS_SLICE = 1024
-LCE_LOGITS_TILE = 128
-use_logits_sm90 = True
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -368,49 +359,6 @@ def _ce_combine_kernel(LseS, ZTS, ZSumS, T, Lse, Loss, n_rows, n_splits, stride_
     lse = tl.where(valid & ((t < 0) | (t >= n_classes)), float("nan"), lse)
     tl.store(Lse + rows, lse, mask=row_ok)
     tl.store(Loss + rows, _loss(lse, z_t, z_sum, z_loss, label_smoothing, n_classes, SUM_Z), mask=row_ok)
-
-
-@triton.jit
-def _ce_pairs_kernel(P, X0, X1, T, Lse, Loss, n_rows, n_tiles, slice_rows, head, stride_x0, stride_x1,
-                     ignore_index, n_classes, z_loss, TILE_N: tl.constexpr, BLOCK_S: tl.constexpr,
-                     BLOCK_R: tl.constexpr):
-    """_ce_combine_kernel's lse and loss (no label smoothing) from the (max, sum of exp2) pairs
-    of flash.linear_cross_entropy_logits_sm90 over n_tiles class tiles. The rows go in slices
-    of slice_rows tokens, one GEMM each (a program's BLOCK_R rows lie in one): slice j's pairs
-    start at P + 2 j n_tiles slice_rows, pair (tile i, row r) 2 (i pitch + r) further, its
-    pitch slice_rows, the last slice's its rows rounded up to TILE_N. The target's logit is
-    read from the column-major logits, X0 for classes below head, X1 (class - head) above."""
-    z_loss = fp32(z_loss)
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < n_rows
-    j = tl.program_id(0) * BLOCK_R // slice_rows
-    r0 = j * slice_rows
-    pitch = tl.where(r0 + slice_rows < n_rows, slice_rows, tl.cdiv(n_rows - r0, TILE_N) * TILE_N)
-    base = P + 2 * j.to(tl.int64) * n_tiles * slice_rows
-    local = rows - r0
-    t = tl.load(T + rows, mask=row_ok, other=ignore_index)
-    valid = row_ok & (t != ignore_index)
-    m2 = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    d = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for s0 in range(0, n_tiles, BLOCK_S):
-        tiles = s0 + tl.arange(0, BLOCK_S)
-        mask = (tiles < n_tiles)[:, None] & row_ok[None, :]
-        offs = 2 * (tiles[:, None].to(tl.int64) * pitch + local[None, :])
-        pm = tl.load(base + offs, mask=mask, other=float("-inf"))
-        ps = tl.load(base + offs + 1, mask=mask, other=0.0)
-        m_new = tl.maximum(m2, tl.max(pm, 0))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        d = d * tl.exp2(m2 - m_use) + tl.sum(ps * tl.exp2(pm - tl.expand_dims(m_use, 0)), 0)
-        m2 = m_new
-    in_range = (t >= 0) & (t < n_classes)
-    lo = valid & in_range & (t < head)
-    hi = valid & in_range & (t >= head)
-    z_t = tl.load(X0 + t.to(tl.int64) * stride_x0 + rows, mask=lo, other=0.0).to(tl.float32)
-    z_t += tl.load(X1 + (t - head).to(tl.int64) * stride_x1 + rows, mask=hi, other=0.0).to(tl.float32)
-    lse = tl.where(valid, (m2 + tl.log2(tl.where(valid, d, 1.0))) * _LN2, 0.0)
-    lse = tl.where(valid & ~in_range, float("nan"), lse)
-    tl.store(Lse + rows, lse, mask=row_ok)
-    tl.store(Loss + rows, _loss(lse, z_t, 0.0, z_loss, 0.0, n_classes, False), mask=row_ok)
 
 
 @triton.jit
@@ -719,15 +667,14 @@ def _cols_grid(config, n_cols: int, n_rows: int, device: torch.device, block: in
 
 
 def _chunk_losses(shards, t, n_valid, n_classes, opts: LossOptions, reduction: str, write_grad: bool,
-                  block: int | None, lse_losses: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                  block: int | None) -> torch.Tensor:
     """fp32 losses (rows,) of a chunk of rows whose logits lie column-major in shards, a list of
     (x (n_cols, rows) with unit row stride, class of x's first column, bias (n_cols,) or None)
     that together hold all n_classes classes; the kernel adds the bias in fp32 (cuBLAS, given a
     bias along the rows of its output, rounds the product and the sum apart). write_grad:
     overwrite each shard with its gradient for an upstream gradient of 1 (mean's 1 / n_valid
     folded in). Three passes: per-split row statistics, their combination into each row's lse
-    and loss, the gradient; the gradient alone where lse_losses gives each row's lse and loss
-    (_logits_stats_sm90)."""
+    and loss, the gradient."""
     n_rows = t.shape[0]
     kw = dict(ignore_index=opts.ignore_index, label_smoothing=opts.label_smoothing, z_loss=opts.z_loss,
               softcap=opts.softcap, inv_softcap=1.0 / opts.softcap if opts.softcap > 0 else 0.0,
@@ -739,86 +686,22 @@ def _chunk_losses(shards, t, n_valid, n_classes, opts: LossOptions, reduction: s
                split, x.stride(0), n_rows, **kw, FORWARD=forward, HAS_BIAS=b is not None, BLOCK_R=block_r,
                BLOCK_V=block_v, num_warps=warps)
 
-    if lse_losses is None:
-        stats = [_cols_grid(LCE_COLS_STATS, x.shape[0], n_rows, x.device, block) for x, _, _ in shards]
-        n_splits = sum(plan[0][1] for plan in stats)
-        lse_s, z_t_s, z_sum_s = torch.empty(3, n_splits, n_rows, dtype=torch.float32, device=t.device)
-        first = 0
-        for (x, v0, b), plan in zip(shards, stats):
-            run(x, v0, b, plan, lse_s[first:], z_t_s[first:], z_sum_s[first:], True)
-            first += plan[0][1]
-        lse, losses = torch.empty(2, n_rows, dtype=torch.float32, device=t.device)
-        block_r = min(LCE_COMBINE_BLOCK_R, next_power_of_2(n_rows))
-        launch(_ce_combine_kernel, (cdiv(n_rows, block_r),), lse_s, z_t_s, z_sum_s, t, lse, losses, n_rows,
-               n_splits, n_rows, opts.ignore_index, n_classes, opts.label_smoothing, opts.z_loss,
-               SUM_Z=opts.label_smoothing > 0, BLOCK_S=LCE_COMBINE_BLOCK_S, BLOCK_R=block_r)
-    else:
-        lse, losses = lse_losses
+    stats = [_cols_grid(LCE_COLS_STATS, x.shape[0], n_rows, x.device, block) for x, _, _ in shards]
+    n_splits = sum(plan[0][1] for plan in stats)
+    lse_s, z_t_s, z_sum_s = torch.empty(3, n_splits, n_rows, dtype=torch.float32, device=t.device)
+    first = 0
+    for (x, v0, b), plan in zip(shards, stats):
+        run(x, v0, b, plan, lse_s[first:], z_t_s[first:], z_sum_s[first:], True)
+        first += plan[0][1]
+    lse, losses = torch.empty(2, n_rows, dtype=torch.float32, device=t.device)
+    block_r = min(LCE_COMBINE_BLOCK_R, next_power_of_2(n_rows))
+    launch(_ce_combine_kernel, (cdiv(n_rows, block_r),), lse_s, z_t_s, z_sum_s, t, lse, losses, n_rows,
+           n_splits, n_rows, opts.ignore_index, n_classes, opts.label_smoothing, opts.z_loss,
+           SUM_Z=opts.label_smoothing > 0, BLOCK_S=LCE_COMBINE_BLOCK_S, BLOCK_R=block_r)
     if write_grad:
         for x, v0, b in reversed(shards):  # the reverse of the forward's order, for L2
             run(x, v0, b, _cols_grid(LCE_COLS_GRAD, x.shape[0], n_rows, x.device, block), lse, None, None, False)
     return losses
-
-
-def _logits_sm90_serves(weight: torch.Tensor, h: torch.Tensor, bias, opts: LossOptions) -> bool:
-    """Whether _logits_stats_sm90 serves chunks of h (N, H) against weight (V, H): the extension
-    built with the kernel, an sm_90 GPU, fp16/bf16 operands whose rows are 16-byte aligned, real
-    tensors (not traced), and no bias, softcap or label smoothing (which the loss kernels' own
-    statistics handle)."""
-    if (not use_logits_sm90 or bias is not None or opts.softcap > 0 or opts.label_smoothing > 0
-            or not weight.is_cuda or weight.dtype not in (torch.float16, torch.bfloat16)
-            or _dispatch.symbolic(weight)):
-        return False
-    if any(x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16 for x in (weight, h)):
-        return False
-    info = _extension.build_info()
-    return (info is not None and "flash::linear_cross_entropy_logits_sm90" in info["ops"]
-            and torch.cuda.get_device_capability(weight.device) == (9, 0))
-
-
-def _logits_stats_sm90(weight, h_c, t_c, shards, n_classes: int, opts: LossOptions):
-    """(lse, losses) (rows,) fp32 of a chunk h_c (rows, H), t_c (rows,), whose logits
-    flash.linear_cross_entropy_logits_sm90 writes into shards, a list of (x (classes, rows)
-    column-major with unit row stride, class slice), with each class tile's statistics: one
-    GEMM per shard and slice of LCE_LOGITS_SLICE tokens, then _ce_pairs_kernel."""
-    rows = h_c.shape[0]
-    tiles = [cdiv(cls.stop - cls.start, LCE_LOGITS_TILE) for _, cls in shards]
-    n_tiles = sum(tiles)
-    last = rows - (rows - 1) // LCE_LOGITS_SLICE * LCE_LOGITS_SLICE
-    pitched = rows - last + cdiv(last, LCE_LOGITS_TILE) * LCE_LOGITS_TILE
-    pairs = torch.empty(2 * n_tiles * pitched, dtype=torch.float32, device=h_c.device)
-    for r0 in range(0, rows, LCE_LOGITS_SLICE):
-        tok = slice(r0, r0 + LCE_LOGITS_SLICE)
-        pitch = cdiv(min(LCE_LOGITS_SLICE, rows - r0), LCE_LOGITS_TILE) * LCE_LOGITS_TILE
-        at = pairs[2 * n_tiles * r0:2 * n_tiles * (r0 + pitch)].view(n_tiles, pitch, 2)
-        first = 0
-        for (x, cls), n in zip(shards, tiles):
-            torch.ops.flash.linear_cross_entropy_logits_sm90(weight[cls], h_c[tok], x[:, tok], at[first:first + n])
-            first += n
-    lse, losses = torch.empty(2, rows, dtype=torch.float32, device=h_c.device)
-    (x0, cls0), (x1, _) = shards[0], shards[-1]
-    launch(_ce_pairs_kernel, (cdiv(rows, LCE_COMBINE_BLOCK_R),), pairs, x0, x1, t_c, lse, losses, rows, n_tiles,
-           LCE_LOGITS_SLICE, cls0.stop, x0.stride(0), x1.stride(0), opts.ignore_index, n_classes, opts.z_loss,
-           TILE_N=LCE_LOGITS_TILE, BLOCK_S=LCE_COMBINE_BLOCK_S, BLOCK_R=LCE_COMBINE_BLOCK_R)
-    return lse, losses
-
-
-def _chunk_logits_losses(weight, bias, h_c, t_c, shards, n_valid, opts: LossOptions, reduction: str,
-                         write_grad: bool, block: int | None) -> torch.Tensor:
-    """fp32 losses (rows,) of a chunk h_c (rows, H), t_c (rows,), its logits computed into
-    shards, a list of (x (classes, rows) column-major with unit row stride, class slice) that
-    together cover every class, and overwritten with their gradient where write_grad
-    (_chunk_losses's). The Hopper GEMM gives the statistics with the logits where it serves,
-    else cuBLAS computes them and the loss kernels their statistics."""
-    n_classes = weight.shape[0]
-    lse_losses = None
-    if _logits_sm90_serves(weight, h_c, bias, opts):
-        lse_losses = _logits_stats_sm90(weight, h_c, t_c, shards, n_classes, opts)
-    else:
-        for x, cls in shards:
-            torch.mm(weight[cls], h_c.t(), out=x)
-    return _chunk_losses([(x, cls.start, None if bias is None else bias[cls]) for x, cls in shards], t_c, n_valid,
-                         n_classes, opts, reduction, write_grad, block, lse_losses)
 
 
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -850,7 +733,10 @@ def _resident_chunk(h_c, t_c, weight, bias, dh_rows, dw, db, buf, layout, n_vali
     main = dw.as_strided((head, rows), (stride, 1), dw.storage_offset() + shift * stride)
     tail = buf[:(n_cols - head) * rows].view(n_cols - head, rows)
     parts = [(x, cls) for x, cls in ((main, slice(0, head)), (tail, slice(head, n_cols))) if x.shape[0]]
-    losses = _chunk_logits_losses(weight, bias, h_c, t_c, parts, n_valid, opts, reduction, True, block)
+    for x, cls in parts:
+        torch.mm(weight[cls], h_c.t(), out=x)
+    losses = _chunk_losses([(x, cls.start, None if bias is None else bias[cls]) for x, cls in parts], t_c,
+                           n_valid, n_cols, opts, reduction, True, block)
     if dh_rows is not None:
         piece = max(1, LCE_DH_PIECE_BYTES // (8 * hid) // LCE_PITCH) * LCE_PITCH  # an fp32 sum and part
         for r0 in range(0, dh_rows.shape[0], piece):
@@ -933,8 +819,9 @@ def lce_fwd(hidden, weight, target, bias, *, ignore_index, label_smoothing, z_lo
         n_c = min(rows, n_rows - start)
         h_c, t_c = _pad_rows(h[sl], t[sl], ignore_index)
         logits = buf[:h_c.shape[0] * n_cols].view(n_cols, h_c.shape[0])
-        losses.append(_chunk_logits_losses(weight, bias, h_c, t_c, [(logits, slice(0, n_cols))], n_valid, opts,
-                                           reduction, write_grad, block)[:n_c])
+        torch.mm(weight, h_c.t(), out=logits)
+        losses.append(_chunk_losses([(logits, 0, bias)], t_c, n_valid, n_cols, opts, reduction, write_grad,
+                                    block)[:n_c])
         if dh is not None and h_c.shape[0] == n_c:
             torch.mm(logits.t(), weight, out=dh_rows[sl])
         elif dh is not None:  # padded: the padding's rows go nowhere
