@@ -458,45 +458,6 @@ def test_lce_cols_partial_class_block(monkeypatch, opts):
         assert_rel_close(got, exp, TOL[FP32], what=what)
 
 
-def _shard_losses(shards, t, opts, fused, n_progs=None, config=None):
-    """Losses and the gradient written over clones of the column-major shards [(x, first
-    class, bias)], through _fused_chunk_losses (n_progs programs, config) or the three
-    launches; mean reduction."""
-    shards = [(x.clone(), v0, b) for x, v0, b in shards]
-    n_classes = sum(x.shape[0] for x, _, _ in shards)
-    n_valid, kw = K._n_valid(t, opts.ignore_index), K._loss_kwargs(opts, "mean")
-    if fused:
-        losses = K._fused_chunk_losses(shards, t, n_valid, n_classes, kw, None, config=config, n_progs=n_progs)
-    else:
-        losses = K._passes_chunk_losses(shards, t, n_valid, n_classes, kw, True, None)
-    return losses, torch.cat([x for x, _, _ in shards])
-
-
-def _check_shards(shards, t, opts, got):
-    """Losses and gradient (classes x rows, as the shards) against float64."""
-    x64 = torch.cat([x.double() + (0 if b is None else b.double()[:, None]) for x, _, b in shards]).t()
-    assert_rel_close(got[0], ce_ref.cross_entropy(x64, t, opts, "none"), TOL[FP32], what="losses")
-    ones = torch.ones((), dtype=torch.float64, device=t.device)
-    want = ce_ref.cross_entropy_backward(ones, x64, t, opts, "mean").t()
-    assert_rel_close(got[1], want, TOL[got[1].dtype], what="gradient")
-
-
-@pytest.mark.parametrize("opts", [OPTIONS["plain"], OPTIONS["all"]], ids=["plain", "all"])
-def test_lce_cols_fused_one_program(opts):
-    """_ce_cols_fused_kernel run by one program (the interpreter runs programs one after another,
-    and every program waits for all): 40 rows in groups of 16 (the last partial) over 203
-    classes in 64-class blocks with a partial one, with a bias and ignored rows; the same losses
-    and gradient as the three launches, and float64's."""
-    x = _logits((203, 40), BF16)
-    b = torch.randn(203, device=DEV).to(BF16)
-    t = _target((40,), 203, opts.ignore_index)
-    fused = _shard_losses([(x, 0, b)], t, opts, True, n_progs=1, config=(16, 64, 4, 1))
-    three = _shard_losses([(x, 0, b)], t, opts, False)
-    assert_rel_close(fused[0], three[0], 1e-6, what="losses")
-    assert_rel_close(fused[1], three[1], 1e-3, what="gradient")
-    _check_shards([(x, 0, b)], t, opts, fused)
-
-
 def test_lce_plan():
     """With dweight, min(N, H) tokens resident in it and one chunk's worth more in the chunk
     buffer (for a given chunk_size, as many as keep the buffer within chunk_size rows of
@@ -692,25 +653,3 @@ def test_cuda_lce_resident_memory(monkeypatch):
     outputs = (n_cols + n) * hid * 2
     assert outputs + max(tail, rows * n_cols) * 2 + piece <= peak <= outputs + tail * 2 + piece + 8 * 2**20
     _check_lce(got, (h, w, t, b), opts, "mean", BF16, chunks=6)
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("config", [None, (16, 128, 4, 3)], ids=["default", "small-groups"])
-@pytest.mark.parametrize("opts", [OPTIONS["plain"], OPTIONS["all"]], ids=["plain", "all"])
-def test_cuda_lce_cols_fused(opts, config):
-    """_ce_cols_fused_kernel on every SM: two shards at their own strides (as the resident
-    chunk's, in dweight's memory and the chunk buffer), 1040 rows (a partial last group),
-    30001 + 2999 classes, a bias, ignored rows: the same losses as the three launches, the
-    gradient within a unit of bf16 of theirs (the lse is summed in another order), both as
-    float64's."""
-    rows = 1040
-    main = _logits((30001, rows + 48), BF16)[:, :rows]
-    tail = _logits((2999, rows), BF16)
-    b = torch.randn(33000, device=DEV).to(BF16)
-    t = _target((rows,), 33000, opts.ignore_index)
-    shards = [(main, 0, b[:30001]), (tail, 30001, b[30001:])]
-    fused = _shard_losses(shards, t, opts, True, config=config)
-    three = _shard_losses(shards, t, opts, False)
-    assert_rel_close(fused[0], three[0], 1e-6, what="losses")
-    assert (fused[1].float() - three[1].float()).abs().max() <= three[1].float().abs().max() * 2**-8
-    _check_shards(shards, t, opts, fused)

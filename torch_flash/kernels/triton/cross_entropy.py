@@ -31,7 +31,6 @@ import triton.language as tl
 
 from ... import _dispatch
 from ...reference.cross_entropy import LossOptions, row_stride
-
 from .launch import cdiv, launch, next_power_of_2
 from .scalars import fp32
 
@@ -86,9 +85,6 @@ LCE_COLS_GRAD = (1024, 16, 4, 4)
 # 0.122 ms with 256 x 16 blocks; lce_resident_chunk_probe_h100.json)
 LCE_COMBINE_BLOCK_S = 128
 LCE_COMBINE_BLOCK_R = 32
-# _ce_cols_fused_kernel's (rows per group, classes per block, warps, programs per SM): three
-# groups' logits (the one read, the one waiting for its lse, the one written) stay in L2
-LCE_COLS_FUSED = (32, 256, 8, 2)
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -260,107 +256,6 @@ def _grad_block(ptrs, mask, cols, c1, B, t_col, valid, lse2, coef, smooth, hit_w
 
 
 @triton.jit
-def _row_targets(T, rows, row_ok, ignore_index, vocab_start, c0, c1):
-    """(valid, hit, t_col) of rows: not ignored; target within local classes [c0, c1) of a
-    shard whose class 0 is vocab_start; its local class where it hits, else -1."""
-    t = tl.load(T + rows, mask=row_ok, other=ignore_index)
-    valid = row_ok & (t != ignore_index)
-    t_local = t - vocab_start
-    hit = valid & (t_local >= c0) & (t_local < c1)
-    return valid, hit, tl.where(hit, t_local, -1).to(tl.int32)
-
-
-@triton.jit
-def _split_ptrs(X, rows, c0, c1, stride_x, BLOCK_V: tl.constexpr):
-    """(ptrs, step, full, tail_cols) of a column-major sweep over classes [c0, c1) of rows: the
-    first block's pointers, a block's pointer step, where the whole class blocks end and the
-    partial block's classes. Whole blocks are read masked by row only, then the partial one:
-    with a class mask in the loop, which Triton cannot prove uniform over a block for a class
-    count not divisible by 16, the loop ran 1.5x slower (H100, 4096 tokens x 50257 classes:
-    1.75 TB/s, 2.62 now)."""
-    # 64-bit column offsets (columns x stride_x may pass 2^31 elements: 8192 x 256k), then
-    # pointers advanced a block at a time
-    ptrs = X + (c0.to(tl.int64) + tl.arange(0, BLOCK_V)[:, None]) * stride_x + rows[None, :]
-    full = c0 + (c1 - c0) // BLOCK_V * BLOCK_V
-    return ptrs, BLOCK_V * stride_x, full, full + tl.arange(0, BLOCK_V)
-
-
-@triton.jit
-def _split_stats(X, B, rows, row_ok, valid, hit, t_col, c0, c1, stride_x, softcap, inv_softcap,
-                 HAS_BIAS: tl.constexpr, SUM_Z: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_R: tl.constexpr,
-                 BLOCK_V: tl.constexpr):
-    """(lse, z_t, z_sum) of rows over the shard's classes [c0, c1), fp32: z at the target where
-    it hits (else 0), the sum of z (SUM_Z); 0 on ignored rows. Masks constant along the rows
-    (row_ok, not valid) keep the loads vectorized: ignored rows are read, and dropped here."""
-    ptrs, step, full, tail_cols = _split_ptrs(X, rows, c0, c1, stride_x, BLOCK_V)
-    m2 = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    d = tl.zeros([BLOCK_R], dtype=tl.float32)
-    z_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for off in range(c0, full, BLOCK_V):
-        m2, d, z_sum = _stats_block(ptrs, row_ok[None, :], off + tl.arange(0, BLOCK_V), c1, B, m2, d, z_sum,
-                                    softcap, inv_softcap, HAS_BIAS, SUM_Z, SOFTCAP)
-        ptrs += step
-    if full < c1:
-        m2, d, z_sum = _stats_block(ptrs, (tail_cols < c1)[:, None] & row_ok[None, :], tail_cols, c1, B, m2, d,
-                                    z_sum, softcap, inv_softcap, HAS_BIAS, SUM_Z, SOFTCAP)
-    x_t = tl.load(X + t_col.to(tl.int64) * stride_x + rows, mask=hit, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        x_t += tl.load(B + t_col, mask=hit, other=0.0).to(tl.float32)
-    z_t, _ = _capped(x_t, softcap, inv_softcap, SOFTCAP)
-    return tl.where(valid, (m2 + tl.log2(d)) * _LN2, 0.0), tl.where(hit, z_t, 0.0), tl.where(valid, z_sum, 0.0)
-
-
-@triton.jit
-def _split_grad(X, B, rows, row_ok, valid, t_col, lse, w, c0, c1, stride_x, n_classes, label_smoothing, z_loss,
-                softcap, inv_softcap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Overwrites rows' logits over the shard's classes [c0, c1) with their gradient, rows of
-    whole-vocabulary lse and weight w (the upstream gradient; 0 on ignored rows)."""
-    ptrs, step, full, tail_cols = _split_ptrs(X, rows, c0, c1, stride_x, BLOCK_V)
-    lse2 = lse * _LOG2E
-    coef, smooth, hit_w = _grad_coefs(tl.where(valid, w, 0.0), lse2, z_loss, label_smoothing, n_classes)
-    for off in range(c0, full, BLOCK_V):
-        _grad_block(ptrs, row_ok[None, :], off + tl.arange(0, BLOCK_V), c1, B, t_col, valid, lse2, coef, smooth,
-                    hit_w, softcap, inv_softcap, HAS_BIAS, SOFTCAP)
-        ptrs += step
-    if full < c1:
-        _grad_block(ptrs, (tail_cols < c1)[:, None] & row_ok[None, :], tail_cols, c1, B, t_col, valid, lse2, coef,
-                    smooth, hit_w, softcap, inv_softcap, HAS_BIAS, SOFTCAP)
-
-
-@triton.jit
-def _row_weight(NValid, BLOCK_R: tl.constexpr, MEAN: tl.constexpr):
-    """Each row's upstream gradient: 1, or 1 / NValid[0] for MEAN."""
-    w = tl.full([BLOCK_R], 1.0, tl.float32)
-    if MEAN:
-        w = w / tl.load(NValid).to(tl.float32)
-    return w
-
-
-@triton.jit
-def _combined(LseS, ZTS, ZSumS, rows, row_ok, t, valid, n_splits, stride_split, n_classes, label_smoothing,
-              z_loss, SUM_Z: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, CACHE: tl.constexpr):
-    """(lse, loss) of rows from n_splits splits' statistics at LseS/ZTS/ZSumS[j * stride_split +
-    row] (as _split_stats's); 0 on ignored rows, NaN where the target lies outside the
-    vocabulary. CACHE: the loads' cache modifier."""
-    m2 = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    d = tl.zeros([BLOCK_R], dtype=tl.float32)
-    z_t = tl.zeros([BLOCK_R], dtype=tl.float32)
-    z_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for s0 in range(0, n_splits, BLOCK_S):
-        splits = s0 + tl.arange(0, BLOCK_S)
-        mask = (splits < n_splits)[:, None] & row_ok[None, :]
-        offs = splits[:, None] * stride_split + rows[None, :]
-        lse_s = tl.load(LseS + offs, mask=mask, other=float("-inf"), cache_modifier=CACHE)
-        m2, d = _online_lse(m2, d, lse_s * _LOG2E)
-        z_t += tl.sum(tl.load(ZTS + offs, mask=mask, other=0.0, cache_modifier=CACHE), 0)
-        if SUM_Z:
-            z_sum += tl.sum(tl.load(ZSumS + offs, mask=mask, other=0.0, cache_modifier=CACHE), 0)
-    lse = tl.where(valid, (m2 + tl.log2(d)) * _LN2, 0.0)
-    lse = tl.where(valid & ((t < 0) | (t >= n_classes)), float("nan"), lse)
-    return lse, _loss(lse, z_t, z_sum, z_loss, label_smoothing, n_classes, SUM_Z)
-
-
-@triton.jit
 def _ce_cols_kernel(X, B, T, Lse, ZT, ZSum, NValid, n_rows, n_cols, vocab_start, n_classes, split_cols,
                     stride_x, stride_stats, ignore_index, label_smoothing, z_loss, softcap, inv_softcap,
                     FORWARD: tl.constexpr, HAS_BIAS: tl.constexpr, MEAN: tl.constexpr, SUM_Z: tl.constexpr,
@@ -382,21 +277,58 @@ def _ce_cols_kernel(X, B, T, Lse, ZT, ZSum, NValid, n_rows, n_cols, vocab_start,
         pid_r, pid_s = tl.num_programs(0) - 1 - pid_r, tl.num_programs(1) - 1 - pid_s
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < n_rows
+    t = tl.load(T + rows, mask=row_ok, other=ignore_index)
+    valid = row_ok & (t != ignore_index)
     c0 = pid_s * split_cols
     c1 = tl.minimum(c0 + split_cols, n_cols)
-    valid, hit, t_col = _row_targets(T, rows, row_ok, ignore_index, vocab_start, c0, c1)
+    t_local = t - vocab_start
+    hit = valid & (t_local >= c0) & (t_local < c1)
+    t_col = tl.where(hit, t_local, -1).to(tl.int32)
+    # 64-bit column offsets (columns x stride_x may pass 2^31 elements: 8192 x 256k), then
+    # pointers advanced a block at a time; masks constant along the rows (row_ok, not valid)
+    # keep the loads vectorized: ignored rows are read, and dropped below
+    ptrs = X + (c0.to(tl.int64) + tl.arange(0, BLOCK_V)[:, None]) * stride_x + rows[None, :]
+    step = BLOCK_V * stride_x
+    # whole class blocks first, masked by row only, then the partial one: with a class mask in
+    # the loop, which Triton cannot prove uniform over a block for a class count not divisible
+    # by 16, the loop ran 1.5x slower (H100, 4096 tokens x 50257 classes: 1.75 TB/s, 2.62 now)
+    full = c0 + (c1 - c0) // BLOCK_V * BLOCK_V
+    tail_cols = full + tl.arange(0, BLOCK_V)
+    tail_mask = (tail_cols < c1)[:, None] & row_ok[None, :]
     if FORWARD:
-        lse, z_t, z_sum = _split_stats(X, B, rows, row_ok, valid, hit, t_col, c0, c1, stride_x, softcap,
-                                       inv_softcap, HAS_BIAS, SUM_Z, SOFTCAP, BLOCK_R, BLOCK_V)
+        m2 = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        d = tl.zeros([BLOCK_R], dtype=tl.float32)
+        z_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for off in range(c0, full, BLOCK_V):
+            m2, d, z_sum = _stats_block(ptrs, row_ok[None, :], off + tl.arange(0, BLOCK_V), c1, B, m2, d, z_sum,
+                                        softcap, inv_softcap, HAS_BIAS, SUM_Z, SOFTCAP)
+            ptrs += step
+        if full < c1:
+            m2, d, z_sum = _stats_block(ptrs, tail_mask, tail_cols, c1, B, m2, d, z_sum, softcap, inv_softcap,
+                                        HAS_BIAS, SUM_Z, SOFTCAP)
+        x_t = tl.load(X + t_col.to(tl.int64) * stride_x + rows, mask=hit, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            x_t += tl.load(B + t_col, mask=hit, other=0.0).to(tl.float32)
+        z_t, _ = _capped(x_t, softcap, inv_softcap, SOFTCAP)
         out = pid_s * stride_stats + rows
-        tl.store(Lse + out, lse, mask=row_ok)
-        tl.store(ZT + out, z_t, mask=row_ok)
+        tl.store(Lse + out, tl.where(valid, (m2 + tl.log2(d)) * _LN2, 0.0), mask=row_ok)
+        tl.store(ZT + out, tl.where(hit, z_t, 0.0), mask=row_ok)
         if SUM_Z:
-            tl.store(ZSum + out, z_sum, mask=row_ok)
+            tl.store(ZSum + out, tl.where(valid, z_sum, 0.0), mask=row_ok)
     else:
-        _split_grad(X, B, rows, row_ok, valid, t_col, tl.load(Lse + rows, mask=row_ok, other=0.0),
-                    _row_weight(NValid, BLOCK_R, MEAN), c0, c1, stride_x, n_classes, label_smoothing, z_loss,
-                    softcap, inv_softcap, HAS_BIAS, SOFTCAP, BLOCK_V)
+        lse2 = tl.load(Lse + rows, mask=row_ok, other=0.0) * _LOG2E
+        w = tl.full([BLOCK_R], 1.0, tl.float32)
+        if MEAN:
+            w = w / tl.load(NValid).to(tl.float32)
+        w = tl.where(valid, w, 0.0)
+        coef, smooth, hit_w = _grad_coefs(w, lse2, z_loss, label_smoothing, n_classes)
+        for off in range(c0, full, BLOCK_V):
+            _grad_block(ptrs, row_ok[None, :], off + tl.arange(0, BLOCK_V), c1, B, t_col, valid, lse2, coef,
+                        smooth, hit_w, softcap, inv_softcap, HAS_BIAS, SOFTCAP)
+            ptrs += step
+        if full < c1:
+            _grad_block(ptrs, tail_mask, tail_cols, c1, B, t_col, valid, lse2, coef, smooth, hit_w, softcap,
+                        inv_softcap, HAS_BIAS, SOFTCAP)
 
 
 @triton.jit
@@ -411,82 +343,22 @@ def _ce_combine_kernel(LseS, ZTS, ZSumS, T, Lse, Loss, n_rows, n_splits, stride_
     row_ok = rows < n_rows
     t = tl.load(T + rows, mask=row_ok, other=ignore_index)
     valid = row_ok & (t != ignore_index)
-    lse, loss = _combined(LseS, ZTS, ZSumS, rows, row_ok, t, valid, n_splits, stride_stats, n_classes,
-                          label_smoothing, z_loss, SUM_Z, BLOCK_S, BLOCK_R, "")
+    m2 = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    d = tl.zeros([BLOCK_R], dtype=tl.float32)
+    z_t = tl.zeros([BLOCK_R], dtype=tl.float32)
+    z_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for s0 in range(0, n_splits, BLOCK_S):
+        splits = s0 + tl.arange(0, BLOCK_S)
+        mask = (splits < n_splits)[:, None] & row_ok[None, :]
+        offs = splits[:, None] * stride_stats + rows[None, :]
+        m2, d = _online_lse(m2, d, tl.load(LseS + offs, mask=mask, other=float("-inf")) * _LOG2E)
+        z_t += tl.sum(tl.load(ZTS + offs, mask=mask, other=0.0), 0)
+        if SUM_Z:
+            z_sum += tl.sum(tl.load(ZSumS + offs, mask=mask, other=0.0), 0)
+    lse = tl.where(valid, (m2 + tl.log2(d)) * _LN2, 0.0)
+    lse = tl.where(valid & ((t < 0) | (t >= n_classes)), float("nan"), lse)
     tl.store(Lse + rows, lse, mask=row_ok)
-    tl.store(Loss + rows, loss, mask=row_ok)
-
-
-# the split's values do not change the compiled kernel, whose registers size the grid
-@triton.jit(do_not_specialize=["split0", "split1", "progs0"])
-def _ce_cols_fused_kernel(X0, X1, B0, B1, T, Lse, Loss, LseS, ZTS, ZSumS, Count, Ready, NValid, n_rows,
-                          n_cols0, n_cols1, n_classes, split0, split1, progs0, stride0, stride1, ignore_index,
-                          label_smoothing, z_loss, softcap, inv_softcap, HAS_BIAS: tl.constexpr,
-                          MEAN: tl.constexpr, SUM_Z: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_R: tl.constexpr,
-                          BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr):
-    """_ce_cols_kernel's statistics, _ce_combine_kernel and the gradient in one persistent
-    launch, a group of BLOCK_R rows at a time, so that the gradient pass reads each group's
-    logits from L2 rather than HBM.
-
-    The logits are two column-major shards (X0: classes [0, n_cols0) at row stride stride0;
-    X1: classes [n_cols0, n_cols0 + n_cols1) at stride1; biases B0, B1 as HAS_BIAS), split over
-    the programs: the first progs0 take split0 classes of X0 each, the others split1 of X1. In
-    turn for every group g of rows, each program writes its classes' statistics of the group
-    to LseS/ZTS/ZSumS[(g P + pid) BLOCK_R + r] (P programs); the last to count itself in
-    Count[g] joins them into the rows' Lse and Loss and sets Ready[g]. Meanwhile the others
-    go on to group g + 1's statistics, then wait for Ready[g] and write group g's gradient over
-    its logits (upstream gradient 1, or 1 / NValid[0] for MEAN). Every program waits for all
-    others, so all must be resident at once: the launcher sizes the grid to the SMs and
-    launches it cooperatively (where it cannot, CUDA refuses the launch). Count and Ready
-    start zeroed."""
-    label_smoothing, z_loss = fp32(label_smoothing), fp32(z_loss)
-    softcap, inv_softcap = fp32(softcap), fp32(inv_softcap)
-    pid, n_progs = tl.program_id(0), tl.num_programs(0)
-    first = pid < progs0
-    v0 = tl.where(first, 0, n_cols0)
-    stride_x = tl.where(first, stride0, stride1)
-    c0 = tl.where(first, pid * split0, (pid - progs0) * split1)
-    c1 = tl.minimum(c0 + tl.where(first, split0, split1), tl.where(first, n_cols0, n_cols1))
-    if first:
-        X, B = X0, B0
-    else:
-        X, B = X1, B1
-    w = _row_weight(NValid, BLOCK_R, MEAN)
-    local = tl.arange(0, BLOCK_R)
-    n_groups = tl.cdiv(n_rows, BLOCK_R)
-    for g in range(0, n_groups + 1):
-        if g < n_groups:
-            rows = g * BLOCK_R + local
-            row_ok = rows < n_rows
-            valid, hit, t_col = _row_targets(T, rows, row_ok, ignore_index, v0, c0, c1)
-            lse, z_t, z_sum = _split_stats(X, B, rows, row_ok, valid, hit, t_col, c0, c1, stride_x, softcap,
-                                           inv_softcap, HAS_BIAS, SUM_Z, SOFTCAP, BLOCK_R, BLOCK_V)
-            base = (g * n_progs).to(tl.int64) * BLOCK_R
-            tl.store(LseS + base + pid * BLOCK_R + local, lse)
-            tl.store(ZTS + base + pid * BLOCK_R + local, z_t)
-            if SUM_Z:
-                tl.store(ZSumS + base + pid * BLOCK_R + local, z_sum)
-            # every thread's stores before the release that publishes them
-            tl.debug_barrier()
-            if tl.atomic_add(Count + g, 1, sem="acq_rel") == n_progs - 1:
-                t = tl.load(T + rows, mask=row_ok, other=ignore_index)
-                lse, loss = _combined(LseS + base, ZTS + base, ZSumS + base, local, row_ok, t, valid, n_progs,
-                                      BLOCK_R, n_classes, label_smoothing, z_loss, SUM_Z, BLOCK_S, BLOCK_R, ".cg")
-                tl.store(Lse + rows, lse, mask=row_ok)
-                tl.store(Loss + rows, loss, mask=row_ok)
-                tl.debug_barrier()
-                tl.atomic_xchg(Ready + g, 1, sem="release")
-        if g > 0:
-            rows = (g - 1) * BLOCK_R + local
-            row_ok = rows < n_rows
-            while tl.atomic_add(Ready + g - 1, 0, sem="acquire") == 0:
-                pass
-            tl.debug_barrier()
-            valid, hit, t_col = _row_targets(T, rows, row_ok, ignore_index, v0, c0, c1)
-            # past L1: another SM wrote the lse
-            lse = tl.load(Lse + rows, mask=row_ok, other=0.0, cache_modifier=".cg")
-            _split_grad(X, B, rows, row_ok, valid, t_col, lse, w, c0, c1, stride_x, n_classes, label_smoothing,
-                        z_loss, softcap, inv_softcap, HAS_BIAS, SOFTCAP, BLOCK_V)
+    tl.store(Loss + rows, _loss(lse, z_t, z_sum, z_loss, label_smoothing, n_classes, SUM_Z), mask=row_ok)
 
 
 @triton.jit
@@ -794,58 +666,6 @@ def _cols_grid(config, n_cols: int, n_rows: int, device: torch.device, block: in
     return (row_blocks, cdiv(n_cols, split)), split, block_r, block_v, warps
 
 
-def _loss_kwargs(opts: LossOptions, reduction: str) -> dict:
-    """The column kernels' loss options."""
-    return dict(ignore_index=opts.ignore_index, label_smoothing=opts.label_smoothing, z_loss=opts.z_loss,
-                softcap=opts.softcap, inv_softcap=1.0 / opts.softcap if opts.softcap > 0 else 0.0,
-                MEAN=reduction == "mean", SUM_Z=opts.label_smoothing > 0, SOFTCAP=opts.softcap > 0)
-
-
-def _fused_chunk_losses(shards, t, n_valid, n_classes, kw, block, config=None, n_progs=None):
-    """_chunk_losses with write_grad for one or two shards, in one _ce_cols_fused_kernel launch
-    of n_progs programs (config, LCE_COLS_FUSED by default, gives them per SM; tests under the
-    Triton interpreter, which runs the programs one after another, take one)."""
-    block_r, block_v, warps, per_sm = config or LCE_COLS_FUSED
-    n_rows = t.shape[0]
-    block_r = min(block_r, next_power_of_2(n_rows))
-    (x0, _, b0), (x1, _, b1) = shards[0], shards[-1]  # classes [0, n0), [n0, n0 + n1)
-    n0, n1 = x0.shape[0], x1.shape[0] if len(shards) == 2 else 0
-    n_groups = cdiv(n_rows, block_r)
-    sync = torch.zeros(2, n_groups, dtype=torch.int32, device=t.device)
-    lse, losses = torch.empty(2, n_rows, dtype=torch.float32, device=t.device)
-    # launched as it is: never traced (_chunk_losses), and cooperative on a GPU
-    meta = dict(**kw, HAS_BIAS=b0 is not None, BLOCK_R=block_r, BLOCK_V=block or block_v,
-                BLOCK_S=LCE_COMBINE_BLOCK_S, num_warps=warps, **(dict(launch_cooperative_grid=True) if t.is_cuda else {}))
-
-    def args(n_progs, stats):
-        # programs per shard in proportion to its classes, one at least
-        progs0 = n_progs if not n1 else min(n_progs - 1, max(1, round(n_progs * n0 / (n0 + n1))))
-        return (x0, x1, x0 if b0 is None else b0, x1 if b1 is None else b1, t, lse, losses, stats[0], stats[1],
-                stats[-1], sync[0], sync[1], n_valid, n_rows, n0, n1, n_classes, cdiv(n0, progs0),
-                cdiv(n1, max(1, n_progs - progs0)), progs0, x0.stride(0), x1.stride(0))
-
-    if n_progs is None:
-        n_progs = _resident_programs(_ce_cols_fused_kernel.warmup(*args(2, (lse,) * 3), grid=(1,), **meta), per_sm,
-                                     t.device)
-    stats = torch.empty(2 + kw["SUM_Z"], n_groups * n_progs * block_r, dtype=torch.float32, device=t.device)
-    _ce_cols_fused_kernel[(n_progs,)](*args(n_progs, stats), **meta)
-    return losses
-
-
-def _resident_programs(kernel, per_sm: int, device: torch.device) -> int:
-    """Programs of the compiled kernel that fit on device's SMs at once, per_sm per SM at most:
-    as many as its registers (allocated per warp in units of 256), warps and shared memory
-    allow (a block also reserves 1 KiB of shared memory)."""
-    props = triton.runtime.driver.active.utils.get_device_properties(
-        device.index if device.index is not None else torch.cuda.current_device())
-    kernel._init_handles()
-    warps = kernel.metadata.num_warps
-    regs = cdiv(kernel.n_regs * 32, 256) * 256 * warps
-    fit = min(per_sm, props["max_num_regs"] // regs, 64 // warps,
-              props["max_shared_mem"] // (kernel.metadata.shared + 1024))
-    return max(1, fit) * props["multiprocessor_count"]
-
-
 def _chunk_losses(shards, t, n_valid, n_classes, opts: LossOptions, reduction: str, write_grad: bool,
                   block: int | None) -> torch.Tensor:
     """fp32 losses (rows,) of a chunk of rows whose logits lie column-major in shards, a list of
@@ -853,18 +673,12 @@ def _chunk_losses(shards, t, n_valid, n_classes, opts: LossOptions, reduction: s
     that together hold all n_classes classes; the kernel adds the bias in fp32 (cuBLAS, given a
     bias along the rows of its output, rounds the product and the sum apart). write_grad:
     overwrite each shard with its gradient for an upstream gradient of 1 (mean's 1 / n_valid
-    folded in). On a GPU, in one launch (_fused_chunk_losses) where the gradient is written and
-    the call is not traced or captured; else in passes (_passes_chunk_losses)."""
-    kw = _loss_kwargs(opts, reduction)
-    if write_grad and t.is_cuda and len(shards) <= 2 and not _dispatch.symbolic(t):
-        return _fused_chunk_losses(shards, t, n_valid, n_classes, kw, block)
-    return _passes_chunk_losses(shards, t, n_valid, n_classes, kw, write_grad, block)
-
-
-def _passes_chunk_losses(shards, t, n_valid, n_classes, kw, write_grad, block):
-    """_chunk_losses in three passes: per-split row statistics (_ce_cols_kernel), their
-    combination into each row's lse and loss (_ce_combine_kernel), the gradient."""
+    folded in). Three passes: per-split row statistics, their combination into each row's lse
+    and loss, the gradient."""
     n_rows = t.shape[0]
+    kw = dict(ignore_index=opts.ignore_index, label_smoothing=opts.label_smoothing, z_loss=opts.z_loss,
+              softcap=opts.softcap, inv_softcap=1.0 / opts.softcap if opts.softcap > 0 else 0.0,
+              MEAN=reduction == "mean", SUM_Z=opts.label_smoothing > 0, SOFTCAP=opts.softcap > 0)
 
     def run(x, v0, b, plan, lse, z_t, z_sum, forward):
         grid, split, block_r, block_v, warps = plan
@@ -882,8 +696,8 @@ def _passes_chunk_losses(shards, t, n_valid, n_classes, kw, write_grad, block):
     lse, losses = torch.empty(2, n_rows, dtype=torch.float32, device=t.device)
     block_r = min(LCE_COMBINE_BLOCK_R, next_power_of_2(n_rows))
     launch(_ce_combine_kernel, (cdiv(n_rows, block_r),), lse_s, z_t_s, z_sum_s, t, lse, losses, n_rows,
-           n_splits, n_rows, kw["ignore_index"], n_classes, kw["label_smoothing"], kw["z_loss"],
-           SUM_Z=kw["SUM_Z"], BLOCK_S=LCE_COMBINE_BLOCK_S, BLOCK_R=block_r)
+           n_splits, n_rows, opts.ignore_index, n_classes, opts.label_smoothing, opts.z_loss,
+           SUM_Z=opts.label_smoothing > 0, BLOCK_S=LCE_COMBINE_BLOCK_S, BLOCK_R=block_r)
     if write_grad:
         for x, v0, b in reversed(shards):  # the reverse of the forward's order, for L2
             run(x, v0, b, _cols_grid(LCE_COLS_GRAD, x.shape[0], n_rows, x.device, block), lse, None, None, False)
