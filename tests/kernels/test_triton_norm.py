@@ -175,9 +175,12 @@ def test_cast_before_weight_rounds_xhat(block_n):
     assert rel_err(dw, (gy * rounded).sum(0)) < 0.3 * rel_err(dw, (gy * unrounded).sum(0))
 
 
-def test_large_hidden():
-    """N = 70000 with the default blocks: the column loop of both kernels, no register limit."""
-    x, w = torch.randn(2, 70000, device=DEV), torch.randn(70000, device=DEV)
+@pytest.mark.parametrize("n", [12000, 70000])
+def test_large_hidden(n):
+    """Rows wider than the whole-row blocks, default blocks: the column loop of both kernels, no
+    register limit; the backward's two loop shapes (one row of 8192-column blocks, and tiles of
+    several rows of narrower blocks, more rows than the tensor has)."""
+    x, w = torch.randn(2, n, device=DEV), torch.randn(n, device=DEV)
     kw = dict(eps=1e-6, is_rms=True, weight_offset=0.0, cast_before_weight=True)
     y, _ = K.norm_fwd(x, w, None, None, residual_in_fp32=False, **kw)
     assert_rel_close(y, _norm64(x, w, None, round_dtype=FP32, **kw), TOL[FP32])
@@ -255,7 +258,7 @@ def _torch_norm(x, w, b, is_rms, eps):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "ln"])
-@pytest.mark.parametrize("shape", [(4096, 4096), (8192, 1024), (64, 65536 + 17), (3, 300000)])
+@pytest.mark.parametrize("shape", [(4096, 4096), (8192, 1024), (64, 12288), (64, 65536 + 17), (3, 300000)])
 def test_cuda_large(shape, is_rms):
     """bf16 at real sizes: within tolerance of fp64 and no worse than PyTorch's own bf16 path
     (PyTorch's rounds xhat * w once; cast_before_weight=False does the same)."""

@@ -32,11 +32,17 @@ from .launch import cdiv, launch, next_power_of_2
 from .scalars import fp32
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Widest column block held in registers per row; longer rows loop over blocks of this size.
+# Widest column block held in registers per row; longer rows loop over column blocks.
 FWD_MAX_BLOCK = 16384
 BWD_MAX_BLOCK = 8192
 # Target elements per program tile: short rows are processed several at a time.
 TILE = 4096
+# The backward's column loop: (widest row, column block, elements per row tile), the first
+# entry that holds the row. H100, 2026-11-27 (docs/perf/norm_loop_probe_h100.json): at N =
+# 16384, one row at a time in 8192-column blocks (RMSNorm 0.49 of copy; 1024 x 8 rows 0.39);
+# at 65536, 8-row tiles of 1024 columns, whose dW/dB partials are read and written once per 8
+# rows rather than per row (RMSNorm 0.29 -> 0.39 of copy, LayerNorm 0.21 -> 0.43).
+BWD_LOOPS = ((16384, 8192, 4096), (None, 1024, 8192))
 # Backward programs per SM: BWD_ELEMENTS_PER_SM // row block, at most 2 (dW partials are
 # programs x N fp32). Measured on the H100 (scripts/sweep_norm.py, 2026-11-21): at (32768, 4096)
 # 2 programs per SM reached 0.91 / 0.86 of copy (RMSNorm / LayerNorm) where 4 reached 0.88 / 0.81;
@@ -458,10 +464,11 @@ def _vector(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.contiguous()
 
 
-def _blocks(n: int, cap: int, block_n: int | None) -> tuple[int, int]:
-    """(BLOCK_N, ROWS): the column block and the rows per program tile."""
-    block = block_n or min(next_power_of_2(n), cap)
-    return block, max(1, min(64, TILE // block))
+def _blocks(n: int, cap: int, block_n: int | None, loop: tuple[int, int] | None = None) -> tuple[int, int]:
+    """(BLOCK_N, ROWS): the column block and the rows per program tile. A row wider than cap
+    loops over column blocks: loop's (block, elements per tile), by default (cap, TILE)."""
+    block, tile = (block_n, TILE) if block_n else (next_power_of_2(n), TILE) if n <= cap else (loop or (cap, TILE))
+    return block, max(1, min(64, tile // block))
 
 
 def _bwd_programs(m: int, block: int, device: torch.device) -> int:
@@ -538,7 +545,8 @@ def norm_bwd(grad_y, grad_residual_out, x_or_residual_out, weight, bias, *, eps,
         return (dx, None if weight is None else torch.zeros_like(weight),
                 None if bias is None else torch.zeros_like(bias))
     g_rows, gr_rows, x_rows = _in_rows(grad_y, n), _in_rows(grad_residual_out, n), _in_rows(x, n)
-    block, rows_per_tile = _blocks(n, BWD_MAX_BLOCK, block_n)
+    loop = next((blk, tile) for widest, blk, tile in BWD_LOOPS if widest is None or n <= widest)
+    block, rows_per_tile = _blocks(n, BWD_MAX_BLOCK, block_n, loop)
     programs = _bwd_programs(m, block, x.device)
     # dW and dB partials in one buffer, so that one reduction finishes both (the reductions
     # after the kernel were 5% of LayerNorm's backward at (32768, 4096) on the H100)
