@@ -175,20 +175,25 @@ def test_cast_before_weight_rounds_xhat(block_n):
     assert rel_err(dw, (gy * rounded).sum(0)) < 0.3 * rel_err(dw, (gy * unrounded).sum(0))
 
 
-@pytest.mark.parametrize("n", [12000, 70000])
-def test_large_hidden(n):
+@pytest.mark.parametrize("n,is_rms", [(12000, True), (12000, False), (70000, True)],
+                         ids=["rms-12000", "ln-12000", "rms-70000"])
+def test_large_hidden(n, is_rms):
     """Rows wider than the whole-row blocks, default blocks: the column loop of both kernels, no
-    register limit; the backward's two loop shapes (one row of 8192-column blocks, and tiles of
-    several rows of narrower blocks, more rows than the tensor has)."""
+    register limit; the backward's two loop shapes (one row of 8192-column blocks for RMSNorm at
+    12000; tiles of several rows of narrower blocks, more rows than the tensor has, for
+    LayerNorm with a bias and for 70000)."""
     x, w = torch.randn(2, n, device=DEV), torch.randn(n, device=DEV)
-    kw = dict(eps=1e-6, is_rms=True, weight_offset=0.0, cast_before_weight=True)
-    y, _ = K.norm_fwd(x, w, None, None, residual_in_fp32=False, **kw)
-    assert_rel_close(y, _norm64(x, w, None, round_dtype=FP32, **kw), TOL[FP32])
+    b = None if is_rms else torch.randn(n, device=DEV)
+    kw = dict(eps=1e-6, is_rms=is_rms, weight_offset=0.0, cast_before_weight=is_rms)
+    y, _ = K.norm_fwd(x, w, b, None, residual_in_fp32=False, **kw)
+    assert_rel_close(y, _norm64(x, w, b, round_dtype=FP32, **kw), TOL[FP32])
     gy = torch.randn_like(x)
-    dx, dw, _ = K.norm_bwd(gy, None, x, w, None, out_dtype=FP32, **kw)
-    edx, edw, _ = _grads64(gy, None, x, w, None, kw, FP32)
+    dx, dw, db = K.norm_bwd(gy, None, x, w, b, out_dtype=FP32, **kw)
+    edx, edw, edb = _grads64(gy, None, x, w, b, kw, FP32)
     assert_rel_close(dx, edx, TOL[FP32], what="dx")
     assert_rel_close(dw, edw, TOL[FP32], what="dweight")
+    if b is not None:
+        assert_rel_close(db, edb, TOL[FP32], what="dbias")
 
 
 LAYOUTS = {

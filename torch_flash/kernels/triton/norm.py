@@ -41,8 +41,11 @@ TILE = 4096
 # entry that holds the row. H100, 2026-11-27 (docs/perf/norm_loop_probe_h100.json): at N =
 # 16384, one row at a time in 8192-column blocks (RMSNorm 0.49 of copy; 1024 x 8 rows 0.39);
 # at 65536, 8-row tiles of 1024 columns, whose dW/dB partials are read and written once per 8
-# rows rather than per row (RMSNorm 0.29 -> 0.39 of copy, LayerNorm 0.21 -> 0.43).
+# rows rather than per row (RMSNorm 0.29 -> 0.39 of copy, LayerNorm 0.21 -> 0.43). With a dB
+# partial row as well (LayerNorm with a bias), the 8-row tiles win from 16384 on (add +
+# LayerNorm 0.44 -> 0.51, LayerNorm 0.42 -> 0.43).
 BWD_LOOPS = ((16384, 8192, 4096), (None, 1024, 8192))
+BWD_LOOPS_WITH_DB = ((None, 1024, 8192),)
 # Backward programs per SM: BWD_ELEMENTS_PER_SM // row block, at most 2 (dW partials are
 # programs x N fp32). Measured on the H100 (scripts/sweep_norm.py, 2026-11-21): at (32768, 4096)
 # 2 programs per SM reached 0.91 / 0.86 of copy (RMSNorm / LayerNorm) where 4 reached 0.88 / 0.81;
@@ -545,7 +548,8 @@ def norm_bwd(grad_y, grad_residual_out, x_or_residual_out, weight, bias, *, eps,
         return (dx, None if weight is None else torch.zeros_like(weight),
                 None if bias is None else torch.zeros_like(bias))
     g_rows, gr_rows, x_rows = _in_rows(grad_y, n), _in_rows(grad_residual_out, n), _in_rows(x, n)
-    loop = next((blk, tile) for widest, blk, tile in BWD_LOOPS if widest is None or n <= widest)
+    loops = BWD_LOOPS if bias is None else BWD_LOOPS_WITH_DB
+    loop = next((blk, tile) for widest, blk, tile in loops if widest is None or n <= widest)
     block, rows_per_tile = _blocks(n, BWD_MAX_BLOCK, block_n, loop)
     programs = _bwd_programs(m, block, x.device)
     # dW and dB partials in one buffer, so that one reduction finishes both (the reductions
