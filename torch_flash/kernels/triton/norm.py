@@ -470,7 +470,12 @@ def _vector(t: torch.Tensor | None) -> torch.Tensor | None:
 def _blocks(n: int, cap: int, block_n: int | None, loop: tuple[int, int] | None = None) -> tuple[int, int]:
     """(BLOCK_N, ROWS): the column block and the rows per program tile. A row wider than cap
     loops over column blocks: loop's (block, elements per tile), by default (cap, TILE)."""
-    block, tile = (block_n, TILE) if block_n else (next_power_of_2(n), TILE) if n <= cap else (loop or (cap, TILE))
+    if block_n:
+        block, tile = block_n, TILE
+    elif n <= cap:
+        block, tile = next_power_of_2(n), TILE
+    else:
+        block, tile = loop or (cap, TILE)
     return block, max(1, min(64, tile // block))
 
 
