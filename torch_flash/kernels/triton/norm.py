@@ -289,7 +289,7 @@ def _norm_bwd_kernel(G, GR, X, W, MEAN, RSTD, DX, DWP, DBP, M, N, stride_g, stri
                      IS_RMS: tl.constexpr, HAS_GRES: tl.constexpr, HAS_W: tl.constexpr,
                      HAS_DW: tl.constexpr, HAS_DB: tl.constexpr, CAST_BEFORE_W: tl.constexpr,
                      ROUND: tl.constexpr, HAS_STATS: tl.constexpr, ONE_BLOCK: tl.constexpr,
-                     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, RELOAD_W: tl.constexpr):
+                     BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
     eps, weight_offset = fp32(eps), fp32(weight_offset)
     # Program p owns rows [p*M//P, (p+1)*M//P) (at least one, as P <= M) and row p of the partials.
     pid = tl.program_id(0).to(tl.int64)
@@ -299,12 +299,12 @@ def _norm_bwd_kernel(G, GR, X, W, MEAN, RSTD, DX, DWP, DBP, M, N, stride_g, stri
     if ONE_BLOCK:  # whole row in registers; dW/dB partials accumulate in registers
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < N
-        # RELOAD_W: w + offset read again (from L1) per row tile rather than held for the whole
-        # loop, where dB's accumulator would make the row's registers spill (add + LayerNorm at
-        # (32768, 4096), 4 warps: 255 registers, 30 spilled; reloaded, none: 0.78 -> 0.93 of
-        # copy on the H200, 0.86 -> 0.95 on the H100; RMSNorm lost up to 10 % by reloading:
-        # docs/perf/README.md, "Norms")
-        if not RELOAD_W:
+        # With HAS_DB, w + offset is read again (from L1) per row tile rather than held for the
+        # whole loop, where dB's accumulator would make the row's registers spill (add +
+        # LayerNorm at (32768, 4096), 4 warps: 255 registers, 30 spilled; reloaded, none: 0.78
+        # -> 0.93 of copy on the H200, 0.86 -> 0.95 on the H100; RMSNorm lost up to 10 % by
+        # reloading: docs/perf/README.md, "Norms")
+        if not HAS_DB:
             wo = _weight(W, cols, col_mask, weight_offset, HAS_W)
         dw = tl.zeros([BLOCK_N], dtype=tl.float32)
         db = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -326,7 +326,7 @@ def _norm_bwd_kernel(G, GR, X, W, MEAN, RSTD, DX, DWP, DBP, M, N, stride_g, stri
             x_next = tl.load(_ptrs(X, rows + ROWS, cols, stride_x), mask=next_mask, other=0.0)
             g_next = tl.load(_ptrs(G, rows + ROWS, cols, stride_g), mask=next_mask, other=0.0)
             mean_next, rstd_next = _saved_stats(MEAN, RSTD, rows + ROWS, rows + ROWS < row_end, HAS_STATS)
-            if RELOAD_W:
+            if HAS_DB:
                 wo = _weight(W, cols, col_mask, weight_offset, HAS_W)
             mean, rstd, c1, c2, xhat, dxhat = _row_sums(x, g, wo, mask, N, eps, mean, rstd, IS_RMS, HAS_STATS)
             _dx_store(xhat, dxhat, c1, c2, rstd, gr, DX, rows, cols, mask, stride_dx, IS_RMS, HAS_GRES)
@@ -571,7 +571,7 @@ def norm_bwd(grad_y, grad_residual_out, x_or_residual_out, weight, bias, *, eps,
         IS_RMS=is_rms, HAS_GRES=grad_residual_out is not None, HAS_W=weight is not None,
         HAS_DW=dwp is not None, HAS_DB=dbp is not None, CAST_BEFORE_W=cast_before_weight,
         ROUND=_ROUND_CODE.get(out_dtype, 0), HAS_STATS=rstd is not None, ONE_BLOCK=block >= n,
-        BLOCK_N=block, ROWS=rows_per_tile, RELOAD_W=dbp is not None)
+        BLOCK_N=block, ROWS=rows_per_tile)
     dw, db = (None if p is None else torch.empty(p.shape, dtype=p.dtype, device=x.device) for p in (weight, bias))
     outs = [t for t in (dw, db) if t is not None]
     if outs:
