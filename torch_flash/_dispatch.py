@@ -33,7 +33,10 @@ def forced_backend() -> Backend | None:
     return value  # type: ignore[return-value]
 
 
+@functools.cache
 def triton_interpret() -> bool:
+    """Whether Triton interprets its kernels: read once, as Triton itself does when it decorates
+    them (at import)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 

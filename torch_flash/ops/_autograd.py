@@ -1,22 +1,110 @@
-"""Autograd for an op whose backward needs state that only a sibling op returns.
+"""How the dispatcher reaches an op's code: the eager fast path, and autograd rules that need
+state only a sibling op returns.
 
-`flash.attention` returns `out`, but its backward needs the log-sum-exp that
-`flash.attention_with_lse` computes in the same pass; recomputing it would cost a matmul.
-`torch.library.register_autograd` only sees an op's own outputs, so this helper registers
-the op's Autograd kernel by hand (the mechanism `register_autograd` uses inside): the
-forward runs the sibling, keeps its extra state on `ctx`, and returns the public outputs.
-With no gradient needed it dispatches straight to the op's own kernel.
+Eager path. `torch.library.triton_op` puts three Python layers between the dispatcher and an
+op's body on every call: the Autograd kernel (`torch._library.autograd`, which redispatches
+even when no gradient is needed), the backend wrapper (`torch._dynamo` disabled, the
+`set_wrap_triton_enabled` context manager, an output aliasing check), and the op's
+`OpOverloadPacket`. Together 20-25 us a call on a CPU machine, more than the GPU work of a
+small op. `triton_op` below is torch's, plus: the body registered straight on the CPU and CUDA
+keys (the wrap_triton switch set by hand), and one Autograd kernel that runs the body itself
+when no gradient is needed and the call is plain (no tensor subclass, mode, functionalisation
+or tracer below Autograd), else hands the call to the autograd rule. Traced calls never meet
+this path: fakes, functional and proxied tensors carry keys that send them to torch's own
+handling (`plain` below), and under torch.compile the triton op's decomposition runs first.
+
+Autograd via a sibling. `flash.attention` returns `out`, but its backward needs the
+log-sum-exp that `flash.attention_with_lse` computes in the same pass; recomputing it would
+cost a matmul. `torch.library.register_autograd` only sees an op's own outputs, so
+`register_autograd_via` gives the op an autograd.Function of its own: the forward runs the
+sibling, keeps its extra state on `ctx`, and returns the public outputs.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import warnings
 from typing import Any, Callable
 
 import torch
+from torch._library import triton as _library_triton
+from torch._library.autograd import make_autograd_impl
 from torch._library.custom_ops import CustomOpDef
 
-# Autograd rules registered through this helper, by op name (the registry test reads it).
+# Autograd rules registered through register_autograd_via or by hand, by op name (the registry
+# test reads it).
 REGISTERED: dict[str, Callable] = {}
+# op name -> the body that runs for plain eager calls (triton ops that mutate nothing)
+_BODIES: dict[str, Callable] = {}
+
+_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+_BACKEND_KEYS = (torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA)
+_WRAP_TRITON = _library_triton.wrap_triton_enabled  # the thread-local behind set_wrap_triton_enabled
+
+
+def plain(keyset: torch._C.DispatchKeySet) -> bool:
+    """Whether a call that reached Autograd goes from there straight to its CPU or CUDA kernel:
+    no Python key (subclasses, dispatch modes, fake tensors), no pre-dispatch tracer, no
+    functorch layer left below."""
+    return (keyset & _AFTER_AUTOGRAD).highestPriorityTypeId() in _BACKEND_KEYS
+
+
+def launching_directly(fn: Callable) -> Callable:
+    """fn with wrap_triton's tracing hook off, as triton_op's own eager wrapper has it, so that
+    its kernels launch as plain Triton calls (the thread-local set by hand: torch's context
+    manager costs microseconds a call). Also the body of the custom ops whose kernels the
+    compiler must not see (their tensors are always real)."""
+    @functools.wraps(fn)
+    def body(*args, **kwargs):
+        prev = getattr(_WRAP_TRITON, "value", True)
+        _WRAP_TRITON.value = False
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _WRAP_TRITON.value = prev
+    # custom_op infers the schema from this signature, types resolved in fn's module
+    body.__signature__ = inspect.signature(fn, eval_str=True)
+    return body
+
+
+def triton_op(name: str, *, mutates_args) -> Callable[[Callable], CustomOpDef]:
+    """torch.library.triton_op, with the eager fast path (module docstring)."""
+    def dec(fn: Callable) -> CustomOpDef:
+        opdef = torch.library.triton_op(name, mutates_args=mutates_args)(fn)
+        body = launching_directly(fn)
+        for key in ("CPU", "CUDA"):
+            opdef._lib.impl(opdef._name, body, key)
+        # in-place ops go through ADInplaceOrView (version counters) every time
+        if not opdef._opoverload._schema.is_mutable:
+            _BODIES[opdef._name] = body
+        _register_autograd_kernel(opdef, make_autograd_impl(opdef._opoverload, opdef))
+        return opdef
+    return dec
+
+
+def _register_autograd_kernel(opdef: CustomOpDef, rule: Callable) -> None:
+    """Registers the op's Autograd kernel: the body for plain calls without a gradient, else
+    rule(keyset, *args, **kwargs) (torch's register_autograd machinery, or one of ours)."""
+    body = _BODIES.get(opdef._name)
+    if body is None:
+        kernel = rule
+    else:
+        def kernel(keyset, *args, **kwargs):
+            if plain(keyset) and not (torch.is_grad_enabled() and torch._C._any_requires_grad(*args)):
+                return body(*args, **kwargs)
+            return rule(keyset, *args, **kwargs)
+    with warnings.catch_warnings():
+        # custom_op installs an Autograd kernel of its own; this one replaces it (torch 2.11
+        # refuses the override unless it is asked for explicitly)
+        warnings.filterwarnings("ignore", message=r"(?s).*Overriding a previously registered kernel")
+        opdef._lib.impl(opdef._name, kernel, "Autograd", with_keyset=True, allow_override=True)
+
+
+def register_autograd_kernel(opdef: CustomOpDef, rule: Callable) -> None:
+    """An autograd rule written by hand: rule(*args, **kwargs) runs for every call that the
+    eager path (module docstring) does not serve."""
+    _register_autograd_kernel(opdef, lambda keyset, *args, **kwargs: rule(*args, **kwargs))
+    REGISTERED[opdef._qualname.split("::")[1]] = rule
 
 
 def register_autograd_via(opdef: CustomOpDef, *, forward: Callable[..., tuple[Any, Any]],
@@ -48,7 +136,7 @@ def register_autograd_via(opdef: CustomOpDef, *, forward: Callable[..., tuple[An
             got = backward(ctx, *grads)
             return tuple(got.get(n) for n in names)
 
-    def autograd_kernel(*args, **kwargs):
+    def rule(*args, **kwargs):
         given = {**dict(zip(names, args)), **kwargs}
         values = [given[n] if n in given else defaults[n] for n in names]
         needs_grad = torch.is_grad_enabled() and any(
@@ -58,12 +146,7 @@ def register_autograd_via(opdef: CustomOpDef, *, forward: Callable[..., tuple[An
                 return overload(*args, **kwargs)
         return _Function.apply(*values)
 
-    with warnings.catch_warnings():
-        # custom_op installs an Autograd kernel that runs register_autograd's rule; this one
-        # replaces it (torch 2.11 refuses the override unless it is asked for explicitly)
-        warnings.filterwarnings("ignore", message=r"(?s).*Overriding a previously registered kernel")
-        opdef._lib.impl(opdef._name, autograd_kernel, "Autograd", allow_override=True)
-    REGISTERED[opdef._qualname.split("::")[1]] = autograd_kernel
+    register_autograd_kernel(opdef, rule)
 
 
 def grad_or_empty(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

@@ -14,12 +14,11 @@ from typing import Optional
 
 import torch
 from torch import Tensor
-from torch.library import triton_op
 
 from .. import _dispatch, _extension
 from ..reference import attention as ref
 from ..reference._common import compute_dtype
-from ._autograd import grad_or_empty, register_autograd_via
+from ._autograd import grad_or_empty, register_autograd_via, triton_op
 from ._checks import (FLOAT_DTYPES, check, check_last_dim_contiguous, check_like, check_probability,
                       check_same_device, check_same_dtype, check_tensor)
 

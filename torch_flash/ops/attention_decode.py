@@ -23,11 +23,11 @@ from typing import Optional
 
 import torch
 from torch import Tensor
-from torch.library import triton_op
 
 from .. import _dispatch
 from ..reference import attention_decode as ref
 from . import rotary as _rotary
+from ._autograd import triton_op
 from ._checks import (INDEX_DTYPES, check, check_last_dim_contiguous, check_same_device,
                       check_same_dtype, check_tensor)
 

@@ -13,11 +13,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
-from torch.library import triton_op
 
 from ..reference import attention_varlen as ref
 from ..reference._common import compute_dtype
 from ..reference.attention import resolve_scale
+from ._autograd import triton_op
 from ._checks import INDEX_DTYPES, check, check_same_device, check_tensor
 from .attention import check_common, check_saved_and_grads, kernel_flags, op_kwargs, spec_of, use_triton
 

@@ -24,12 +24,12 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
-from torch.library import triton_op
+
 
 from .. import _dispatch
 from ..reference import cross_entropy as ref
 from ..reference._common import compute_dtype
-from ._autograd import register_autograd_via
+from ._autograd import register_autograd_via, triton_op
 from ._checks import INDEX_DTYPES, check, check_same_device, check_tensor, fail
 
 LossOptions = ref.LossOptions

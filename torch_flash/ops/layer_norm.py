@@ -13,10 +13,9 @@ from typing import Optional
 
 import torch
 from torch import Tensor
-from torch.library import triton_op
 
 from ..reference import layer_norm as ref
-from ._autograd import grad_or_empty, register_autograd_via
+from ._autograd import grad_or_empty, register_autograd_via, triton_op
 from ._checks import check, check_same_device, check_tensor
 from .rms_norm import check_args as _check_x_weight_residual
 from .rms_norm import check_grads, laid_out_like, triton_backward, triton_forward

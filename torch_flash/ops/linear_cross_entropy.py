@@ -17,19 +17,16 @@ See torch_flash/reference/linear_cross_entropy.py.
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
 from torch import Tensor
 from torch._functorch import config as functorch_config
-from torch._library.triton import set_wrap_triton_enabled
-from torch.library import triton_op
 
 from .. import _dispatch
 from ..reference import linear_cross_entropy as ref
 from ..reference._common import compute_dtype
-from ._autograd import grad_or_empty, register_autograd_via
+from ._autograd import grad_or_empty, launching_directly, register_autograd_via, triton_op
 from ._checks import check, check_same_device, check_same_dtype, check_tensor, fail
 from .cross_entropy import LossOptions, TargetCheck, check_grad_loss, check_options, check_target
 
@@ -89,17 +86,6 @@ def _linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: 
     return ref.linear_cross_entropy(hidden, weight, target, bias, opts, reduction, chunk_size)
 
 
-def _launching_directly(fn):
-    """fn, the body of one of the custom ops below, with wrap_triton's tracing hook off: the op
-    is opaque to the compiler, so its tensors are real and its kernels launch as plain Triton
-    calls, as a triton op's eager calls do (the hook costs a dispatch per launch)."""
-    @functools.wraps(fn)
-    def body(*args, **kwargs):
-        with set_wrap_triton_enabled(False):
-            return fn(*args, **kwargs)
-    return body
-
-
 # The two ops that accumulate dweight chunk by chunk are custom ops, not triton ops: Inductor
 # traces into a triton op, and in the traced chunk loop the in-place dweight accumulation
 # (addmm_) became out-of-place GEMMs alternating between two dweight-sized buffers. At 8192 x
@@ -108,7 +94,7 @@ def _launching_directly(fn):
 # training graphs only, which AOTInductor does not package (flash.linear_cross_entropy, the
 # inference op, stays a triton op).
 @torch.library.custom_op("flash::linear_cross_entropy_with_grads", mutates_args=())
-@_launching_directly
+@launching_directly
 def _linear_cross_entropy_with_grads(hidden: Tensor, weight: Tensor, target: Tensor,
                                      bias: Optional[Tensor] = None, *, ignore_index: int = -100,
                                      label_smoothing: float = 0.0, z_loss: float = 0.0,
@@ -139,7 +125,7 @@ def _linear_cross_entropy_with_grads(hidden: Tensor, weight: Tensor, target: Ten
 
 
 @torch.library.custom_op("flash::linear_cross_entropy_backward", mutates_args=())
-@_launching_directly
+@launching_directly
 def _linear_cross_entropy_backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor,
                                    bias: Optional[Tensor], *, ignore_index: int = -100,
                                    label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float = 0.0,

@@ -11,11 +11,10 @@ from typing import Optional
 
 import torch
 from torch import Tensor
-from torch.library import triton_op
 
 from .. import _dispatch
 from ..reference import rms_norm as ref
-from ._autograd import grad_or_empty
+from ._autograd import grad_or_empty, triton_op
 from ._checks import FLOAT_DTYPES, check, check_like, check_same_device, check_tensor
 
 

@@ -15,18 +15,17 @@ in-place ops are differentiable too (see _register_inplace_autograd).
 """
 from __future__ import annotations
 
-import warnings
 from typing import Optional, Union
 
 import torch
 from torch import Tensor
 from torch._C._autograd import CreationMeta
 from torch._subclasses.fake_tensor import is_fake
-from torch.library import triton_op
+
 
 from .. import _dispatch
 from ..reference import rotary as ref
-from ._autograd import REGISTERED
+from ._autograd import register_autograd_kernel, triton_op
 from ._checks import (INDEX_DTYPES, check, check_last_dim_contiguous, check_positive_float,
                       check_same_device, check_tensor)
 
@@ -304,9 +303,8 @@ for _op, _grad_op in ((_rotary, "rotary_backward"), (_rotary_backward, "rotary")
 
 
 def _register_inplace_autograd(opdef, functional: str) -> None:
-    """The Autograd kernel of an in-place op (register_autograd takes functional ops only), by
-    the mechanism torch_flash.ops._autograd uses. Without a gradient to record it runs the op's
-    kernel. With one, it rotates by the functional op and copies the result into the rotary
+    """The Autograd kernel of an in-place op (register_autograd takes functional ops only).
+    Without a gradient to record it runs the op's kernel. With one, it rotates by the functional op and copies the result into the rotary
     dims: autograd records the copy on the tensors and on the views they may be (q and k of one
     qkv projection, which a Function marking both dirty could not return), and the gradient is
     the functional op's, the conjugate rotation of the incoming one."""
@@ -344,10 +342,7 @@ def _register_inplace_autograd(opdef, functional: str) -> None:
         for x, r in zip(xs, rotated if isinstance(rotated, tuple) else (rotated,)):
             x[..., :rd].copy_(r)
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"(?s).*Overriding a previously registered kernel")
-        opdef._lib.impl(opdef._name, autograd_kernel, "Autograd", allow_override=True)
-    REGISTERED[op_name] = autograd_kernel
+    register_autograd_kernel(opdef, autograd_kernel)
 
 
 _register_inplace_autograd(_rotary_inplace, "rotary")

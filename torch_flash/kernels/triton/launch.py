@@ -1,51 +1,101 @@
 """launch(kernel, grid, *args, **kwargs): every Triton launch of the ops goes through here.
 
 Traced (torch.compile, export: wrap_triton's hook on) it is wrap_triton(kernel)[grid](...), so
-that the compiler sees the kernel and tunes it itself. Eager, an autotuned kernel launches its
-chosen config through its bare JITFunction: Triton's Autotuner.run re-derives the tuning key
-on every call (a dict of all arguments, each checked against a list of names), which cost 18 us
-of host time per launch on the H100 machine (44 us against 26 for the bare launch,
-scripts/host_overhead.py), more than the kernels take at small shapes. The first launch for a
-key goes through the autotuner, which benchmarks the configs or takes a single one; later ones
-replay its choice. Every config computes the same result, so the key only has to be as fine
-as the autotuner's: its key arguments and the dtypes of the tensor arguments.
+that the compiler sees the kernel and tunes it itself.
+
+Eager, a launch whose arguments were seen before goes straight to the compiled kernel's C
+launcher. Triton's own entry point (JITFunction.run, and Autotuner.run before it) rebinds the
+arguments, re-derives the specialisation and the tuning key, and looks the compiled kernel up on
+every call: 25 us of host time for the RMSNorm kernel on the H100 machine, 18 us more through
+the autotuner (docs/perf, "Host cost of an eager call"), more than the kernel takes at small
+shapes. Here the first launch for a key goes through Triton (compiling and autotuning as
+usual); its compiled kernel, chosen config and argument order are kept under a key that
+determines everything Triton specialises on, so that later launches with the same key take
+the same kernel:
+- the kernel, the current CUDA device (Triton compiles per device), the keyword names;
+- every argument that is not a tensor (ints, floats, flags, constexprs) by value: finer than
+  Triton's specialisation (ints by divisibility by 16 and equality to 1), and than the
+  autotuner's key (key arguments and dtypes);
+- every tensor by dtype and 16-byte alignment, which is all Triton reads of a tensor argument.
+Kernels run by the interpreter (TRITON_INTERPRET=1) and launches while a Triton launch hook is
+set (profilers) take Triton's path every time.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch._library.triton import is_wrap_triton_enabled
+from triton import knobs
 from triton.runtime.autotuner import Autotuner
+from triton.runtime.jit import JITFunction
 
-# (kernel, key values..., tensor dtypes...) -> the chosen config's launch kwargs
-_CHOSEN: dict[tuple, dict] = {}
-# kernel -> [(position, name)] of its autotuning key arguments
-_KEY_SLOTS: dict[Autotuner, list[tuple[int, str]]] = {}
+# kernels with many shapes (varlen lengths, decode caches) would otherwise grow it forever
+MAX_LAUNCHERS = 4096
+# key -> _Launcher
+_LAUNCHERS: dict[tuple, "_Launcher"] = {}
 
 
-def _key_slots(kernel: Autotuner) -> list[tuple[int, str]]:
-    slots = _KEY_SLOTS.get(kernel)
-    if slots is None:
-        slots = _KEY_SLOTS[kernel] = [(kernel.arg_names.index(k), k) for k in kernel.keys]
-    return slots
+class _Launcher:
+    """A compiled kernel and how to call its C launcher from launch()'s arguments."""
+    __slots__ = ("run", "function", "metadata", "order", "tail", "names")
+
+    def __init__(self, kernel, compiled, n_args: int, kwargs: dict, config: dict):
+        fn = kernel.fn if isinstance(kernel, Autotuner) else kernel
+        names = fn.arg_names
+        given = [*names[:n_args], *kwargs]
+        # the config's meta-parameters, then the defaults of parameters nobody passed
+        self.tail = tuple(config[n] if n in config else fn.params[i].default
+                          for i, n in enumerate(names) if n not in given)
+        given += [n for n in names if n not in given]
+        # Triton's launcher takes every parameter in order, constexprs too (ignored)
+        self.order = operator.itemgetter(*(given.index(n) for n in names))
+        self.names = names
+        self.run, self.function, self.metadata = compiled.run, compiled.function, compiled.packed_metadata
+
+    def __call__(self, grid, device: int, args: tuple, kwargs: dict) -> None:
+        params = self.order((*args, *kwargs.values(), *self.tail))
+        if not isinstance(params, tuple):  # itemgetter of one index
+            params = (params,)
+        if callable(grid):
+            grid = grid(dict(zip(self.names, params)))
+        self.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                 torch._C._cuda_getCurrentRawStream(device), self.function, self.metadata,
+                 None, None, None, *params)
+
+
+def _key(kernel, device: int, args: tuple, kwargs: dict) -> tuple:
+    return (kernel, device, tuple(kwargs),
+            *[(a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor) else a
+              for a in (*args, *kwargs.values())])
+
+
+def _compiled_by_triton(kernel) -> bool:
+    """A compiled kernel (not the interpreter's) and no launch hook to call (Triton 3.6 keeps
+    the hooks in a HookChain, earlier versions in an optional callable)."""
+    fn = kernel.fn if isinstance(kernel, Autotuner) else kernel
+    hooks = knobs.runtime.launch_enter_hook
+    return isinstance(fn, JITFunction) and not (hooks is not None and getattr(hooks, "calls", True))
 
 
 def launch(kernel, grid, *args, **kwargs) -> None:
     if is_wrap_triton_enabled():
         torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
         return
-    if not isinstance(kernel, Autotuner):
+    if not _compiled_by_triton(kernel):
         kernel[grid](*args, **kwargs)
         return
-    n = len(args)
-    key = (kernel, *(args[i] if i < n else kwargs.get(name) for i, name in _key_slots(kernel)),
-           *(a.dtype for a in args if isinstance(a, torch.Tensor)),
-           *(a.dtype for a in kwargs.values() if isinstance(a, torch.Tensor)))
-    config = _CHOSEN.get(key)
-    if config is None:
-        kernel[grid](*args, **kwargs)
-        _CHOSEN[key] = kernel.best_config.all_kwargs()
+    device = torch.cuda.current_device()
+    key = _key(kernel, device, args, kwargs)
+    launcher = _LAUNCHERS.get(key)
+    if launcher is not None:
+        launcher(grid, device, args, kwargs)
         return
-    kernel.fn[grid](*args, **kwargs, **config)
+    compiled = kernel[grid](*args, **kwargs)
+    config = kernel.best_config.all_kwargs() if isinstance(kernel, Autotuner) else {}
+    if len(_LAUNCHERS) >= MAX_LAUNCHERS:
+        _LAUNCHERS.clear()
+    _LAUNCHERS[key] = _Launcher(kernel, compiled, len(args), kwargs, config)
 
 
 # Host-side grid and block arithmetic: newer Triton makes triton.cdiv and
