@@ -12,6 +12,10 @@ when no gradient is needed and the call is plain (no tensor subclass, mode, func
 or tracer below Autograd), else hands the call to the autograd rule. Traced calls never meet
 this path: fakes, functional and proxied tensors carry keys that send them to torch's own
 handling (`plain` below), and under torch.compile the triton op's decomposition runs first.
+The public functions go one step further with `call`: where nothing but the Autograd kernel
+would act on the call (plain tensors, no mode, no transform, not tracing, no gradient), they
+run the body without entering the dispatcher at all, whose C++-to-Python crossing alone costs
+about 20 us on the GPU machine's host (docs/perf, "Host cost of an eager call").
 
 Autograd via a sibling. `flash.attention` returns `out`, but its backward needs the
 log-sum-exp that `flash.attention_with_lse` computes in the same pass; recomputing it would
@@ -34,8 +38,11 @@ from torch._library.custom_ops import CustomOpDef
 # Autograd rules registered through register_autograd_via or by hand, by op name (the registry
 # test reads it).
 REGISTERED: dict[str, Callable] = {}
-# op name -> the body that runs for plain eager calls (triton ops that mutate nothing)
+# op name -> the body that runs for plain eager calls (triton ops)
 _BODIES: dict[str, Callable] = {}
+# op name -> positions of the arguments an in-place op writes (their version counters move)
+_MUTATED: dict[str, tuple[int, ...]] = {}
+_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 _AFTER_AUTOGRAD = torch._C._after_autograd_keyset
 _BACKEND_KEYS = (torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA)
@@ -74,9 +81,10 @@ def triton_op(name: str, *, mutates_args) -> Callable[[Callable], CustomOpDef]:
         body = launching_directly(fn)
         for key in ("CPU", "CUDA"):
             opdef._lib.impl(opdef._name, body, key)
-        # in-place ops go through ADInplaceOrView (version counters) every time
-        if not opdef._opoverload._schema.is_mutable:
-            _BODIES[opdef._name] = body
+        _BODIES[opdef._name] = body
+        schema = opdef._opoverload._schema
+        _MUTATED[opdef._name] = tuple(i for i, a in enumerate(schema.arguments)
+                                      if a.alias_info is not None and a.alias_info.is_write)
         _register_autograd_kernel(opdef, make_autograd_impl(opdef._opoverload, opdef))
         return opdef
     return dec
@@ -86,7 +94,7 @@ def _register_autograd_kernel(opdef: CustomOpDef, rule: Callable) -> None:
     """Registers the op's Autograd kernel: the body for plain calls without a gradient, else
     rule(keyset, *args, **kwargs) (torch's register_autograd machinery, or one of ours)."""
     body = _BODIES.get(opdef._name)
-    if body is None:
+    if body is None or _MUTATED[opdef._name]:  # in-place ops pass ADInplaceOrView (version counters)
         kernel = rule
     else:
         def kernel(keyset, *args, **kwargs):
@@ -98,6 +106,34 @@ def _register_autograd_kernel(opdef: CustomOpDef, rule: Callable) -> None:
         # refuses the override unless it is asked for explicitly)
         warnings.filterwarnings("ignore", message=r"(?s).*Overriding a previously registered kernel")
         opdef._lib.impl(opdef._name, kernel, "Autograd", with_keyset=True, allow_override=True)
+
+
+def _plain_call(args: tuple, kwargs: dict) -> bool:
+    """Whether the dispatcher would hand this eager call straight to the op's body (see `plain`),
+    told from Python: no gradient to record, no torch function or dispatch mode (make_fx,
+    FakeTensorMode, user modes), no functorch transform (vmap, grad), and every tensor a plain
+    Tensor or Parameter (no fake, functional or other subclass)."""
+    return not ((torch.is_grad_enabled() and torch._C._any_requires_grad(*args, **kwargs))
+                or torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack()
+                or torch._C._are_functorch_transforms_active()
+                or any(type(a) not in _TENSOR_TYPES for a in (*args, *kwargs.values())
+                       if isinstance(a, torch.Tensor)))
+
+
+def call(op: str, *args, **kwargs):
+    """torch.ops.flash.<op>(*args, **kwargs), without the dispatcher where the call is plain
+    (_plain_call); in-place ops then move their written tensors' version counters themselves,
+    as ADInplaceOrView would (written tensors must be passed positionally for that)."""
+    if torch.compiler.is_compiling():  # Dynamo traces the op call, nothing else here
+        return getattr(torch.ops.flash, op).default(*args, **kwargs)
+    body, mutated = _BODIES.get(op), _MUTATED.get(op, ())
+    if body is None or (mutated and len(args) <= mutated[-1]) or not _plain_call(args, kwargs):
+        return getattr(torch.ops.flash, op).default(*args, **kwargs)
+    out = body(*args, **kwargs)
+    for i in mutated:
+        if args[i] is not None:
+            torch.autograd.graph.increment_version(args[i])
+    return out
 
 
 def register_autograd_kernel(opdef: CustomOpDef, rule: Callable) -> None:

@@ -18,7 +18,7 @@ from torch import Tensor
 from .. import _dispatch, _extension
 from ..reference import attention as ref
 from ..reference._common import compute_dtype
-from ._autograd import grad_or_empty, register_autograd_via, triton_op
+from ._autograd import call, grad_or_empty, register_autograd_via, triton_op
 from ._checks import (FLOAT_DTYPES, check, check_last_dim_contiguous, check_like, check_probability,
                       check_same_device, check_same_dtype, check_tensor)
 
@@ -328,9 +328,9 @@ def _save(ctx, args: dict, out: Tensor, lse: Tensor) -> None:
 def _grads(ctx, grad_out: Tensor, grad_lse: Optional[Tensor]) -> tuple:
     """Gradients of (q, k, v, attn_bias)."""
     q, k, v, attn_bias, out, lse, dropout_seed = ctx.saved_tensors
-    dq, dk, dv, dbias = torch.ops.flash.attention_backward(
-        grad_out, grad_lse, q, k, v, attn_bias, out, lse, ctx.scale, *ctx.scalars,
-        dropout_seed, ctx.bias_grad)
+    dq, dk, dv, dbias = call("attention_backward",
+                             grad_out, grad_lse, q, k, v, attn_bias, out, lse, ctx.scale, *ctx.scalars,
+                             dropout_seed, ctx.bias_grad)
     return dq, dk, dv, dbias if ctx.bias_grad else None
 
 
@@ -381,8 +381,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor] = Non
     lets cuDNN's serve calls of plain fp16/bf16 self-attention on an H100, eager or compiled
     (ops.attention.cudnn_backward_serves; not under torch.use_deterministic_algorithms(True)).
     """
-    return torch.ops.flash.attention(q, k, v, attn_bias,
-                                     **op_kwargs("attention", scale, causal, window, softcap, dropout_p))
+    return call("attention", q, k, v, attn_bias,
+                **op_kwargs("attention", scale, causal, window, softcap, dropout_p))
 
 
 def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor] = None, *,
@@ -393,6 +393,5 @@ def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tens
     scores over its visible keys, fp32 (fp64 for fp64 inputs), -inf where none is
     visible. Differentiable in both outputs (merging partial attentions, ring attention).
     """
-    return torch.ops.flash.attention_with_lse(q, k, v, attn_bias,
-                                              **op_kwargs("attention_with_lse", scale, causal, window,
-                                                         softcap, dropout_p))
+    return call("attention_with_lse", q, k, v, attn_bias,
+                **op_kwargs("attention_with_lse", scale, causal, window, softcap, dropout_p))

@@ -27,7 +27,7 @@ from torch import Tensor
 from .. import _dispatch
 from ..reference import attention_decode as ref
 from . import rotary as _rotary
-from ._autograd import triton_op
+from ._autograd import call, triton_op
 from ._checks import (INDEX_DTYPES, check, check_last_dim_contiguous, check_same_device,
                       check_same_dtype, check_tensor)
 
@@ -166,7 +166,7 @@ def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens:
     """
     check(isinstance(window, (tuple, list)) and len(window) == 2, OP,
           f"window must be a pair (left, right), got {window!r}")
-    return torch.ops.flash.attention_decode(
-        q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin,
-        scale=scale, causal=causal, window_left=window[0], window_right=window[1],
-        softcap=softcap, rotary_interleaved=rotary_interleaved, num_splits=num_splits)
+    return call("attention_decode",
+                q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin,
+                scale=scale, causal=causal, window_left=window[0], window_right=window[1],
+                softcap=softcap, rotary_interleaved=rotary_interleaved, num_splits=num_splits)

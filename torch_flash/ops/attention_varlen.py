@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import is_fake
 from ..reference import attention_varlen as ref
 from ..reference._common import compute_dtype
 from ..reference.attention import resolve_scale
-from ._autograd import triton_op
+from ._autograd import call, triton_op
 from ._checks import INDEX_DTYPES, check, check_same_device, check_tensor
 from .attention import check_common, check_saved_and_grads, kernel_flags, op_kwargs, spec_of, use_triton
 
@@ -124,9 +124,9 @@ def _setup(ctx, inputs, keyword_only_inputs, output):
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, dropout_seed = ctx.saved_tensors
-    dq, dk, dv = torch.ops.flash.attention_varlen_backward(
-        grad_out, grad_lse, q, k, v, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens, out, lse,
-        *ctx.scalars, dropout_seed)
+    dq, dk, dv = call("attention_varlen_backward",
+                      grad_out, grad_lse, q, k, v, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens, out, lse,
+                      *ctx.scalars, dropout_seed)
     return dq, dk, dv, None, None, None, None, None
 
 
@@ -152,7 +152,7 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     """
     kwargs = op_kwargs("attention_varlen", scale, causal, window, softcap, dropout_p)
     seed = kwargs.pop("dropout_seed")
-    out, lse = torch.ops.flash.attention_varlen(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, q.shape[0] if max_seqlen_q is None else max_seqlen_q,
-        k.shape[0] if max_seqlen_k is None else max_seqlen_k, seed, **kwargs)
+    out, lse = call("attention_varlen",
+                    q, k, v, cu_seqlens_q, cu_seqlens_k, q.shape[0] if max_seqlen_q is None else max_seqlen_q,
+                    k.shape[0] if max_seqlen_k is None else max_seqlen_k, seed, **kwargs)
     return (out, lse) if return_lse else out

@@ -29,7 +29,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from .. import _dispatch
 from ..reference import cross_entropy as ref
 from ..reference._common import compute_dtype
-from ._autograd import register_autograd_via, triton_op
+from ._autograd import call, register_autograd_via, triton_op
 from ._checks import INDEX_DTYPES, check, check_same_device, check_tensor, fail
 
 LossOptions = ref.LossOptions
@@ -302,9 +302,9 @@ def _grad_logits(inplace: bool, grad_loss: Tensor, logits: Tensor, target: Tenso
     logits for the logits, history and all (a silently wrong second derivative), where the
     out-of-place op raises for want of an autograd formula."""
     if inplace and not torch.is_grad_enabled():
-        torch.ops.flash.cross_entropy_backward_inplace(grad_loss, logits, target, lse, **options)
+        call("cross_entropy_backward_inplace", grad_loss, logits, target, lse, **options)
         return logits
-    return torch.ops.flash.cross_entropy_backward(grad_loss, logits, target, lse, **options)
+    return call("cross_entropy_backward", grad_loss, logits, target, lse, **options)
 
 
 def _check_inplace(op: str, logits: Tensor) -> None:
@@ -434,7 +434,7 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
     if process_group is not None:
         opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap)
         return _vocab_parallel(logits, target, process_group, opts, reduction, inplace_backward)
-    return torch.ops.flash.cross_entropy(logits, target, ignore_index=ignore_index,
-                                         label_smoothing=label_smoothing, z_loss=z_loss,
-                                         softcap=softcap, reduction=reduction,
-                                         inplace_backward=inplace_backward)
+    return call("cross_entropy", logits, target, ignore_index=ignore_index,
+                label_smoothing=label_smoothing, z_loss=z_loss,
+                softcap=softcap, reduction=reduction,
+                inplace_backward=inplace_backward)

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ..reference import layer_norm as ref
-from ._autograd import grad_or_empty, register_autograd_via, triton_op
+from ._autograd import call, grad_or_empty, register_autograd_via, triton_op
 from ._checks import check, check_same_device, check_tensor
 from .rms_norm import check_args as _check_x_weight_residual
 from .rms_norm import check_grads, laid_out_like, triton_backward, triton_forward
@@ -156,8 +156,8 @@ def _ln_setup(ctx, inputs, y, stats):
 
 def _ln_backward(ctx, grad_y):
     x, weight, bias, mean, rstd = ctx.saved_tensors
-    dx, dw, db = torch.ops.flash.layer_norm_backward(grad_y, x, weight, bias, ctx.eps, ctx.weight_offset,
-                                                     mean, rstd)
+    dx, dw, db = call("layer_norm_backward", grad_y, x, weight, bias, ctx.eps, ctx.weight_offset,
+                      mean, rstd)
     return {"x": dx, "weight": _present(dw, weight), "bias": _present(db, bias)}
 
 
@@ -174,8 +174,8 @@ def _add_ln_setup(ctx, inputs, output, state):
 
 def _add_ln_backward(ctx, grad_y, grad_residual_out):
     residual_out, mean, rstd, weight, bias = ctx.saved_tensors
-    dsum, dw, db = torch.ops.flash.add_layer_norm_backward(
-        grad_y, grad_residual_out, residual_out, weight, bias, ctx.eps, ctx.weight_offset, mean, rstd)
+    dsum, dw, db = call("add_layer_norm_backward", grad_y, grad_residual_out, residual_out, weight, bias,
+                        ctx.eps, ctx.weight_offset, mean, rstd)
     return {"x": dsum.to(ctx.x_dtype), "residual": dsum.to(ctx.residual_dtype),
             "weight": _present(dw, weight), "bias": _present(db, bias)}
 
@@ -193,7 +193,7 @@ def layer_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor
     Returns a tensor shaped like x, in x's dtype or cast to out_dtype (written so by the
     kernel where x is fp32: autocast's fp32 residual stream feeding bf16 matmuls).
     """
-    return torch.ops.flash.layer_norm(x, weight, bias, eps, weight_offset=weight_offset, out_dtype=out_dtype)
+    return call("layer_norm", x, weight, bias, eps, weight_offset=weight_offset, out_dtype=out_dtype)
 
 
 def add_layer_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor] = None,
@@ -205,5 +205,5 @@ def add_layer_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor] = None,
     then reads the fp32 sum). One pass over memory instead of an add and a norm. residual may
     have another float dtype than x. out_dtype: as in layer_norm.
     """
-    return torch.ops.flash.add_layer_norm(x, residual, weight, bias, eps, weight_offset=weight_offset,
-                                          residual_in_fp32=residual_in_fp32, out_dtype=out_dtype)
+    return call("add_layer_norm", x, residual, weight, bias, eps, weight_offset=weight_offset,
+                residual_in_fp32=residual_in_fp32, out_dtype=out_dtype)

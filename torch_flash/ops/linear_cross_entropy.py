@@ -26,7 +26,7 @@ from torch._functorch import config as functorch_config
 from .. import _dispatch
 from ..reference import linear_cross_entropy as ref
 from ..reference._common import compute_dtype
-from ._autograd import grad_or_empty, launching_directly, register_autograd_via, triton_op
+from ._autograd import call, grad_or_empty, launching_directly, register_autograd_via, triton_op
 from ._checks import check, check_same_device, check_same_dtype, check_tensor, fail
 from .cross_entropy import LossOptions, TargetCheck, check_grad_loss, check_options, check_target
 
@@ -277,6 +277,6 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
     it holds), and only the tokens after those go in chunks. Gradients for hidden, weight and
     bias.
     """
-    return torch.ops.flash.linear_cross_entropy(
-        hidden, weight, target, bias, ignore_index=ignore_index, label_smoothing=label_smoothing,
-        z_loss=z_loss, softcap=softcap, reduction=reduction, chunk_size=chunk_size or 0)
+    return call("linear_cross_entropy",
+                hidden, weight, target, bias, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                z_loss=z_loss, softcap=softcap, reduction=reduction, chunk_size=chunk_size or 0)

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from .. import _dispatch
 from ..reference import rms_norm as ref
-from ._autograd import grad_or_empty, triton_op
+from ._autograd import call, grad_or_empty, triton_op
 from ._checks import FLOAT_DTYPES, check, check_like, check_same_device, check_tensor
 
 
@@ -174,8 +174,8 @@ def _rms_setup(ctx, inputs, keyword_only_inputs, output):
 
 def _rms_backward(ctx, grad_y):
     x, weight = ctx.saved_tensors
-    dx, dw = torch.ops.flash.rms_norm_backward(grad_y, x, weight, ctx.eps, ctx.weight_offset,
-                                               ctx.cast_before_weight)
+    dx, dw = call("rms_norm_backward", grad_y, x, weight, ctx.eps, ctx.weight_offset,
+                  ctx.cast_before_weight)
     return dx, (dw if weight is not None else None), None
 
 
@@ -191,9 +191,9 @@ def _add_rms_setup(ctx, inputs, keyword_only_inputs, output):
 
 def _add_rms_backward(ctx, grad_y, grad_residual_out):
     residual_out, weight = ctx.saved_tensors
-    dsum, dw = torch.ops.flash.add_rms_norm_backward(
-        grad_y, grad_residual_out, residual_out, weight, ctx.eps, ctx.weight_offset,
-        ctx.cast_before_weight, ctx.x_dtype)
+    dsum, dw = call("add_rms_norm_backward",
+                    grad_y, grad_residual_out, residual_out, weight, ctx.eps, ctx.weight_offset,
+                    ctx.cast_before_weight, ctx.x_dtype)
     return dsum.to(ctx.x_dtype), dsum.to(ctx.residual_dtype), (dw if weight is not None else None), None
 
 
@@ -212,8 +212,8 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, *,
     (written so by the kernel where y is fp32: autocast's fp32 residual stream feeding bf16
     matmuls needs no cast pass).
     """
-    return torch.ops.flash.rms_norm(x, weight, eps, weight_offset=weight_offset,
-                                    cast_before_weight=cast_before_weight, out_dtype=out_dtype)
+    return call("rms_norm", x, weight, eps, weight_offset=weight_offset,
+                cast_before_weight=cast_before_weight, out_dtype=out_dtype)
 
 
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, *,
@@ -225,6 +225,6 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor] = None, e
     then reads the fp32 sum). One pass over memory instead of an add and a norm. residual may
     have another float dtype than x. out_dtype: as in rms_norm.
     """
-    return torch.ops.flash.add_rms_norm(x, residual, weight, eps, weight_offset=weight_offset,
-                                        cast_before_weight=cast_before_weight,
-                                        residual_in_fp32=residual_in_fp32, out_dtype=out_dtype)
+    return call("add_rms_norm", x, residual, weight, eps, weight_offset=weight_offset,
+                cast_before_weight=cast_before_weight,
+                residual_in_fp32=residual_in_fp32, out_dtype=out_dtype)

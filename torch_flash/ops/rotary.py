@@ -25,7 +25,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from .. import _dispatch
 from ..reference import rotary as ref
-from ._autograd import register_autograd_kernel, triton_op
+from ._autograd import call, register_autograd_kernel, triton_op
 from ._checks import (INDEX_DTYPES, check, check_last_dim_contiguous, check_positive_float,
                       check_same_device, check_tensor)
 
@@ -375,9 +375,9 @@ def rotary(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = False,
     """
     kw = dict(interleaved=interleaved, cu_seqlens=cu_seqlens, **_offset_kwargs(seqlen_offsets))
     if inplace:
-        torch.ops.flash.rotary_(x, cos, sin, **kw)
+        call("rotary_", x, cos, sin, **kw)
         return x
-    return torch.ops.flash.rotary(x, cos, sin, **kw)
+    return call("rotary", x, cos, sin, **kw)
 
 
 def rotary_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = False,
@@ -391,9 +391,9 @@ def rotary_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bo
     """
     kw = dict(interleaved=interleaved, cu_seqlens=cu_seqlens, **_offset_kwargs(seqlen_offsets))
     if inplace:
-        torch.ops.flash.rotary_qk_(q, k, cos, sin, **kw)
+        call("rotary_qk_", q, k, cos, sin, **kw)
         return q, k
-    return torch.ops.flash.rotary_qk(q, k, cos, sin, **kw)
+    return call("rotary_qk", q, k, cos, sin, **kw)
 
 
 def rotary_cos_sin(seqlen: int, rotary_dim: int, base: float = 10000.0, device=None,

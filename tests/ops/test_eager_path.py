@@ -1,0 +1,85 @@
+"""torch_flash/ops/_autograd.py's eager path: a plain call runs the op's body without the
+dispatcher, and every call that is not plain (traced, under a mode, fake, vmapped, needing a
+gradient) still reaches torch.ops.flash, so that tracers and modes see the op."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import torch_flash
+from torch_flash.ops import _autograd
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _inputs():
+    return torch.randn(4, 32), torch.randn(32)
+
+
+def test_plain_call_skips_the_dispatcher(monkeypatch):
+    x, w = _inputs()
+    monkeypatch.setattr(torch.ops.flash.rms_norm, "default", None)  # reaching it would raise
+    torch.testing.assert_close(torch_flash.rms_norm(x, w), _autograd._BODIES["rms_norm"](x, w))
+
+
+@pytest.mark.parametrize("how", ["dispatch mode", "make_fx", "make_fx pre_dispatch", "fake", "gradient"])
+def test_calls_that_are_not_plain_reach_the_op(how):
+    x, w = _inputs()
+    if how == "dispatch mode":
+        with _Recorder() as rec:
+            torch_flash.rms_norm(x, w)
+        assert "flash.rms_norm.default" in rec.ops
+    elif how.startswith("make_fx"):
+        gm = make_fx(lambda x, w: torch_flash.rms_norm(x, w), pre_dispatch=how.endswith("pre_dispatch"))(x, w)
+        assert any(n.target is torch.ops.flash.rms_norm.default for n in gm.graph.nodes)
+    elif how == "fake":
+        with FakeTensorMode() as mode:
+            y = torch_flash.rms_norm(mode.from_tensor(x), mode.from_tensor(w))
+        assert isinstance(y, FakeTensor) and y.shape == x.shape
+    else:
+        x.requires_grad_()
+        y = torch_flash.rms_norm(x, w)
+        assert y.grad_fn is not None
+        y.sum().backward()
+        assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_vmap_is_not_plain():
+    """Under vmap the tensors are batched wrappers of plain type: the transform is what tells."""
+    x, w = torch.randn(3, 4, 32), torch.randn(32)
+    seen = []
+
+    def one(t):
+        seen.append(_autograd._plain_call((t, w), {}))
+        return torch_flash.rms_norm(t, w)
+    out = torch.vmap(one)(x)
+    assert seen == [False]
+    torch.testing.assert_close(out, torch_flash.rms_norm(x, w))
+
+
+def test_in_place_call_moves_version_counters():
+    """Without the dispatcher, an in-place op's written tensors still count a write (autograd
+    relies on it to refuse stale saved tensors)."""
+    x = torch.randn(1, 2, 8, 16)
+    cos, sin = torch_flash.rotary_cos_sin(8, 16)
+    before = x._version
+    torch_flash.rotary(x, cos, sin, inplace=True)
+    assert x._version > before
+    q = torch.randn(1, 2, 1, 16)
+    k_cache, v_cache = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    k_new, v_new = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16)
+    versions = (k_cache._version, v_cache._version)
+    torch_flash.attention_decode(q, k_cache, v_cache, torch.tensor([3], dtype=torch.int32), k_new, v_new)
+    assert k_cache._version > versions[0] and v_cache._version > versions[1]
+    torch.testing.assert_close(k_cache[:, :, 3:4], k_new)
