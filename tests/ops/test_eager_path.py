@@ -83,3 +83,32 @@ def test_in_place_call_moves_version_counters():
     torch_flash.attention_decode(q, k_cache, v_cache, torch.tensor([3], dtype=torch.int32), k_new, v_new)
     assert k_cache._version > versions[0] and v_cache._version > versions[1]
     torch.testing.assert_close(k_cache[:, :, 3:4], k_new)
+
+
+def test_plans_check_once_per_signature(monkeypatch):
+    """A norm's checks and choice of path run on the first call of a signature; a later call
+    with the same signature reuses them (same result), a new shape, dtype, alignment or forced
+    backend makes a new plan, and bad input still raises."""
+    from torch_flash.ops import rms_norm as R
+    monkeypatch.setattr(R, "FORWARD_PLANS", type(R.FORWARD_PLANS)())
+    checks = []
+    real = R.check_args
+    monkeypatch.setattr(R, "check_args", lambda *a, **k: checks.append(a[1].shape) or real(*a, **k))
+    x, w = _inputs()
+    first = torch_flash.rms_norm(x, w)
+    torch.testing.assert_close(torch_flash.rms_norm(x.clone(), w), first)
+    assert len(checks) == 1
+    buf = torch.randn(4 * 32 + 1)
+    torch_flash.rms_norm(buf[1:].view(4, 32), w)  # 4-byte offset: another alignment
+    torch_flash.rms_norm(x.double(), w.double())
+    torch_flash.rms_norm(torch.randn(5, 32), w)
+    assert len(checks) == 4
+    monkeypatch.setenv("TORCH_FLASH_BACKEND", "reference")
+    torch.testing.assert_close(torch_flash.rms_norm(x, w), first)
+    assert len(checks) == 5
+    with pytest.raises(ValueError, match="flash.rms_norm: weight has 31 elements"):
+        torch_flash.rms_norm(x, torch.randn(31))
+    kept = dict(R.FORWARD_PLANS._plans)
+    with FakeTensorMode() as mode:  # traced: checked every time, nothing kept
+        torch_flash.rms_norm(mode.from_tensor(x), mode.from_tensor(w))
+    assert R.FORWARD_PLANS._plans == kept

@@ -332,11 +332,11 @@ def test_autograd_saves_stats(monkeypatch, backend):
     gradients of a pre-norm block (add_layer_norm, then layer_norm of the sum) match float64."""
     monkeypatch.setenv("TORCH_FLASH_BACKEND", backend)
     calls = []
-    for name, flag in (("norm_fwd", "stats"), ("norm_bwd", "rstd")):
-        def spy(*args, fn=getattr(K, name), flag=flag, **kwargs):
-            calls.append((fn.__name__, kwargs.get(flag) is True or isinstance(kwargs.get(flag), torch.Tensor)))
-            return fn(*args, **kwargs)
-        monkeypatch.setattr(K, name, spy)
+    for cls, flag in ((K.NormFwd, "stats"), (K.NormBwd, "has_stats")):
+        def spy(self, *args, run=cls.__call__, flag=flag):
+            calls.append((type(self).__name__, getattr(self, flag)))
+            return run(self, *args)
+        monkeypatch.setattr(cls, "__call__", spy)
     x, r = torch.randn(4, 48, device=DEV), torch.randn(4, 48, device=DEV)
     w, b = torch.randn(48, device=DEV), torch.randn(48, device=DEV)
     torch_flash._dispatch.LAST.clear()
@@ -351,8 +351,8 @@ def test_autograd_saves_stats(monkeypatch, backend):
     assert set(torch_flash._dispatch.LAST) == {"layer_norm", "add_layer_norm_with_stats", "layer_norm_with_stats",
                                                "layer_norm_backward", "add_layer_norm_backward"}
     if backend == "triton":
-        assert calls == [("norm_fwd", False), ("norm_fwd", True), ("norm_fwd", True),
-                         ("norm_bwd", True), ("norm_bwd", True)]
+        assert calls == [("NormFwd", False), ("NormFwd", True), ("NormFwd", True),
+                         ("NormBwd", True), ("NormBwd", True)]
     leaves64 = [t.double().requires_grad_() for t in (x, r, w, b)]
     s64 = leaves64[0] + leaves64[1]
     ys64 = [_mean_var_ln(src, leaves64[2], leaves64[3], 1e-5) for src in (s64, s64)]

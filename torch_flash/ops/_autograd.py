@@ -110,14 +110,17 @@ def _register_autograd_kernel(opdef: CustomOpDef, rule: Callable) -> None:
 
 def _plain_call(args: tuple, kwargs: dict) -> bool:
     """Whether the dispatcher would hand this eager call straight to the op's body (see `plain`),
-    told from Python: no gradient to record, no torch function or dispatch mode (make_fx,
-    FakeTensorMode, user modes), no functorch transform (vmap, grad), and every tensor a plain
-    Tensor or Parameter (no fake, functional or other subclass)."""
-    return not ((torch.is_grad_enabled() and torch._C._any_requires_grad(*args, **kwargs))
-                or torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack()
-                or torch._C._are_functorch_transforms_active()
-                or any(type(a) not in _TENSOR_TYPES for a in (*args, *kwargs.values())
-                       if isinstance(a, torch.Tensor)))
+    told from Python: no torch function or dispatch mode (make_fx, FakeTensorMode, user modes),
+    no functorch transform (vmap, grad), every tensor a plain Tensor or Parameter (no fake,
+    functional or other subclass) off the meta device, and no gradient to record."""
+    if (torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack()
+            or torch._C._are_functorch_transforms_active()):
+        return False
+    grad = torch.is_grad_enabled()
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor) and (type(a) not in _TENSOR_TYPES or a.is_meta or (grad and a.requires_grad)):
+            return False
+    return True
 
 
 def call(op: str, *args, **kwargs):

@@ -53,8 +53,8 @@ def check_stats(op: str, x, mean, rstd) -> None:
 
 def _forward(op: str, x, residual, weight, bias, eps, weight_offset, residual_in_fp32, stats: bool, out_dtype):
     """(y, residual_out or None), plus (mean, rstd) with stats, on the path select() picks."""
-    check_args(op, x, weight, bias, eps, residual, out_dtype)
-    fused = triton_forward(op, x, weight, bias, residual, eps=eps, is_rms=False, weight_offset=weight_offset,
+    fused = triton_forward(op, lambda: check_args(op, x, weight, bias, eps, residual, out_dtype),
+                           x, weight, bias, residual, eps=eps, is_rms=False, weight_offset=weight_offset,
                            cast_before_weight=False, residual_in_fp32=residual_in_fp32, stats=stats,
                            out_dtype=out_dtype)
     if fused is not None:
@@ -88,11 +88,12 @@ def _layer_norm_with_stats(x: Tensor, weight: Optional[Tensor] = None, bias: Opt
 def _backward(op: str, grad_y, grad_residual_out, x, weight, bias, eps, weight_offset, mean, rstd):
     """(dx + grad_residual_out, dweight or None, dbias or None), dx in x's dtype and layout.
     The reference recomputes the statistics (exact in fp64, where fp32 stats would not be)."""
-    check_backward_args(op, grad_y, grad_residual_out, x, weight, bias, eps, mean, rstd,
-                        "residual_out" if op.startswith("add_") else "x")
-    grads = triton_backward(op, grad_y, grad_residual_out, x, weight, bias, eps=eps, is_rms=False,
-                            weight_offset=weight_offset, cast_before_weight=False, out_dtype=x.dtype,
-                            mean=mean, rstd=rstd)
+    def check():
+        check_backward_args(op, grad_y, grad_residual_out, x, weight, bias, eps, mean, rstd,
+                            "residual_out" if op.startswith("add_") else "x")
+    grads = triton_backward(op, check, grad_y, grad_residual_out, x, weight, bias, mean, rstd, eps=eps,
+                            is_rms=False, weight_offset=weight_offset, cast_before_weight=False,
+                            out_dtype=x.dtype)
     if grads is not None:
         return grads
     dx, dw, db = ref.layer_norm_backward(grad_y, x, weight, bias, eps, weight_offset)

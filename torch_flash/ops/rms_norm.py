@@ -7,7 +7,7 @@ reads x anyway, so this costs no memory traffic and keeps the schema a single ou
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -15,6 +15,7 @@ from torch import Tensor
 from .. import _dispatch
 from ..reference import rms_norm as ref
 from ._autograd import call, grad_or_empty, triton_op
+from ._plans import Plans
 from ._checks import FLOAT_DTYPES, check, check_like, check_same_device, check_tensor
 
 
@@ -78,33 +79,48 @@ def _use_triton(op: str, x: Tensor, weight) -> bool:
     return _dispatch.select(op, x.device, triton=triton) == "triton"
 
 
-def triton_forward(op: str, x, weight, bias, residual, **flags):
+# signature -> NormFwd / NormBwd plan (None: the reference path), for all four norm ops
+FORWARD_PLANS, BACKWARD_PLANS = Plans(), Plans()
+
+
+def triton_forward(op: str, check: Callable[[], None], x, weight, bias, residual, **flags):
     """(y, residual_out or None) from torch_flash/kernels/triton/norm.py when it serves this
-    call, else None. flags: eps, is_rms, weight_offset, cast_before_weight, residual_in_fp32,
-    and optionally stats=True (then also each row's (mean, rstd)). Serves the RMSNorm and
-    LayerNorm ops alike."""
-    if not _use_triton(op, x, weight):
-        return None
-    from ..kernels.triton.norm import norm_fwd
-    return norm_fwd(x, weight, bias, residual, **flags)
+    call, else None. check() runs the op's argument checks; they and the choice of path are
+    made once per signature of real inputs (ops/_plans.py). flags: eps, is_rms, weight_offset,
+    cast_before_weight, residual_in_fp32, and optionally stats=True (then also each row's
+    (mean, rstd)). Serves the RMSNorm and LayerNorm ops alike."""
+    def make():
+        check()
+        if not _use_triton(op, x, weight):
+            return None
+        from ..kernels.triton.norm import NormFwd
+        return NormFwd(x, weight, bias, residual, **flags)
+    plan = FORWARD_PLANS.get(op, (x, weight, bias, residual, *flags.values()), make)
+    return None if plan is None else plan(x, weight, bias, residual)
 
 
-def triton_backward(op: str, grad_y, grad_residual_out, x, weight, bias, **flags):
+def triton_backward(op: str, check: Callable[[], None], grad_y, grad_residual_out, x, weight, bias,
+                    mean=None, rstd=None, **flags):
     """(dx, dweight or None, dbias or None) from the Triton kernel, or None when it does not
-    serve this call. flags: eps, is_rms, weight_offset, cast_before_weight, out_dtype, and
-    optionally the forward's mean and rstd (else recomputed)."""
-    if not _use_triton(op, x, weight):
-        return None
-    from ..kernels.triton.norm import norm_bwd
-    return norm_bwd(grad_y, grad_residual_out, x, weight, bias, **flags)
+    serve this call; check() as in triton_forward. flags: eps, is_rms, weight_offset,
+    cast_before_weight, out_dtype; mean and rstd: the forward's statistics (else recomputed)."""
+    def make():
+        check()
+        if not _use_triton(op, x, weight):
+            return None
+        from ..kernels.triton.norm import NormBwd
+        return NormBwd(grad_y, grad_residual_out, x, weight, bias, mean=mean, rstd=rstd, **flags)
+    values = (grad_y, grad_residual_out, x, weight, bias, mean, rstd, *flags.values())
+    plan = BACKWARD_PLANS.get(op, values, make)
+    return None if plan is None else plan(grad_y, grad_residual_out, x, weight, bias, mean, rstd)
 
 
 @triton_op("flash::rms_norm", mutates_args=())
 def _rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, *,
               weight_offset: float = 0.0, cast_before_weight: bool = True,
               out_dtype: Optional[torch.dtype] = None) -> Tensor:
-    check_args("rms_norm", x, weight, eps, out_dtype=out_dtype)
-    fused = triton_forward("rms_norm", x, weight, None, None, eps=eps, is_rms=True,
+    fused = triton_forward("rms_norm", lambda: check_args("rms_norm", x, weight, eps, out_dtype=out_dtype),
+                           x, weight, None, None, eps=eps, is_rms=True,
                            weight_offset=weight_offset, cast_before_weight=cast_before_weight,
                            residual_in_fp32=False, out_dtype=out_dtype)
     if fused is not None:
@@ -116,8 +132,9 @@ def _rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, *,
 @triton_op("flash::rms_norm_backward", mutates_args=())
 def _rms_norm_backward(grad_y: Tensor, x: Tensor, weight: Optional[Tensor], eps: float,
                        weight_offset: float, cast_before_weight: bool) -> tuple[Tensor, Tensor]:
-    check_backward_args("rms_norm_backward", grad_y, None, x, weight, eps)
-    grads = triton_backward("rms_norm_backward", grad_y, None, x, weight, None, eps=eps, is_rms=True,
+    grads = triton_backward("rms_norm_backward",
+                            lambda: check_backward_args("rms_norm_backward", grad_y, None, x, weight, eps),
+                            grad_y, None, x, weight, None, eps=eps, is_rms=True,
                             weight_offset=weight_offset, cast_before_weight=cast_before_weight,
                             out_dtype=x.dtype)
     if grads is not None:
@@ -132,8 +149,8 @@ def _rms_norm_backward(grad_y: Tensor, x: Tensor, weight: Optional[Tensor], eps:
 def _add_rms_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, *,
                   weight_offset: float = 0.0, cast_before_weight: bool = True,
                   residual_in_fp32: bool = False, out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
-    check_args("add_rms_norm", x, weight, eps, residual, out_dtype)
-    fused = triton_forward("add_rms_norm", x, weight, None, residual, eps=eps, is_rms=True,
+    fused = triton_forward("add_rms_norm", lambda: check_args("add_rms_norm", x, weight, eps, residual, out_dtype),
+                           x, weight, None, residual, eps=eps, is_rms=True,
                            weight_offset=weight_offset, cast_before_weight=cast_before_weight,
                            residual_in_fp32=residual_in_fp32, out_dtype=out_dtype)
     if fused is not None:
@@ -148,9 +165,10 @@ def _add_rms_norm_backward(grad_y: Tensor, grad_residual_out: Optional[Tensor], 
                            weight: Optional[Tensor], eps: float, weight_offset: float,
                            cast_before_weight: bool, x_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Returns (d(x + residual), dweight); the caller casts the first to x's and residual's dtypes."""
-    check_backward_args("add_rms_norm_backward", grad_y, grad_residual_out, residual_out, weight, eps,
-                        "residual_out", x_dtype)
-    grads = triton_backward("add_rms_norm_backward", grad_y, grad_residual_out, residual_out, weight,
+    def check():
+        check_backward_args("add_rms_norm_backward", grad_y, grad_residual_out, residual_out, weight, eps,
+                            "residual_out", x_dtype)
+    grads = triton_backward("add_rms_norm_backward", check, grad_y, grad_residual_out, residual_out, weight,
                             None, eps=eps, is_rms=True, weight_offset=weight_offset,
                             cast_before_weight=cast_before_weight, out_dtype=x_dtype)
     if grads is not None:

@@ -38,9 +38,9 @@ _LAUNCHERS: dict[tuple, "_Launcher"] = {}
 
 class _Launcher:
     """A compiled kernel and how to call its C launcher from launch()'s arguments."""
-    __slots__ = ("run", "function", "metadata", "order", "tail", "names")
+    __slots__ = ("run", "function", "metadata", "order", "tail", "names", "device")
 
-    def __init__(self, kernel, compiled, n_args: int, kwargs: dict, config: dict):
+    def __init__(self, kernel, compiled, device: int, n_args: int, kwargs: dict, config: dict):
         fn = kernel.fn if isinstance(kernel, Autotuner) else kernel
         names = fn.arg_names
         given = [*names[:n_args], *kwargs]
@@ -50,7 +50,7 @@ class _Launcher:
         given += [n for n in names if n not in given]
         # Triton's launcher takes every parameter in order, constexprs too (ignored)
         self.order = operator.itemgetter(*(given.index(n) for n in names))
-        self.names = names
+        self.names, self.device = names, device
         self.run, self.function, self.metadata = compiled.run, compiled.function, compiled.packed_metadata
 
     def __call__(self, grid, device: int, args: tuple, kwargs: dict) -> None:
@@ -78,24 +78,39 @@ def _compiled_by_triton(kernel) -> bool:
     return isinstance(fn, JITFunction) and not (hooks is not None and getattr(hooks, "calls", True))
 
 
-def launch(kernel, grid, *args, **kwargs) -> None:
+def launch(kernel, grid, *args, **kwargs) -> _Launcher | None:
+    """Launches kernel[grid](*args, **kwargs); returns the compiled kernel's launcher where it
+    went through one (for launch_as), else None."""
     if is_wrap_triton_enabled():
         torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
-        return
+        return None
     if not _compiled_by_triton(kernel):
         kernel[grid](*args, **kwargs)
-        return
+        return None
     device = torch.cuda.current_device()
     key = _key(kernel, device, args, kwargs)
     launcher = _LAUNCHERS.get(key)
     if launcher is not None:
         launcher(grid, device, args, kwargs)
-        return
+        return launcher
     compiled = kernel[grid](*args, **kwargs)
     config = kernel.best_config.all_kwargs() if isinstance(kernel, Autotuner) else {}
     if len(_LAUNCHERS) >= MAX_LAUNCHERS:
         _LAUNCHERS.clear()
-    _LAUNCHERS[key] = _Launcher(kernel, compiled, len(args), kwargs, config)
+    launcher = _LAUNCHERS[key] = _Launcher(kernel, compiled, device, len(args), kwargs, config)
+    return launcher
+
+
+def launch_as(launcher: _Launcher | None, kernel, grid, args: tuple, kwargs: dict) -> _Launcher | None:
+    """launch(kernel, grid, *args, **kwargs) for a caller that keeps, per signature of its inputs,
+    the launcher that launch returned: passed back, it skips the key. The caller vouches that
+    the key would be the same: every non-tensor argument and every tensor's dtype and 16-byte
+    alignment follow from that signature (an op's plan, e.g. norm.NormFwd). Returns the launcher
+    to keep."""
+    if launcher is None or is_wrap_triton_enabled() or launcher.device != torch.cuda.current_device():
+        return launch(kernel, grid, *args, **kwargs)
+    launcher(grid, launcher.device, args, kwargs)
+    return launcher
 
 
 # Host-side grid and block arithmetic: newer Triton makes triton.cdiv and

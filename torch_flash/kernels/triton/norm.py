@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ... import _dispatch
-from .launch import cdiv, launch, next_power_of_2
+from .launch import cdiv, launch, launch_as, next_power_of_2
 from .scalars import fp32
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -493,92 +493,127 @@ def norm_supports(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
             and x.shape[-1] > 0 and (weight is None or weight.dtype in DTYPES))
 
 
-def norm_fwd(x, weight, bias, residual, *, eps, is_rms, weight_offset, cast_before_weight,
-             residual_in_fp32, stats=False, out_dtype=None, block_n=None):
+class NormFwd:
+    """norm_fwd's decisions for one signature of its arguments (shapes, dtypes, flags): made
+    once, then called with the tensors of every launch of that signature (the ops keep them per
+    signature, torch_flash/ops/rms_norm.py). Flags as norm_fwd."""
+
+    def __init__(self, x, weight, bias, residual, *, eps, is_rms, weight_offset, cast_before_weight,
+                 residual_in_fp32, stats=False, out_dtype=None, block_n=None):
+        self.n = n = x.shape[-1]
+        y_dtype = (torch.promote_types(x.dtype, weight.dtype) if weight is not None and cast_before_weight
+                   else x.dtype)
+        if out_dtype is not None and y_dtype == torch.float32:
+            y_dtype = out_dtype
+        self.y_dtype, self.out_dtype = y_dtype, out_dtype or y_dtype
+        self.ro_dtype = torch.float32 if residual_in_fp32 else x.dtype
+        self.stats = stats
+        self.m = x.numel() // n
+        block, rows_per_tile = _blocks(n, FWD_MAX_BLOCK, block_n)
+        self.grid = (cdiv(self.m, rows_per_tile),)
+        self.scalars = (eps, weight_offset)
+        self.consts = dict(IS_RMS=is_rms, HAS_RES=residual is not None, HAS_W=weight is not None,
+                           HAS_B=bias is not None, CAST_BEFORE_W=cast_before_weight, ROUND=_ROUND_CODE[x.dtype],
+                           STORE_STATS=stats, ONE_BLOCK=block >= n, BLOCK_N=block, ROWS=rows_per_tile)
+        self.launcher = None
+
+    def __call__(self, x, weight, bias, residual):
+        n = self.n
+        y, y_dst, y_stride = _out(x, n, self.y_dtype)
+        ro = ro_dst = None
+        ro_stride = 0
+        if residual is not None:
+            ro, ro_dst, ro_stride = _out(x, n, self.ro_dtype)
+        mean = rstd = None
+        if self.stats:
+            mean, rstd = (torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device) for _ in range(2))
+        if self.m > 0:
+            x_rows, r_rows = _in_rows(x, n), _in_rows(residual, n)
+            args = (x_rows, r_rows, _vector(weight), _vector(bias), y_dst, ro_dst, mean, rstd, self.m, n,
+                    x_rows.stride(0), 0 if r_rows is None else r_rows.stride(0), y_stride, ro_stride,
+                    *self.scalars)
+            self.launcher = launch_as(self.launcher, _norm_fwd_kernel, self.grid, args, self.consts)
+            _finish(y, y_dst)
+            if ro is not None:
+                _finish(ro, ro_dst)
+        y = y.to(self.out_dtype)  # no pass where the kernel stored out_dtype
+        return (y, ro, mean, rstd) if self.stats else (y, ro)
+
+
+def norm_fwd(x, weight, bias, residual, **flags):
     """y = norm(x [+ residual]) over the last dim of x (..., N); returns (y, residual_out or None),
     and with stats=True also (mean, rstd): each row's statistics as this kernel used them, fp32,
     shaped x.shape[:-1] (RMSNorm's mean is 0), for norm_bwd.
 
-    weight, bias: (N,) or None (RMSNorm takes no bias). out_dtype: y as cast to it, stored so
-    by the kernel where y is computed in fp32 (one rounding either way). block_n forces the
-    column block (a power of 2; tests use a small one so that the multi-block loop runs).
+    flags: eps, is_rms, weight_offset, cast_before_weight, residual_in_fp32, stats=False,
+    out_dtype=None, block_n=None. weight, bias: (N,) or None (RMSNorm takes no bias). out_dtype: y
+    as cast to it, stored so by the kernel where y is computed in fp32 (one rounding either way).
+    block_n forces the column block (a power of 2; tests use a small one so that the multi-block
+    loop runs).
     """
-    n = x.shape[-1]
-    y_dtype = (torch.promote_types(x.dtype, weight.dtype) if weight is not None and cast_before_weight
-               else x.dtype)
-    if out_dtype is not None and y_dtype == torch.float32:
-        y_dtype = out_dtype
-    y, y_dst, y_stride = _out(x, n, y_dtype)
-    ro = ro_dst = None
-    ro_stride = 0
-    if residual is not None:
-        ro, ro_dst, ro_stride = _out(x, n, torch.float32 if residual_in_fp32 else x.dtype)
-    mean = rstd = None
-    if stats:
-        mean, rstd = (torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device) for _ in range(2))
-    m = x.numel() // n
-    if m > 0:
-        x_rows, r_rows = _in_rows(x, n), _in_rows(residual, n)
-        block, rows_per_tile = _blocks(n, FWD_MAX_BLOCK, block_n)
-        launch(
-            _norm_fwd_kernel, (cdiv(m, rows_per_tile),),
-            x_rows, r_rows, _vector(weight), _vector(bias), y_dst, ro_dst, mean, rstd, m, n,
-            x_rows.stride(0), 0 if r_rows is None else r_rows.stride(0), y_stride, ro_stride, eps, weight_offset,
-            IS_RMS=is_rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
-            CAST_BEFORE_W=cast_before_weight, ROUND=_ROUND_CODE[x.dtype], STORE_STATS=stats,
-            ONE_BLOCK=block >= n, BLOCK_N=block, ROWS=rows_per_tile)
-        _finish(y, y_dst)
-        if ro is not None:
-            _finish(ro, ro_dst)
-    y = y.to(out_dtype or y.dtype)  # no pass where the kernel stored out_dtype
-    return (y, ro, mean, rstd) if stats else (y, ro)
+    return NormFwd(x, weight, bias, residual, **flags)(x, weight, bias, residual)
 
 
-def norm_bwd(grad_y, grad_residual_out, x_or_residual_out, weight, bias, *, eps, is_rms, weight_offset,
-             cast_before_weight, out_dtype, mean=None, rstd=None, block_n=None):
+class NormBwd:
+    """norm_bwd's decisions for one signature of its arguments, as NormFwd."""
+
+    def __init__(self, grad_y, grad_residual_out, x, weight, bias, *, eps, is_rms, weight_offset,
+                 cast_before_weight, out_dtype, mean=None, rstd=None, block_n=None):
+        self.n = n = x.shape[-1]
+        self.m = m = x.numel() // n
+        loops = BWD_LOOPS if bias is None else BWD_LOOPS_WITH_DB
+        loop = next((blk, tile) for widest, blk, tile in loops if widest is None or n <= widest)
+        block, rows_per_tile = _blocks(n, BWD_MAX_BLOCK, block_n, loop)
+        self.programs = programs = _bwd_programs(m, block, x.device) if m > 0 else 0
+        self.scalars = (eps, weight_offset)
+        self.has_stats = rstd is not None
+        self.consts = dict(IS_RMS=is_rms, HAS_GRES=grad_residual_out is not None, HAS_W=weight is not None,
+                           HAS_DW=weight is not None, HAS_DB=bias is not None, CAST_BEFORE_W=cast_before_weight,
+                           ROUND=_ROUND_CODE.get(out_dtype, 0), HAS_STATS=rstd is not None, ONE_BLOCK=block >= n,
+                           BLOCK_N=block, ROWS=rows_per_tile)
+        n_outs = (weight is not None) + (bias is not None)
+        self.sum_grid = (cdiv(n, SUM_BLOCK), n_outs)
+        self.sum_consts = dict(HAS_OUT1=n_outs == 2, BLOCK=SUM_BLOCK, ROWS=SUM_ROWS)
+        self.launchers = [None, None]
+
+    def __call__(self, grad_y, grad_residual_out, x, weight, bias, mean=None, rstd=None):
+        n, m = self.n, self.m
+        dx, dx_dst, dx_stride = _out(x, n, x.dtype)
+        if m == 0:
+            return (dx, None if weight is None else torch.zeros_like(weight),
+                    None if bias is None else torch.zeros_like(bias))
+        g_rows, gr_rows, x_rows = _in_rows(grad_y, n), _in_rows(grad_residual_out, n), _in_rows(x, n)
+        # dW and dB partials in one buffer, so that one reduction finishes both (the reductions
+        # after the kernel were 5% of LayerNorm's backward at (32768, 4096) on the H100)
+        n_params = (weight is not None) + (bias is not None)
+        parts = torch.empty(n_params, self.programs, n, dtype=torch.float32, device=x.device)
+        dwp = parts[0] if weight is not None else None
+        dbp = parts[-1] if bias is not None else None
+        args = (g_rows, gr_rows, x_rows, _vector(weight), _vector(mean), _vector(rstd), dx_dst, dwp, dbp, m, n,
+                g_rows.stride(0), 0 if gr_rows is None else gr_rows.stride(0), x_rows.stride(0), dx_stride,
+                *self.scalars)
+        self.launchers[0] = launch_as(self.launchers[0], _norm_bwd_kernel, (self.programs,), args, self.consts)
+        dw, db = (None if p is None else torch.empty(p.shape, dtype=p.dtype, device=x.device) for p in (weight, bias))
+        outs = [t for t in (dw, db) if t is not None]
+        if outs:
+            # one launch sums the partials and writes both in their dtypes (torch's sum and two
+            # casts were three kernels after the main one)
+            args = (parts, outs[0], outs[1] if len(outs) == 2 else None, self.programs, n)
+            self.launchers[1] = launch_as(self.launchers[1], _sum_parts_kernel, self.sum_grid, args,
+                                          self.sum_consts)
+        return _finish(dx, dx_dst), dw, db
+
+
+def norm_bwd(grad_y, grad_residual_out, x_or_residual_out, weight, bias, *, mean=None, rstd=None, **flags):
     """Gradients of norm_fwd: (dx, dweight or None, dbias or None).
 
     x_or_residual_out is the tensor that was normalised (x, or residual_out of the add variant);
     dx is its gradient in its dtype, plus grad_residual_out when given (the add variant's
-    d(x + residual)). out_dtype is the dtype xhat was rounded to before the weight product
-    (x's dtype; with cast_before_weight it enters dweight). dweight/dbias in their parameter's dtype.
-    mean, rstd: norm_fwd(stats=True)'s statistics (fp32, x.shape[:-1]), both or neither;
-    without them the kernel recomputes them from x.
+    d(x + residual)). flags: eps, is_rms, weight_offset, cast_before_weight, out_dtype (the dtype
+    xhat was rounded to before the weight product: x's dtype; with cast_before_weight it enters
+    dweight), block_n=None. dweight/dbias in their parameter's dtype. mean, rstd:
+    norm_fwd(stats=True)'s statistics (fp32, x.shape[:-1]), both or neither; without them the
+    kernel recomputes them from x.
     """
-    x = x_or_residual_out
-    n = x.shape[-1]
-    dx, dx_dst, dx_stride = _out(x, n, x.dtype)
-    m = x.numel() // n
-    if m == 0:
-        return (dx, None if weight is None else torch.zeros_like(weight),
-                None if bias is None else torch.zeros_like(bias))
-    g_rows, gr_rows, x_rows = _in_rows(grad_y, n), _in_rows(grad_residual_out, n), _in_rows(x, n)
-    loops = BWD_LOOPS if bias is None else BWD_LOOPS_WITH_DB
-    loop = next((blk, tile) for widest, blk, tile in loops if widest is None or n <= widest)
-    block, rows_per_tile = _blocks(n, BWD_MAX_BLOCK, block_n, loop)
-    programs = _bwd_programs(m, block, x.device)
-    # dW and dB partials in one buffer, so that one reduction finishes both (the reductions
-    # after the kernel were 5% of LayerNorm's backward at (32768, 4096) on the H100)
-    n_params = (weight is not None) + (bias is not None)
-    parts = torch.empty(n_params, programs, n, dtype=torch.float32, device=x.device)
-    dwp = parts[0] if weight is not None else None
-    dbp = parts[-1] if bias is not None else None
-    launch(
-        _norm_bwd_kernel, (programs,),
-        g_rows, gr_rows, x_rows, _vector(weight), _vector(mean), _vector(rstd), dx_dst, dwp, dbp, m, n,
-        g_rows.stride(0), 0 if gr_rows is None else gr_rows.stride(0), x_rows.stride(0), dx_stride,
-        eps, weight_offset,
-        IS_RMS=is_rms, HAS_GRES=grad_residual_out is not None, HAS_W=weight is not None,
-        HAS_DW=dwp is not None, HAS_DB=dbp is not None, CAST_BEFORE_W=cast_before_weight,
-        ROUND=_ROUND_CODE.get(out_dtype, 0), HAS_STATS=rstd is not None, ONE_BLOCK=block >= n,
-        BLOCK_N=block, ROWS=rows_per_tile)
-    dw, db = (None if p is None else torch.empty(p.shape, dtype=p.dtype, device=x.device) for p in (weight, bias))
-    outs = [t for t in (dw, db) if t is not None]
-    if outs:
-        # one launch sums the partials and writes both in their dtypes (torch's sum and two
-        # casts were three kernels after the main one)
-        launch(
-            _sum_parts_kernel, (cdiv(n, SUM_BLOCK), len(outs)),
-            parts, outs[0], outs[1] if len(outs) == 2 else None, programs, n, HAS_OUT1=len(outs) == 2,
-            BLOCK=SUM_BLOCK, ROWS=SUM_ROWS)
-    return _finish(dx, dx_dst), dw, db
+    plan = NormBwd(grad_y, grad_residual_out, x_or_residual_out, weight, bias, mean=mean, rstd=rstd, **flags)
+    return plan(grad_y, grad_residual_out, x_or_residual_out, weight, bias, mean, rstd)
