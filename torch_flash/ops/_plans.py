@@ -45,7 +45,8 @@ class Plans:
     def get(self, op: str, values: tuple, make: Callable[[], Any]) -> Any:
         """The plan for these argument values: make() (which runs the checks, and selects the
         path, so _dispatch.LAST records it) on the first call of a signature, the kept plan
-        after that (recorded in LAST as `path(plan)`)."""
+        after that (recorded in LAST: None stands for the reference path, other plans name
+        theirs in `path`, by default the Triton one)."""
         sig = signature(values)
         if sig is None:
             return make()
@@ -57,7 +58,7 @@ class Plans:
                 self._plans.clear()
             self._plans[key] = plan
         else:
-            _dispatch.LAST[op] = "reference" if plan is None else "triton"
+            _dispatch.LAST[op] = "reference" if plan is None else getattr(plan, "path", "triton")
         return plan
 
     def clear(self) -> None:

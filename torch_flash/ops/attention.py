@@ -21,6 +21,7 @@ from ..reference._common import compute_dtype
 from ._autograd import call, grad_or_empty, register_autograd_via, triton_op
 from ._checks import (FLOAT_DTYPES, check, check_last_dim_contiguous, check_like, check_probability,
                       check_same_device, check_same_dtype, check_tensor)
+from ._plans import Plans
 
 
 def check_common(op: str, q, k, v, seq_dim: int, softcap, dropout_p, dropout_seed,
@@ -169,18 +170,41 @@ def kernel_flags(spec: ref.Spec) -> dict:
                 dropout_seed=spec.seed)
 
 
+class _Sm90Plan:
+    """flash.attention_fwd_sm90 (csrc/attention) for the calls of one signature."""
+    path = "cuda"
+
+    def __init__(self, spec: ref.Spec):
+        self.scale, self.causal = spec.scale, spec.causal
+
+    def __call__(self, q, k, v, attn_bias, cu_q, cu_k, dropout_seed):
+        return torch.ops.flash.attention_fwd_sm90(q, k, v, self.scale, self.causal)
+
+
+# signature -> _Sm90Plan, the Triton kernels' AttentionFwd, or None (the reference path)
+FORWARD_PLANS = Plans()
+
+
 def _forward(op: str, q, k, v, attn_bias, scale, causal, window_left, window_right, softcap,
              dropout_p, dropout_seed) -> tuple[Tensor, Tensor]:
-    check_args(op, q, k, v, attn_bias, softcap, dropout_p, dropout_seed, window_left, window_right)
-    spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
-    backend = _dispatch.select(op, q.device, triton=_triton_serves(q, k, v, attn_bias, dropout_p),
-                               cuda=_sm90_serves(q, k, v, attn_bias, spec))
-    if backend == "cuda":
-        return torch.ops.flash.attention_fwd_sm90(q, k, v, spec.scale, spec.causal)
-    if backend == "triton":
-        from ..kernels.triton.attention import attention_fwd
-        return attention_fwd(q, k, v, attn_bias, **kernel_flags(spec))
-    return ref.forward(q, k, v, attn_bias, spec)
+    def make():
+        check_args(op, q, k, v, attn_bias, softcap, dropout_p, dropout_seed, window_left, window_right)
+        spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
+        backend = _dispatch.select(op, q.device, triton=_triton_serves(q, k, v, attn_bias, dropout_p),
+                                   cuda=_sm90_serves(q, k, v, attn_bias, spec))
+        if backend == "cuda":
+            return _Sm90Plan(spec)
+        if backend == "triton":
+            from ..kernels.triton.attention import AttentionFwd
+            return AttentionFwd(q, k, v, attn_bias, None, None, q.shape[0], q.shape[2], k.shape[2],
+                                kernel_flags(spec))
+        return None
+    values = (q, k, v, attn_bias, dropout_seed, scale, causal, window_left, window_right, softcap, dropout_p)
+    plan = FORWARD_PLANS.get(op, values, make)
+    if plan is None:
+        spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
+        return ref.forward(q, k, v, attn_bias, spec)
+    return plan(q, k, v, attn_bias, None, None, dropout_seed)
 
 
 @triton_op("flash::attention", mutates_args=())

@@ -15,8 +15,8 @@ from torch import Tensor
 from .. import _dispatch
 from ..reference import rms_norm as ref
 from ._autograd import call, grad_or_empty, triton_op
-from ._plans import Plans
 from ._checks import FLOAT_DTYPES, check, check_like, check_same_device, check_tensor
+from ._plans import Plans
 
 
 def check_args(op: str, x, weight, eps, residual=None, out_dtype=None) -> None:

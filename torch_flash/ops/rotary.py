@@ -15,7 +15,7 @@ in-place ops are differentiable too (see _register_inplace_autograd).
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 from torch import Tensor
@@ -28,6 +28,7 @@ from ..reference import rotary as ref
 from ._autograd import call, register_autograd_kernel, triton_op
 from ._checks import (INDEX_DTYPES, check, check_last_dim_contiguous, check_positive_float,
                       check_same_device, check_tensor)
+from ._plans import Plans
 
 
 def check_table(op: str, cos, sin, head_dim, names=("cos", "sin")) -> None:
@@ -173,24 +174,41 @@ def check_inplace_args(op: str, tensors: dict, cos, sin, seqlen_offset, seqlen_o
               "ones".format(*tensors))
 
 
-def _rotate(op: str, xs: tuple[Tensor, ...], inplace: bool, cos, sin, seqlen_offsets, cu_seqlens, interleaved,
-            seqlen_offset, conjugate) -> tuple[Tensor, ...]:
+# signature -> the Triton kernel's Rotate plan, or None (the reference path)
+PLANS = Plans()
+
+
+def _checked() -> None:
+    """The check of a caller that checked already."""
+
+
+def _rotate(op: str, check: Callable[[], None], xs: tuple[Tensor, ...], inplace: bool, cos, sin,
+            seqlen_offsets, cu_seqlens, interleaved, seqlen_offset, conjugate) -> tuple[Tensor, ...]:
     """Rotate x, or q and k, into new tensors of their layouts, or in place; the Triton kernel
-    takes all of them in one launch. Arguments checked by the caller."""
-    check_data(op, xs[0], cos, seqlen_offset, seqlen_offsets, cu_seqlens)
+    takes all of them in one launch. check() runs the op's argument checks, which with the
+    choice of path are made once per signature of real inputs (ops/_plans.py); the checks that
+    read index values run every time."""
     flags = dict(interleaved=interleaved, seqlen_offset=seqlen_offset, seqlen_offsets=seqlen_offsets,
                  cu_seqlens=cu_seqlens, conjugate=conjugate)
+
+    def make():
+        check()
+        triton = _dispatch.triton_can_run(xs[0].device)
+        if triton:
+            from ..kernels.triton.rotary import rotary_supports
+            triton = all(rotary_supports(x, cos, sin) for x in xs)
+        if _dispatch.select(op, xs[0].device, triton=triton) != "triton":
+            return None
+        from ..kernels.triton.rotary import Rotate
+        like = xs if inplace else tuple(torch.empty_like(x, device="meta") for x in xs)  # outs' layouts
+        return Rotate(tuple(zip(xs, like)), cos, sin, **flags)
+    plan = PLANS.get(op, (*xs, inplace, cos, sin, *flags.values()), make)
+    check_data(op, xs[0], cos, seqlen_offset, seqlen_offsets, cu_seqlens)
     # new tensors in x's own layout (as empty_like), so the fake can promise it
     outs = xs if inplace else tuple(torch.empty_like(x) for x in xs)
-    triton = _dispatch.triton_can_run(xs[0].device)
-    if triton:
-        from ..kernels.triton.rotary import rotary_supports
-        triton = all(rotary_supports(x, cos, sin) for x in xs)
-    if _dispatch.select(op, xs[0].device, triton=triton) == "triton":
-        from ..kernels.triton.rotary import rotary_apply, rotary_apply_qk
-        if len(xs) == 1:
-            return (rotary_apply(xs[0], cos, sin, out=outs[0], **flags),)
-        return rotary_apply_qk(*xs, cos, sin, q_out=outs[0], k_out=outs[1], **flags)
+    if plan is not None:
+        plan(tuple(zip(xs, outs)), cos, sin, seqlen_offsets, cu_seqlens)
+        return outs
     for x, out in zip(xs, outs):
         if inplace:
             ref.rotary_(x, cos, sin, **flags)
@@ -203,8 +221,8 @@ def _rotate(op: str, xs: tuple[Tensor, ...], inplace: bool, cos, sin, seqlen_off
 def _rotary(x: Tensor, cos: Tensor, sin: Tensor, seqlen_offsets: Optional[Tensor] = None,
             cu_seqlens: Optional[Tensor] = None, *, interleaved: bool = False, seqlen_offset: int = 0,
             conjugate: bool = False) -> Tensor:
-    check_args("rotary", x, cos, sin, seqlen_offset, seqlen_offsets, cu_seqlens)
-    return _rotate("rotary", (x,), False, cos, sin, seqlen_offsets, cu_seqlens, interleaved, seqlen_offset,
+    return _rotate("rotary", lambda: check_args("rotary", x, cos, sin, seqlen_offset, seqlen_offsets, cu_seqlens),
+                   (x,), False, cos, sin, seqlen_offsets, cu_seqlens, interleaved, seqlen_offset,
                    conjugate)[0]
 
 
@@ -214,8 +232,9 @@ def _rotary_backward(grad: Tensor, cos: Tensor, sin: Tensor, seqlen_offsets: Opt
                      seqlen_offset: int = 0, conjugate: bool = False) -> Tensor:
     """Gradient of flash.rotary (and flash.rotary_) with the same flags: the rotation by the
     opposite angle."""
-    check_args("rotary_backward", grad, cos, sin, seqlen_offset, seqlen_offsets, cu_seqlens, "grad")
-    return _rotate("rotary_backward", (grad,), False, cos, sin, seqlen_offsets, cu_seqlens, interleaved,
+    def check():
+        check_args("rotary_backward", grad, cos, sin, seqlen_offset, seqlen_offsets, cu_seqlens, "grad")
+    return _rotate("rotary_backward", check, (grad,), False, cos, sin, seqlen_offsets, cu_seqlens, interleaved,
                    seqlen_offset, not conjugate)[0]
 
 
@@ -224,8 +243,9 @@ def _rotary_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, seqlen_offsets: O
                cu_seqlens: Optional[Tensor] = None, *, interleaved: bool = False, seqlen_offset: int = 0,
                conjugate: bool = False) -> tuple[Tensor, Tensor]:
     """flash.rotary of q and of k (its own head count), in one kernel launch."""
-    check_qk_args("rotary_qk", q, k, cos, sin, seqlen_offset, seqlen_offsets, cu_seqlens)
-    return _rotate("rotary_qk", (q, k), False, cos, sin, seqlen_offsets, cu_seqlens, interleaved,
+    def check():
+        check_qk_args("rotary_qk", q, k, cos, sin, seqlen_offset, seqlen_offsets, cu_seqlens)
+    return _rotate("rotary_qk", check, (q, k), False, cos, sin, seqlen_offsets, cu_seqlens, interleaved,
                    seqlen_offset, conjugate)
 
 
@@ -235,9 +255,10 @@ def _rotary_qk_backward(grad_q: Tensor, grad_k: Tensor, cos: Tensor, sin: Tensor
                         interleaved: bool = False, seqlen_offset: int = 0,
                         conjugate: bool = False) -> tuple[Tensor, Tensor]:
     """Gradients of flash.rotary_qk (and flash.rotary_qk_) with the same flags, in one launch."""
-    check_qk_args("rotary_qk_backward", grad_q, grad_k, cos, sin, seqlen_offset, seqlen_offsets, cu_seqlens,
-                  ("grad_q", "grad_k"))
-    return _rotate("rotary_qk_backward", (grad_q, grad_k), False, cos, sin, seqlen_offsets, cu_seqlens,
+    def check():
+        check_qk_args("rotary_qk_backward", grad_q, grad_k, cos, sin, seqlen_offset, seqlen_offsets, cu_seqlens,
+                      ("grad_q", "grad_k"))
+    return _rotate("rotary_qk_backward", check, (grad_q, grad_k), False, cos, sin, seqlen_offsets, cu_seqlens,
                    interleaved, seqlen_offset, not conjugate)
 
 
@@ -246,8 +267,9 @@ def _rotary_inplace(x: Tensor, cos: Tensor, sin: Tensor, seqlen_offsets: Optiona
                     cu_seqlens: Optional[Tensor] = None, *, interleaved: bool = False, seqlen_offset: int = 0,
                     conjugate: bool = False) -> None:
     """flash.rotary into x's own storage; dims past the rotary dim are not written."""
+    # in place: checks of the tensors' storage, which their signature does not hold, every call
     check_inplace_args("rotary_", {"x": x}, cos, sin, seqlen_offset, seqlen_offsets, cu_seqlens)
-    _rotate("rotary_", (x,), True, cos, sin, seqlen_offsets, cu_seqlens, interleaved, seqlen_offset, conjugate)
+    _rotate("rotary_", _checked, (x,), True, cos, sin, seqlen_offsets, cu_seqlens, interleaved, seqlen_offset, conjugate)
 
 
 @triton_op("flash::rotary_qk_", mutates_args=("q", "k"))
@@ -256,7 +278,7 @@ def _rotary_qk_inplace(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, seqlen_of
                        seqlen_offset: int = 0, conjugate: bool = False) -> None:
     """flash.rotary_qk into q's and k's own storage, in one launch."""
     check_inplace_args("rotary_qk_", {"q": q, "k": k}, cos, sin, seqlen_offset, seqlen_offsets, cu_seqlens)
-    _rotate("rotary_qk_", (q, k), True, cos, sin, seqlen_offsets, cu_seqlens, interleaved, seqlen_offset,
+    _rotate("rotary_qk_", _checked, (q, k), True, cos, sin, seqlen_offsets, cu_seqlens, interleaved, seqlen_offset,
             conjugate)
 
 

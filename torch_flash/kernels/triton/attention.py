@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from ...reference import attention as ref
-from .launch import cdiv, launch, next_power_of_2
+from .launch import cdiv, launch, launch_as, next_power_of_2
 from .scalars import fp32
 
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -702,20 +702,52 @@ def _kernels(q, args: dict):
     return kernels
 
 
-def _forward(q, k, v, attn_bias, cu_q, cu_k, n_batch, seq_q, seq_k, flags):
-    """Allocates and computes (out, lse): out contiguous, shaped like q with v's head dim (the
-    ops' fakes promise contiguous outputs), lse fp32 (B, H, S) dense or (H, T) varlen."""
-    out = q.new_empty(*q.shape[:-1], v.shape[-1])
-    lse_shape = (q.shape[1], q.shape[0]) if cu_q is not None else q.shape[:-1]
-    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
+class AttentionFwd:
+    """The forward's decisions for one signature of its arguments (shapes, strides, dtypes,
+    flags): tile class, grid and every scalar argument, made once and then called with the
+    tensors of each launch of that signature (the ops keep them per signature,
+    torch_flash/ops/attention.py). Returns (out, lse): out contiguous, shaped like q with v's
+    head dim (the ops' fakes promise contiguous outputs), lse fp32 (B, H, S) dense or (H, T)
+    varlen."""
+
+    def __init__(self, q, k, v, attn_bias, cu_q, cu_k, n_batch, seq_q, seq_k, flags):
+        self.out_shape = (*q.shape[:-1], v.shape[-1])
+        self.lse_shape = (q.shape[1], q.shape[0]) if cu_q is not None else q.shape[:-1]
+        self.empty = any(d == 0 for d in self.out_shape)
+        # the outputs' strides, from meta tensors of their shapes (the launches allocate alike)
+        out, lse = (torch.empty(s, device="meta") for s in (self.out_shape, self.lse_shape))
+        args = _shape_args(q, k, v, cu_q, cu_k, seq_q, seq_k)
+        mask = _mask_args(q, **flags)
+        bias = _bias_args(q, k, attn_bias)
+        self.kernel = _kernels(q, args)[0]
+        self.grid = _grid(seq_q, n_batch * q.shape[1])
+        self.dropout = mask["DROPOUT"]
+        # in place of an absent Bias, Seed, CuQ or CuK (never read), typed as the launchers had them
+        no_index = q.new_empty(0, dtype=torch.int32)
+        self.absent = dict(Bias=q.new_empty(0), Seed=q.new_empty(0, dtype=torch.int64), CuQ=no_index, CuK=no_index)
+        tensors = ("Q", "K", "V", "CuQ", "CuK", "Seed", "Bias")
+        self.scalars = {name: value for name, value in (*args.items(), *mask.items(), *bias.items(),
+                                                        *_bhm(out, "o", "m").items(), *_lse_strides(lse).items())
+                        if name not in tensors}
+        self.launcher = None
+
+    def __call__(self, q, k, v, attn_bias, cu_q, cu_k, dropout_seed):
+        out = q.new_empty(self.out_shape)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        if self.empty:
+            return out, lse
+        absent = self.absent
+        seed = dropout_seed.to(device=q.device, dtype=torch.int64).reshape(1) if self.dropout else absent["Seed"]
+        tensors = dict(Q=q, K=k, V=v, Out=out, Lse=lse, Bias=absent["Bias"] if attn_bias is None else attn_bias,
+                       Seed=seed, CuQ=absent["CuQ"] if cu_q is None else cu_q,
+                       CuK=absent["CuK"] if cu_k is None else cu_k)
+        self.launcher = launch_as(self.launcher, self.kernel, self.grid, (), {**tensors, **self.scalars})
         return out, lse
-    args = _shape_args(q, k, v, cu_q, cu_k, seq_q, seq_k)
-    launch(
-        _kernels(q, args)[0], _grid(seq_q, n_batch * q.shape[1]),
-        Out=out, Lse=lse, **_bhm(out, "o", "m"), **_lse_strides(lse), **args,
-        **_mask_args(q, **flags), **_bias_args(q, k, attn_bias))
-    return out, lse
+
+
+def _forward(q, k, v, attn_bias, cu_q, cu_k, n_batch, seq_q, seq_k, flags):
+    return AttentionFwd(q, k, v, attn_bias, cu_q, cu_k, n_batch, seq_q, seq_k, flags)(
+        q, k, v, attn_bias, cu_q, cu_k, flags["dropout_seed"])
 
 
 def _backward(grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, n_batch, seq_q, seq_k,

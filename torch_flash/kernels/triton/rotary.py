@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ... import _dispatch
-from .launch import cdiv, launch, next_power_of_2
+from .launch import cdiv, launch_as, next_power_of_2
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -179,19 +179,71 @@ def rotary_supports(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bo
             and (cos.dim() == 2 or (x.dim() == 4 and cos.shape[0] in (1, x.shape[0]))))
 
 
-def rotary_apply(x, cos, sin, *, interleaved, seqlen_offset, seqlen_offsets, cu_seqlens, conjugate,
-                 out=None):
+class Rotate:
+    """One launch's decisions for a signature of its arguments (shapes, strides, dtypes, flags):
+    the kernel, grid and every scalar argument, made once, then called with the tensors of
+    each launch of that signature (the ops keep them per signature, torch_flash/ops/rotary.py).
+    pairs: ((x, out),) for _rotary_kernel or ((q, q_out), (k, k_out)) for _rotary_qk_kernel,
+    whose arguments run in the same order; out may be x (in place), else it has x's layout."""
+
+    def __init__(self, pairs, cos, sin, *, interleaved, seqlen_offset, seqlen_offsets, cu_seqlens, conjugate):
+        self.empty = all(x.numel() == 0 for x, _ in pairs)
+        per_token = cos.dim() == 3
+        packed = cu_seqlens is not None
+        x = pairs[0][0]
+        if packed:
+            seqlen, d = x.shape[0], x.shape[-1]
+            nbatch, nseq = 1, cu_seqlens.shape[0] - 1
+        else:
+            nbatch, _, seqlen, d = x.shape
+            nseq = nbatch
+        heads = [x.shape[1] for x, _ in pairs]
+        rd2 = cos.shape[-1]
+        tail = 0 if pairs[0][1] is x else d - 2 * rd2
+
+        def strides(t):  # (batch, head, token); a packed tensor has no batch dim
+            return (0, t.stride(1), t.stride(0)) if packed else (t.stride(0), t.stride(1), t.stride(2))
+
+        def grid(meta):
+            return nbatch * cdiv(seqlen, meta["BLOCK_S"]) * sum(cdiv(h, meta["BLOCK_H"]) for h in heads),
+
+        # cos and sin share one set of strides in the kernel (contiguous copies: tables are small)
+        table = cos.contiguous()
+        self.kernel = _rotary_kernel if len(pairs) == 1 else _rotary_qk_kernel
+        self.grid = grid
+        self.scalars = (seqlen, *heads, cos.shape[-2], seqlen_offset, nseq, max(nseq - 1, 0).bit_length(),
+                        *(st for pair in pairs for t in pair for st in strides(t)),
+                        table.stride(0) if per_token and cos.shape[0] > 1 else 0, table.stride(-2))
+        self.consts = dict(RD2=rd2, TAIL=tail, INTERLEAVED=interleaved, CONJUGATE=conjugate, IS_VARLEN=packed,
+                           HAS_OFFSETS=seqlen_offsets is not None, PER_TOKEN=per_token,
+                           BLOCK_K=next_power_of_2(rd2), BLOCK_TAIL=next_power_of_2(max(tail, 1)))
+        self.launcher = None
+
+    def __call__(self, pairs, cos, sin, seqlen_offsets, cu_seqlens) -> None:
+        if self.empty:
+            return
+        args = (*(t for pair in pairs for t in pair), cos.contiguous(), sin.contiguous(), cu_seqlens,
+                seqlen_offsets, *self.scalars)
+        self.launcher = launch_as(self.launcher, self.kernel, self.grid, args, self.consts)
+
+
+def rotate(pairs, cos, sin, **flags) -> None:
+    """One launch over pairs (as Rotate); flags: interleaved, seqlen_offset, seqlen_offsets,
+    cu_seqlens, conjugate."""
+    Rotate(pairs, cos, sin, **flags)(pairs, cos, sin, flags["seqlen_offsets"], flags["cu_seqlens"])
+
+
+def rotary_apply(x, cos, sin, *, out=None, **flags):
     """Rotate x (B, H, S, D), or (total, H, D) with cu_seqlens, into out (new if None; out=x
-    rotates in place; any out must have x's shape and a contiguous last dim). seqlen_offset:
-    int; seqlen_offsets: (B,) int tensor or None (tables only, not per-token cos/sin).
-    Returns out."""
+    rotates in place; any out must have x's shape and a contiguous last dim). flags:
+    interleaved, seqlen_offset (int), seqlen_offsets ((B,) int tensor or None: tables only, not
+    per-token cos/sin), cu_seqlens, conjugate. Returns out."""
     out = torch.empty_like(x) if out is None else out
-    _launch(((x, out),), cos, sin, interleaved, seqlen_offset, seqlen_offsets, cu_seqlens, conjugate)
+    rotate(((x, out),), cos, sin, **flags)
     return out
 
 
-def rotary_apply_qk(q, k, cos, sin, *, interleaved, seqlen_offset, seqlen_offsets, cu_seqlens, conjugate,
-                    q_out=None, k_out=None):
+def rotary_apply_qk(q, k, cos, sin, *, q_out=None, k_out=None, **flags):
     """rotary_apply of q and k in one launch: k has q's shape and dtype but its own head count
     (dim 1). q_out/k_out: new if None, or q and k themselves (in place, both or neither).
     Returns (q_out, k_out)."""
@@ -199,43 +251,5 @@ def rotary_apply_qk(q, k, cos, sin, *, interleaved, seqlen_offset, seqlen_offset
     k_out = torch.empty_like(k) if k_out is None else k_out
     if (q_out is q) != (k_out is k):
         raise ValueError("rotary_apply_qk: rotate q and k both in place or both out of place")
-    _launch(((q, q_out), (k, k_out)), cos, sin, interleaved, seqlen_offset, seqlen_offsets, cu_seqlens, conjugate)
+    rotate(((q, q_out), (k, k_out)), cos, sin, **flags)
     return q_out, k_out
-
-
-def _launch(pairs, cos, sin, interleaved, seqlen_offset, seqlen_offsets, cu_seqlens, conjugate) -> None:
-    """pairs: ((x, out),) for _rotary_kernel or ((q, q_out), (k, k_out)) for _rotary_qk_kernel,
-    whose arguments run in the same order."""
-    if all(x.numel() == 0 for x, _ in pairs):
-        return
-    # cos and sin share one set of strides in the kernel; tables are small
-    cos, sin = cos.contiguous(), sin.contiguous()
-    per_token = cos.dim() == 3
-    packed = cu_seqlens is not None
-    x = pairs[0][0]
-    if packed:
-        seqlen, d = x.shape[0], x.shape[-1]
-        nbatch, nseq = 1, cu_seqlens.shape[0] - 1
-    else:
-        nbatch, _, seqlen, d = x.shape
-        nseq = nbatch
-    heads = [x.shape[1] for x, _ in pairs]
-    rd2 = cos.shape[-1]
-    tail = 0 if pairs[0][1] is x else d - 2 * rd2
-
-    def strides(t):  # (batch, head, token); a packed tensor has no batch dim
-        return (0, t.stride(1), t.stride(0)) if packed else (t.stride(0), t.stride(1), t.stride(2))
-
-    def grid(meta):
-        return nbatch * cdiv(seqlen, meta["BLOCK_S"]) * sum(cdiv(h, meta["BLOCK_H"]) for h in heads),
-
-    kernel = _rotary_kernel if len(pairs) == 1 else _rotary_qk_kernel
-    launch(
-        kernel, grid,
-        *(t for pair in pairs for t in pair), cos, sin, cu_seqlens, seqlen_offsets,
-        seqlen, *heads, cos.shape[-2], seqlen_offset, nseq, max(nseq - 1, 0).bit_length(),
-        *(st for pair in pairs for t in pair for st in strides(t)),
-        cos.stride(0) if per_token and cos.shape[0] > 1 else 0, cos.stride(-2),
-        RD2=rd2, TAIL=tail, INTERLEAVED=interleaved, CONJUGATE=conjugate, IS_VARLEN=packed,
-        HAS_OFFSETS=seqlen_offsets is not None, PER_TOKEN=per_token, BLOCK_K=next_power_of_2(rd2),
-        BLOCK_TAIL=next_power_of_2(max(tail, 1)))
