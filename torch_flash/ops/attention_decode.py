@@ -30,6 +30,7 @@ from . import rotary as _rotary
 from ._autograd import call, triton_op
 from ._checks import (INDEX_DTYPES, check, check_last_dim_contiguous, check_same_device,
                       check_same_dtype, check_tensor)
+from ._plans import Plans
 
 OP = "attention_decode"
 
@@ -110,6 +111,10 @@ def check_data(q, k_cache, cache_seqlens, k_new, block_table, rotary_cos) -> Non
             _rotary.check_data(OP, t, rotary_cos, 0, cache_seqlens, None)
 
 
+# signature -> the Triton kernels' DecodeFwd plan, or None (the reference path)
+PLANS = Plans()
+
+
 def _use_triton(q, k_cache, v_cache, rotary_cos) -> bool:
     triton = _dispatch.triton_can_run(q.device)
     if triton:
@@ -126,15 +131,20 @@ def _attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens
                       causal: bool = True, window_left: int = -1, window_right: int = -1,
                       softcap: float = 0.0, rotary_interleaved: bool = False,
                       num_splits: int = 0) -> tuple[Tensor, Tensor]:
-    check_args(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin,
-               softcap, window_left, window_right, num_splits)
+    tensors = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin)
+    flags = dict(scale=scale, causal=causal, window_left=window_left, window_right=window_right, softcap=softcap,
+                 rotary_interleaved=rotary_interleaved, num_splits=num_splits)
+
+    def make():
+        check_args(*tensors, softcap, window_left, window_right, num_splits)
+        if not _use_triton(q, k_cache, v_cache, rotary_cos):
+            return None
+        from ..kernels.triton.decode import DecodeFwd
+        return DecodeFwd(*tensors, **flags)
+    plan = PLANS.get(OP, (*tensors, *flags.values()), make)
     check_data(q, k_cache, cache_seqlens, k_new, block_table, rotary_cos)
-    if _use_triton(q, k_cache, v_cache, rotary_cos):
-        from ..kernels.triton.decode import decode_fwd
-        return decode_fwd(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos,
-                          rotary_sin, scale=scale, causal=causal, window_left=window_left,
-                          window_right=window_right, softcap=softcap, rotary_interleaved=rotary_interleaved,
-                          num_splits=num_splits)
+    if plan is not None:
+        return plan(*tensors)
     out, lse = ref.attention_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
                                     rotary_cos, rotary_sin, scale, causal, window_left, window_right,
                                     softcap, rotary_interleaved)

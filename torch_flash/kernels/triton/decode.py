@@ -34,7 +34,7 @@ import triton.language as tl
 
 from ... import _dispatch
 from .attention import _LN2, _LOG2E, _UNBOUNDED, _dot, _tanh
-from .launch import cdiv, launch, next_power_of_2
+from .launch import cdiv, launch_as, next_power_of_2
 from .scalars import fp32
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -297,74 +297,98 @@ def auto_num_splits(programs: int, keys: int, device: torch.device) -> int:
     return max(1, min(want, cdiv(keys, 4 * 64), MAX_SPLITS))
 
 
-def decode_fwd(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin, *,
-               scale, causal, window_left, window_right, softcap, rotary_interleaved, num_splits=0):
-    """Append k_new/v_new (B, Hkv, Snew, D|Dv) to the caches in place, then attend. Arguments as
-    flash.attention_decode (validated by the op); num_splits 0 picks it (auto_num_splits), else
-    at most MAX_SPLITS. Returns out (B, Hq, Sq, Dv) contiguous in q's dtype and lse (B, Hq, Sq) fp32."""
-    B, Hq, Sq, D = q.shape
-    Hkv, page, Dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[-1]
-    paged = block_table is not None
-    capacity = block_table.shape[1] * page if paged else page
-    # the kernels index these 1-D / row-major (no-ops for the usual tensors)
-    cache_seqlens = cache_seqlens.contiguous()
-    if paged:
-        block_table = block_table.contiguous()
-    # pointer arguments of disabled features are never read (distinct, so nothing aliases)
-    dummy = q.new_empty(0, dtype=torch.int32)
-    rotary = rotary_cos is not None
-    cos, sin = (rotary_cos.contiguous(), rotary_sin.contiguous()) if rotary else (dummy, dummy)
-    snew = 0 if k_new is None else k_new.shape[2]
-    common = dict(SEQLENS=cache_seqlens, BT=block_table if paged else dummy, COS=cos, SIN=sin,
-                  stride_bt=block_table.stride(0) if paged else 0, stride_c=cos.stride(0) if rotary else 0,
-                  HKV=Hkv, SNEW=snew, CAPACITY=capacity, PAGE=page, NUM_PAGES=k_cache.shape[0],
-                  SEQ_RO=cos.shape[0] if rotary else 0, HEAD_DIM_V=Dv, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv),
-                  RD2=cos.shape[1] if rotary else 0, ROTARY=rotary, INTERLEAVED=bool(rotary_interleaved),
-                  PAGED=paged)
-    if snew and B * Hkv:
-        block_s = min(16, next_power_of_2(snew))
-        launch(
-            _append_kernel, (cdiv(snew, block_s), B * Hkv),
-            KN=k_new, VN=v_new, KC=k_cache, VC=v_cache, **_strides(k_new, "kn", "b", "h", "s"),
-            **_strides(v_new, "vn", "b", "h", "s"), **_strides(k_cache, "kc", "b", "h", "s"),
-            **_strides(v_cache, "vc", "b", "h", "s"), **common, HEAD_DIM=D, BLOCK_S=block_s)
+class DecodeFwd:
+    """decode_fwd's decisions for one signature of its arguments (shapes, strides, dtypes,
+    flags): grids, splits and every scalar argument of its launches, made once and then called
+    with the tensors of each call of that signature (the op keeps them per signature,
+    torch_flash/ops/attention_decode.py)."""
 
-    out = q.new_empty(B, Hq, Sq, Dv)
-    lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
-        return out, lse
-    group = Hq // Hkv
-    block_m = _pow2(min(group * Sq, _MAX_BLOCK_M))
-    m_blocks = cdiv(group * Sq, block_m)
-    if num_splits <= 0:
-        keys = capacity if window_left < 0 else min(capacity, Sq + window_left)
-        num_splits = auto_num_splits(B * Hkv * m_blocks, keys, q.device)
-    num_splits = min(num_splits, MAX_SPLITS)
-    split = num_splits > 1
-    if split:  # partial (out, lse) per row and split, merged below
-        out_p = torch.empty(B * Hq * Sq, num_splits, Dv, dtype=torch.float32, device=q.device)
-        lse_p = torch.empty(B * Hq * Sq, num_splits, dtype=torch.float32, device=q.device)
-    else:
-        out_p, lse_p = lse.new_empty(0), lse.new_empty(0)
-    scale = D ** -0.5 if scale is None else scale
-    width = (_pow2(D) + _pow2(Dv)) * q.element_size()
-    launch(
-        _DECODE["narrow" if width <= 512 else "wide"], (B * Hkv, num_splits, m_blocks),
-        Q=q, KC=k_cache, VC=v_cache, Out=out, Lse=lse, OutP=out_p, LseP=lse_p,
-        **_strides(q, "q", "b", "h", "m"), **_strides(k_cache, "k", "b", "h", "n"),
-        **_strides(v_cache, "v", "b", "h", "n"), **common, GROUP=group, SQ=Sq, NUM_SPLITS=num_splits,
-        qk_scale=scale / softcap if softcap > 0 else scale * _LOG2E.value, softcap=softcap * _LOG2E.value,
-        window_left=window_left if window_left >= 0 else _UNBOUNDED,
-        window_right=0 if causal else (window_right if window_right >= 0 else _UNBOUNDED),
-        HEAD_DIM=D, SOFTCAP=softcap > 0, SPLIT=split,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", BLOCK_M=block_m)
-    if split:
+    def __init__(self, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin, *,
+                 scale, causal, window_left, window_right, softcap, rotary_interleaved, num_splits=0):
+        B, Hq, Sq, D = q.shape
+        Hkv, page, Dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[-1]
+        self.paged = paged = block_table is not None
+        capacity = block_table.shape[1] * page if paged else page
+        # pointer arguments of disabled features are never read (distinct, so nothing aliases)
+        self.absent = q.new_empty(0, dtype=torch.int32)
+        self.rotary = rotary = rotary_cos is not None
+        cos = rotary_cos.contiguous() if rotary else self.absent
+        snew = 0 if k_new is None else k_new.shape[2]
+        common = dict(stride_bt=block_table.contiguous().stride(0) if paged else 0,
+                      stride_c=cos.stride(0) if rotary else 0, HKV=Hkv, SNEW=snew, CAPACITY=capacity, PAGE=page,
+                      NUM_PAGES=k_cache.shape[0], SEQ_RO=cos.shape[0] if rotary else 0, HEAD_DIM_V=Dv,
+                      BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv), RD2=cos.shape[1] if rotary else 0, ROTARY=rotary,
+                      INTERLEAVED=bool(rotary_interleaved), PAGED=paged)
+        self.append = None
+        if snew and B * Hkv:
+            block_s = min(16, next_power_of_2(snew))
+            self.append = ((cdiv(snew, block_s), B * Hkv),
+                           dict(**_strides(k_new, "kn", "b", "h", "s"), **_strides(v_new, "vn", "b", "h", "s"),
+                                **_strides(k_cache, "kc", "b", "h", "s"), **_strides(v_cache, "vc", "b", "h", "s"),
+                                **common, HEAD_DIM=D, BLOCK_S=block_s))
+        self.out_shape, self.lse_shape = (B, Hq, Sq, Dv), (B, Hq, Sq)
+        self.empty = B * Hq * Sq * Dv == 0
+        group = Hq // Hkv
+        block_m = _pow2(min(group * Sq, _MAX_BLOCK_M))
+        m_blocks = cdiv(group * Sq, block_m)
+        if num_splits <= 0:
+            keys = capacity if window_left < 0 else min(capacity, Sq + window_left)
+            num_splits = auto_num_splits(B * Hkv * m_blocks, keys, q.device)
+        num_splits = min(num_splits, MAX_SPLITS)
+        self.split = split = num_splits > 1
+        self.parts = ((B * Hq * Sq, num_splits, Dv), (B * Hq * Sq, num_splits))  # partial (out, lse) per split
+        scale = D ** -0.5 if scale is None else scale
+        width = (_pow2(D) + _pow2(Dv)) * q.element_size()
+        self.kernel = _DECODE["narrow" if width <= 512 else "wide"]
+        self.grid = (B * Hkv, num_splits, m_blocks)
+        self.scalars = dict(
+            **_strides(q, "q", "b", "h", "m"), **_strides(k_cache, "k", "b", "h", "n"),
+            **_strides(v_cache, "v", "b", "h", "n"), **common, GROUP=group, SQ=Sq, NUM_SPLITS=num_splits,
+            qk_scale=scale / softcap if softcap > 0 else scale * _LOG2E.value, softcap=softcap * _LOG2E.value,
+            window_left=window_left if window_left >= 0 else _UNBOUNDED,
+            window_right=0 if causal else (window_right if window_right >= 0 else _UNBOUNDED),
+            HEAD_DIM=D, SOFTCAP=softcap > 0, SPLIT=split,
+            DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", BLOCK_M=block_m)
         block_splits = next_power_of_2(num_splits)
-        launch(
-            _combine_kernel, (B * Hq * Sq,),
-            OutP=out_p, LseP=lse_p, Out=out, Lse=lse, NUM_SPLITS=num_splits, HEAD_DIM_V=Dv, BLOCK_DV=_pow2(Dv),
-            BLOCK_SPLITS=block_splits, SPLIT_CHUNK=min(block_splits, 16))
-    return out, lse
+        self.combine = ((B * Hq * Sq,), dict(NUM_SPLITS=num_splits, HEAD_DIM_V=Dv, BLOCK_DV=_pow2(Dv),
+                                             BLOCK_SPLITS=block_splits, SPLIT_CHUNK=min(block_splits, 16)))
+        self.launchers = [None, None, None]
+
+    def __call__(self, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin):
+        absent, launchers = self.absent, self.launchers
+        # the kernels index these 1-D / row-major (no-ops for the usual tensors)
+        tables = dict(SEQLENS=cache_seqlens.contiguous(), BT=block_table.contiguous() if self.paged else absent,
+                      COS=rotary_cos.contiguous() if self.rotary else absent,
+                      SIN=rotary_sin.contiguous() if self.rotary else absent)
+        if self.append is not None:
+            grid, scalars = self.append
+            launchers[0] = launch_as(launchers[0], _append_kernel, grid, (),
+                                     dict(KN=k_new, VN=v_new, KC=k_cache, VC=v_cache, **tables, **scalars))
+        out = q.new_empty(self.out_shape)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        if self.empty:
+            return out, lse
+        if self.split:
+            out_p, lse_p = (torch.empty(shape, dtype=torch.float32, device=q.device) for shape in self.parts)
+        else:
+            out_p = lse_p = lse.new_empty(0)
+        launchers[1] = launch_as(launchers[1], self.kernel, self.grid, (),
+                                 dict(Q=q, KC=k_cache, VC=v_cache, Out=out, Lse=lse, OutP=out_p, LseP=lse_p,
+                                      **tables, **self.scalars))
+        if self.split:
+            grid, scalars = self.combine
+            launchers[2] = launch_as(launchers[2], _combine_kernel, grid, (),
+                                     dict(OutP=out_p, LseP=lse_p, Out=out, Lse=lse, **scalars))
+        return out, lse
+
+
+def decode_fwd(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin, **flags):
+    """Append k_new/v_new (B, Hkv, Snew, D|Dv) to the caches in place, then attend. Arguments as
+    flash.attention_decode (validated by the op); flags: scale, causal, window_left, window_right,
+    softcap, rotary_interleaved, num_splits=0 (picked by auto_num_splits; else at most
+    MAX_SPLITS). Returns out (B, Hq, Sq, Dv) contiguous in q's dtype and lse (B, Hq, Sq) fp32."""
+    tensors = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin)
+    return DecodeFwd(*tensors, **flags)(*tensors)
 
 
 def _strides(t, name: str, *dims: str) -> dict:
