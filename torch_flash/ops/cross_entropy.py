@@ -17,7 +17,7 @@ whole row's lse), with no communication.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -31,6 +31,7 @@ from ..reference import cross_entropy as ref
 from ..reference._common import compute_dtype
 from ._autograd import call, register_autograd_via, triton_op
 from ._checks import INDEX_DTYPES, check, check_same_device, check_tensor, fail
+from ._plans import Plans
 
 LossOptions = ref.LossOptions
 REDUCTIONS = ("mean", "sum", "none")
@@ -174,12 +175,29 @@ def _backend(op: str, logits: Tensor, target: Tensor) -> str:
     return _dispatch.select(op, logits.device, triton=triton)
 
 
+# signature -> the Triton launcher (ce_fwd / ce_bwd), or None (the reference path)
+PLANS = Plans()
+
+
+def _triton_launcher(op: str, check: Callable[[], None], name: str, logits: Tensor, target: Tensor,
+                     values: tuple) -> Optional[Callable]:
+    """kernels/triton/cross_entropy.<name> where the Triton path serves this call, else None;
+    check() and the choice are made once per signature of real inputs (ops/_plans.py)."""
+    def make():
+        check()
+        if _backend(op, logits, target) != "triton":
+            return None
+        from ..kernels.triton import cross_entropy as kernels
+        return getattr(kernels, name)
+    return PLANS.get(op, values, make)
+
+
 def _forward(op: str, logits: Tensor, target: Tensor, opts: LossOptions, reduction: str):
     """(loss, lse) on the path select() picks."""
-    check_args(op, logits, target, opts, reduction)
+    ce_fwd = _triton_launcher(op, lambda: check_args(op, logits, target, opts, reduction), "ce_fwd",
+                              logits, target, (logits, target, *opts, reduction))
     targets = TargetCheck(op, target, logits.shape[-1], opts.ignore_index)
-    if _backend(op, logits, target) == "triton":
-        from ..kernels.triton.cross_entropy import ce_fwd
+    if ce_fwd is not None:
         loss, lse, _ = ce_fwd(logits, target, **opts._asdict(), reduction=reduction)
         targets.raise_if_bad()
         # the kernel computes in fp32; the op's contract is logits' dtype above half
@@ -222,14 +240,15 @@ def _backward_into(op: str, grad_loss: Tensor, logits: Tensor, target: Tensor, l
                    opts: LossOptions, reduction: str, vocab_start: int, vocab_size: Optional[int],
                    out: Optional[Tensor]) -> Tensor:
     """dlogits into out (None: a new tensor) on the path select() picks."""
-    check_backward_args(op, grad_loss, logits, target, lse, opts, reduction, vocab_start, vocab_size)
+    def check():
+        check_backward_args(op, grad_loss, logits, target, lse, opts, reduction, vocab_start, vocab_size)
+    ce_bwd = _triton_launcher(op, check, "ce_bwd", logits, target,
+                              (grad_loss, logits, target, lse, *opts, reduction, vocab_start, vocab_size, out))
     targets = TargetCheck(op, target, vocab_size or logits.shape[-1], opts.ignore_index)
     shard = dict(vocab_start=vocab_start, vocab_size=vocab_size)
-    triton = _backend(op, logits, target) == "triton"
-    if out is not None or not triton:
+    if out is not None or ce_bwd is None:
         targets.raise_if_bad()  # before out (the caller's logits) is overwritten, or gather indexes with them
-    if triton:
-        from ..kernels.triton.cross_entropy import ce_bwd
+    if ce_bwd is not None:
         # lse None: the kernel recomputes it (one more read of the logits)
         dlogits = ce_bwd(grad_loss, logits, target, lse, **opts._asdict(), reduction=reduction, **shard, out=out)
     else:
