@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import cProfile
 import importlib
+import importlib.metadata
 import io
 import json
 import pstats
@@ -169,17 +170,21 @@ def cases() -> dict[str, dict]:
     return out
 
 
-def per_call_us(fn, calls: int = CALLS) -> float:
+def per_call_us(fn, calls: int = CALLS, wait: bool = False) -> float:
+    """Wall time per call of `calls` back-to-back calls: the host's alone, or with wait=True
+    until the GPU has finished them too (what a user sees where the GPU work is the longer)."""
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(calls):
         fn()
+    if wait:
+        torch.cuda.synchronize()
     end = time.perf_counter()
     torch.cuda.synchronize()
     return (end - start) / calls * 1e6
 
 
-def interleaved(impls: dict, calls: int = CALLS, rounds: int = ROUNDS) -> dict[str, float]:
+def interleaved(impls: dict, calls: int = CALLS, rounds: int = ROUNDS, wait: bool = False) -> dict[str, float]:
     """Median per-call time of each implementation over interleaved rounds (order rotated); an
     implementation that fails its warm-up calls is left out, with a line saying why."""
     for name, fn in list(impls.items()):
@@ -194,7 +199,7 @@ def interleaved(impls: dict, calls: int = CALLS, rounds: int = ROUNDS) -> dict[s
     for r in range(rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in (order if r % 2 == 0 else order[::-1]):
-            samples[name].append(per_call_us(impls[name], calls))
+            samples[name].append(per_call_us(impls[name], calls, wait))
     return {k: statistics.median(s) for k, s in samples.items()}
 
 
@@ -290,7 +295,7 @@ def bound() -> dict[str, float]:
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return F.scaled_dot_product_attention(q_folded, kc, vc)
     times = interleaved({"ours": _no_grad(lambda: torch_flash.attention_decode(q, kc, vc, seqlens)),
-                         "sdpa_cudnn": _no_grad(sdpa)}, calls=200, rounds=5)
+                         "sdpa_cudnn": _no_grad(sdpa)}, calls=200, rounds=5, wait=True)
     out["decode_128k_ours_us"], out["decode_128k_sdpa_cudnn_us"] = times["ours"], times["sdpa_cudnn"]
     out["decode_128k_ours_over_sdpa_cudnn"] = times["sdpa_cudnn"] / times["ours"]
 
@@ -298,7 +303,7 @@ def bound() -> dict[str, float]:
     w = torch.randn(1024, device=dev, dtype=bf16)
     moved = 2 * x.numel() * x.element_size()
     fn = _no_grad(lambda: torch_flash.rms_norm(x, w, 1e-6))
-    eager = interleaved({"eager": fn}, calls=200, rounds=5)["eager"] * 1e-6
+    eager = interleaved({"eager": fn}, calls=200, rounds=5, wait=True)["eager"] * 1e-6
     graph = triton.testing.do_bench_cudagraph(fn, rep=200) * 1e-3
     out["rms_norm_65536x1024_eager_tbs"] = moved / eager / 1e12
     out["rms_norm_65536x1024_graph_tbs"] = moved / graph / 1e12
@@ -332,7 +337,13 @@ def main(out_dir: str) -> None:
     with open(f"{out_dir}/host_overhead_profile.txt", "w") as f:
         f.write(text.getvalue())
     with open(f"{out_dir}/host_overhead.json", "w") as f:
-        json.dump({"env": env_info(), "calls": CALLS, "rounds": ROUNDS, "rows": rows,
+        env = env_info()
+        for dist in ("quack-kernels", "flash-attn-4"):
+            try:
+                env[dist.replace("-", "_")] = importlib.metadata.version(dist)
+            except importlib.metadata.PackageNotFoundError:
+                pass
+        json.dump({"env": env, "calls": CALLS, "rounds": ROUNDS, "rows": rows,
                    "layers": layer_times, "bound": bounds}, f, indent=1)
 
 

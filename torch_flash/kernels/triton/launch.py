@@ -52,6 +52,14 @@ class _Launcher:
         self.order = operator.itemgetter(*(given.index(n) for n in names))
         self.names, self.device = names, device
         self.run, self.function, self.metadata = compiled.run, compiled.function, compiled.packed_metadata
+        run = compiled.run
+        if (getattr(run, "global_scratch_size", None) == 0 and getattr(run, "profile_scratch_size", None) == 0
+                and hasattr(run, "launch")):
+            # Triton 3.6's CudaLauncher.__call__ only adds its scratch buffers (none here) and
+            # cooperative/PDL flags before the C launch: call that directly
+            flags = (run.launch_cooperative_grid, run.launch_pdl, None, None)
+            c_launch = run.launch
+            self.run = lambda gx, gy, gz, stream, function, *rest: c_launch(gx, gy, gz, stream, function, *flags, *rest)
 
     def __call__(self, grid, device: int, args: tuple, kwargs: dict) -> None:
         params = self.order((*args, *kwargs.values(), *self.tail))

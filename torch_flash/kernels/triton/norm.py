@@ -536,7 +536,8 @@ class NormFwd:
             _finish(y, y_dst)
             if ro is not None:
                 _finish(ro, ro_dst)
-        y = y.to(self.out_dtype)  # no pass where the kernel stored out_dtype
+        if y.dtype != self.out_dtype:  # no pass where the kernel stored out_dtype
+            y = y.to(self.out_dtype)
         return (y, ro, mean, rstd) if self.stats else (y, ro)
 
 
