@@ -33,7 +33,8 @@ def test_plain_call_skips_the_dispatcher(monkeypatch):
     torch.testing.assert_close(torch_flash.rms_norm(x, w), _autograd._BODIES["rms_norm"](x, w))
 
 
-@pytest.mark.parametrize("how", ["dispatch mode", "make_fx", "make_fx pre_dispatch", "fake", "gradient"])
+@pytest.mark.parametrize("how", ["dispatch mode", "make_fx", "make_fx pre_dispatch", "jit trace", "fake",
+                                 "gradient"])
 def test_calls_that_are_not_plain_reach_the_op(how):
     x, w = _inputs()
     if how == "dispatch mode":
@@ -43,6 +44,9 @@ def test_calls_that_are_not_plain_reach_the_op(how):
     elif how.startswith("make_fx"):
         gm = make_fx(lambda x, w: torch_flash.rms_norm(x, w), pre_dispatch=how.endswith("pre_dispatch"))(x, w)
         assert any(n.target is torch.ops.flash.rms_norm.default for n in gm.graph.nodes)
+    elif how == "jit trace":
+        traced = torch.jit.trace(lambda x, w: torch_flash.rms_norm(x, w), (x, w))
+        assert "flash::rms_norm" in str(traced.graph)
     elif how == "fake":
         with FakeTensorMode() as mode:
             y = torch_flash.rms_norm(mode.from_tensor(x), mode.from_tensor(w))

@@ -111,10 +111,10 @@ def _register_autograd_kernel(opdef: CustomOpDef, rule: Callable) -> None:
 def _plain_call(args: tuple, kwargs: dict) -> bool:
     """Whether the dispatcher would hand this eager call straight to the op's body (see `plain`),
     told from Python: no torch function or dispatch mode (make_fx, FakeTensorMode, user modes),
-    no functorch transform (vmap, grad), every tensor a plain Tensor or Parameter (no fake,
+    no functorch transform (vmap, grad), no torch.jit trace, every tensor a plain Tensor or Parameter (no fake,
     functional or other subclass) off the meta device, and no gradient to record."""
     if (torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack()
-            or torch._C._are_functorch_transforms_active()):
+            or torch._C._are_functorch_transforms_active() or torch._C._get_tracing_state() is not None):
         return False
     grad = torch.is_grad_enabled()
     for a in (*args, *kwargs.values()):

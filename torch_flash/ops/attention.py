@@ -300,6 +300,18 @@ def _cudnn_backward(grad_out, q, k, v, out, lse, spec: ref.Spec) -> tuple[Tensor
     return tuple(g.contiguous() for g in grads[:3])
 
 
+class _Path:
+    """A kept choice of path (ops/_plans.py) where the path needs no plan of its own."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+
+_CUDNN, _TRITON = _Path("cudnn"), _Path("triton")
+# signature (and the global state cudnn_backward_serves reads) -> _CUDNN, _TRITON or None (reference)
+BACKWARD_PLANS = Plans()
+
+
 @triton_op("flash::attention_backward", mutates_args=())
 def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor,
                         v: Tensor, attn_bias: Optional[Tensor], out: Tensor, lse: Tensor,
@@ -310,13 +322,22 @@ def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
     cuDNN's backward where it serves (cudnn_backward_serves; not deterministic), else ours,
     which is deterministic: the Triton path computes dq in its own pass instead of with atomics,
     which measured faster on the H100 at every point of the benchmark grid as well."""
-    check_backward_args("attention_backward", grad_out, grad_lse, q, k, v, attn_bias, out, lse, softcap,
-                        dropout_p, dropout_seed, window_left, window_right)
+    def make():
+        check_backward_args("attention_backward", grad_out, grad_lse, q, k, v, attn_bias, out, lse, softcap,
+                            dropout_p, dropout_seed, window_left, window_right)
+        if cudnn_backward_serves(grad_lse, q, k, v, attn_bias, spec):
+            _dispatch.LAST["attention_backward"] = "cudnn"
+            return _CUDNN
+        return _TRITON if use_triton("attention_backward", q, k, v, attn_bias, dropout_p) else None
     spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
-    if cudnn_backward_serves(grad_lse, q, k, v, attn_bias, spec):
-        _dispatch.LAST["attention_backward"] = "cudnn"
+    # with the global state cudnn_backward_serves reads
+    values = (grad_out, grad_lse, q, k, v, attn_bias, out, lse, scale, causal, window_left, window_right, softcap,
+              dropout_p, dropout_seed, bias_requires_grad, os.environ.get("TORCH_FLASH_CUDNN_BACKWARD"),
+              torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.cudnn_sdp_enabled())
+    path = BACKWARD_PLANS.get("attention_backward", values, make)
+    if path is _CUDNN:
         return (*_cudnn_backward(grad_out, q, k, v, out, lse, spec), grad_or_empty(None, q))
-    if use_triton("attention_backward", q, k, v, attn_bias, dropout_p):
+    if path is _TRITON:
         from ..kernels.triton.attention import attention_bwd
         dq, dk, dv, dbias = attention_bwd(
             grad_out, grad_lse, q, k, v, attn_bias, out, lse, **kernel_flags(spec),
