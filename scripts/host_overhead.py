@@ -11,7 +11,7 @@ Alternatives where importable: PyTorch's own op, Liger-Kernel, quack and FlashAt
 - bound: two points where the host bounds a real workload: decoding one sequence over a 128k
   cache against SDPA (cuDNN), and RMSNorm at (65536, 1024) eager against its CUDA-graph replay;
 - cProfile listings of ours (host_overhead_profile.txt).
-Writes host_overhead.json.
+Writes host_overhead.json; `python scripts/host_overhead.py --plot RESULTS.json OUT.png` plots one.
 """
 from __future__ import annotations
 
@@ -78,6 +78,8 @@ def cases() -> dict[str, dict]:
     hf_cos, hf_sin = torch.cat([cos, cos], -1)[None], torch.cat([sin, sin], -1)[None]
     h, lm = _leaf(16, 256), _leaf(1024, 256)
     lm_t = torch.randint(0, 1024, (16,), device=dev)
+    qp, kp, vp = _leaf(128, 8, 64), _leaf(128, 8, 64), _leaf(128, 8, 64)  # two packed sequences of 64
+    cu = torch.tensor([0, 64, 128], device=dev, dtype=torch.int32)
     qd = torch.randn(1, 8, 1, 64, device=dev, dtype=bf16)
     kc, vc = (torch.randn(1, 2, 256, 64, device=dev, dtype=bf16) for _ in range(2))
     seqlens = torch.full((1,), 200, device=dev, dtype=torch.int32)
@@ -92,6 +94,7 @@ def cases() -> dict[str, dict]:
     quack_rot = _optional("quack.rotary", "apply_rotary_emb")
     quack_lce = _optional("quack.linear_cross_entropy", "linear_cross_entropy_func")
     fa4 = _optional("flash_attn.cute", "flash_attn_func")
+    fa4_varlen = _optional("flash_attn.cute", "flash_attn_varlen_func")
     fa4_kv = _optional("flash_attn.cute", "flash_attn_with_kvcache")
     k_rot = k[:, :2]
 
@@ -141,6 +144,14 @@ def cases() -> dict[str, dict]:
             "torch (SDPA)": lambda: F.scaled_dot_product_attention(q, k, vv, is_causal=True),
             "ours": lambda: torch_flash.attention(q, k, vv, causal=True),
             "flash-attn-4": fa4 and (lambda: fa4(q_fa, k_fa, v_fa, causal=True)[0]),
+        }),
+        "attention_varlen": ((qp, kp, vp), {
+            "torch (SDPA per sequence)": lambda: torch.cat([F.scaled_dot_product_attention(
+                *(t[a:b].transpose(0, 1) for t in (qp, kp, vp)), is_causal=True).transpose(0, 1)
+                for a, b in ((0, 64), (64, 128))]),
+            "ours": lambda: torch_flash.attention_varlen(qp, kp, vp, cu, cu, 64, 64, causal=True),
+            "flash-attn-4": fa4_varlen and (lambda: fa4_varlen(qp, kp, vp, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                                              max_seqlen_q=64, max_seqlen_k=64, causal=True)[0]),
         }),
         "linear_cross_entropy": ((h, lm), {
             "torch (F.linear + F.cross_entropy)": lambda: F.cross_entropy(F.linear(h, lm).float(), lm_t),
@@ -313,6 +324,33 @@ def bound() -> dict[str, float]:
     return out
 
 
+def plot(data: dict, path: str) -> None:
+    """Host time per call of every case and implementation (log scale), ours highlighted."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(dict.fromkeys(r["case"] for r in data["rows"]))
+    fig, ax = plt.subplots(figsize=(9, 0.42 * len(data["rows"]) + 1))
+    y, ticks, labels = 0, [], []
+    for case in cases:
+        for r in (r for r in data["rows"] if r["case"] == case):
+            ax.barh(y, r["us"], color="tab:red" if r["impl"] == "ours" else "tab:gray")
+            ax.text(r["us"] * 1.03, y, f"{r['us']:.0f}", va="center", fontsize=7)
+            ticks.append(y)
+            labels.append(f"{case}: {r['impl']}")
+            y += 1
+        y += 0.6
+    ax.set_yticks(ticks, labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("host time per eager call (us, log scale)")
+    ax.set_title(f"Host cost of an eager call, {data['env']['device']}, {data['env']['date'][:10]}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
 def main(out_dir: str) -> None:
     all_cases = cases()
     rows = []
@@ -348,4 +386,8 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1] == "--plot":  # --plot RESULTS.json OUT.png, from a committed run
+        with open(sys.argv[2]) as f:
+            plot(json.load(f), sys.argv[3])
+    else:
+        main(sys.argv[1])

@@ -300,15 +300,14 @@ def _cudnn_backward(grad_out, q, k, v, out, lse, spec: ref.Spec) -> tuple[Tensor
     return tuple(g.contiguous() for g in grads[:3])
 
 
-class _Path:
-    """A kept choice of path (ops/_plans.py) where the path needs no plan of its own."""
-
-    def __init__(self, path: str):
-        self.path = path
+class _Cudnn:
+    """The kept choice (ops/_plans.py) of cuDNN's backward, which needs no plan of its own."""
+    path = "cudnn"
 
 
-_CUDNN, _TRITON = _Path("cudnn"), _Path("triton")
-# signature (and the global state cudnn_backward_serves reads) -> _CUDNN, _TRITON or None (reference)
+_CUDNN = _Cudnn()
+# signature (and the global state cudnn_backward_serves reads) -> _CUDNN, the Triton kernels'
+# AttentionBwd, or None (the reference path)
 BACKWARD_PLANS = Plans()
 
 
@@ -328,20 +327,21 @@ def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
         if cudnn_backward_serves(grad_lse, q, k, v, attn_bias, spec):
             _dispatch.LAST["attention_backward"] = "cudnn"
             return _CUDNN
-        return _TRITON if use_triton("attention_backward", q, k, v, attn_bias, dropout_p) else None
+        if not use_triton("attention_backward", q, k, v, attn_bias, dropout_p):
+            return None
+        from ..kernels.triton.attention import AttentionBwd
+        return AttentionBwd(grad_out, grad_lse, q, k, v, attn_bias, out, lse, None, None, q.shape[0], q.shape[2],
+                            k.shape[2], kernel_flags(spec), bias_requires_grad, deterministic=True)
     spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
     # with the global state cudnn_backward_serves reads
     values = (grad_out, grad_lse, q, k, v, attn_bias, out, lse, scale, causal, window_left, window_right, softcap,
               dropout_p, dropout_seed, bias_requires_grad, os.environ.get("TORCH_FLASH_CUDNN_BACKWARD"),
               torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.cudnn_sdp_enabled())
-    path = BACKWARD_PLANS.get("attention_backward", values, make)
-    if path is _CUDNN:
+    plan = BACKWARD_PLANS.get("attention_backward", values, make)
+    if plan is _CUDNN:
         return (*_cudnn_backward(grad_out, q, k, v, out, lse, spec), grad_or_empty(None, q))
-    if path is _TRITON:
-        from ..kernels.triton.attention import attention_bwd
-        dq, dk, dv, dbias = attention_bwd(
-            grad_out, grad_lse, q, k, v, attn_bias, out, lse, **kernel_flags(spec),
-            bias_requires_grad=bias_requires_grad, deterministic=True)
+    if plan is not None:
+        dq, dk, dv, dbias = plan(grad_out, grad_lse, q, k, v, attn_bias, out, lse, None, None, dropout_seed)
     else:
         dq, dk, dv, dbias = ref.backward(grad_out, grad_lse, q, k, v, attn_bias, out, lse, spec,
                                          bias_requires_grad)

@@ -750,48 +750,83 @@ def _forward(q, k, v, attn_bias, cu_q, cu_k, n_batch, seq_q, seq_k, flags):
         q, k, v, attn_bias, cu_q, cu_k, flags["dropout_seed"])
 
 
+class AttentionBwd:
+    """The backward's decisions for one signature of its arguments, as AttentionFwd: called with
+    the tensors of each call, returns (dq, dk, dv, dbias or None), dq/dk/dv contiguous like
+    q/k/v. deterministic=True computes dQ in its own pass, else by fp32 atomics."""
+
+    def __init__(self, grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, n_batch, seq_q, seq_k,
+                 flags, bias_requires_grad, deterministic):
+        self.bias_grad = bool(bias_requires_grad) and attn_bias is not None and attn_bias.is_floating_point()
+        self.dbias_shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])  # per (b, h, i, j)
+        self.empty = q.numel() == 0 or k.numel() == 0
+        self.deterministic = deterministic
+        if self.empty:
+            return
+        args = _shape_args(q, k, v, cu_q, cu_k, seq_q, seq_k)
+        heads = q.shape[1]
+        grad_out, out = _rows(grad_out), _rows(out)
+        lse_strides = _lse_strides(lse)
+        self.delta_grid = _grid(seq_q, n_batch * heads)  # the dQ pass's too
+        self.delta_scalars = dict(
+            **_bhm(out, "o", "m"), **_bhm(grad_out, "do", "m"), **lse_strides, H=heads, SEQ_Q=seq_q,
+            HEAD_DIM_V=args["HEAD_DIM_V"], BLOCK_DV=args["BLOCK_DV"], HAS_GRAD_LSE=grad_lse is not None,
+            IS_VARLEN=args["IS_VARLEN"], BLOCK_M=max(16, _DELTA_TILE // args["BLOCK_DV"]))
+        tensors = ("Q", "K", "V", "CuQ", "CuK", "Seed", "Bias")
+        common = {name: value for name, value in (
+            *_bhm(grad_out, "do", "m").items(), *lse_strides.items(), ("sm_scale", _scale(q, flags["scale"])),
+            *args.items(), *_mask_args(q, **flags).items(), *_bias_args(q, k, attn_bias).items())
+            if name not in tensors}
+        self.dropout = common["DROPOUT"]
+        # the gradients' strides, from meta tensors of their shapes (the calls allocate alike)
+        dq, dk, dv = (torch.empty(t.shape, device="meta") for t in (q, k, v))
+        dbias_full = torch.empty(self.dbias_shape, device="meta") if self.bias_grad else None
+        _, self.dkdv_kernel, self.dq_kernel = _kernels(q, args)
+        self.dkdv_grid = _grid(seq_k, n_batch * k.shape[1], "BLOCK_N")
+        self.dkdv_scalars = dict(**_bhm(dq, "dq", "m"), **_bhm(dk, "dk", "n"), **_bhm(dv, "dv", "n"),
+                                 **_db_strides(dbias_full), BIAS_GRAD=self.bias_grad,
+                                 ATOMIC_DQ=not deterministic, **common)
+        self.dq_scalars = dict(**_bhm(dq, "dq", "m"), **common)
+        no_index = q.new_empty(0, dtype=torch.int32)
+        self.absent = dict(Bias=q.new_empty(0), Seed=q.new_empty(0, dtype=torch.int64), CuQ=no_index,
+                           CuK=no_index, DBias=q.new_empty(0, dtype=torch.float32))
+        self.launchers = [None, None, None]
+
+    def __call__(self, grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, dropout_seed):
+        dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+        dbias_full = torch.zeros(self.dbias_shape, dtype=torch.float32, device=q.device) if self.bias_grad else None
+        if self.empty:
+            dq.zero_(), dk.zero_(), dv.zero_()
+            return dq, dk, dv, _sum_to_bias(dbias_full, attn_bias)
+        absent, launchers = self.absent, self.launchers
+        grad_out, out = _rows(grad_out), _rows(out)
+        delta = torch.empty_like(lse)
+        cu_q = absent["CuQ"] if cu_q is None else cu_q
+        grad_lse = lse if grad_lse is None else grad_lse.to(torch.float32).expand_as(lse).contiguous()
+        launchers[0] = launch_as(launchers[0], _attn_bwd_delta, self.delta_grid, (),
+                                 dict(Out=out, DO=grad_out, GradLse=grad_lse, Delta=delta, CuQ=cu_q,
+                                      **self.delta_scalars))
+        seed = dropout_seed.to(device=q.device, dtype=torch.int64).reshape(1) if self.dropout else absent["Seed"]
+        tensors = dict(DO=grad_out, Lse=lse, Delta=delta, Q=q, K=k, V=v, CuQ=cu_q,
+                       CuK=absent["CuK"] if cu_k is None else cu_k, Seed=seed,
+                       Bias=absent["Bias"] if attn_bias is None else attn_bias)
+        dq_buf = dq if self.deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        launchers[1] = launch_as(launchers[1], self.dkdv_kernel, self.dkdv_grid, (),
+                                 dict(DQ=dq_buf, DK=dk, DV=dv, DBias=absent["DBias"] if dbias_full is None
+                                      else dbias_full, **tensors, **self.dkdv_scalars))
+        if self.deterministic:
+            launchers[2] = launch_as(launchers[2], self.dq_kernel, self.delta_grid, (),
+                                     dict(DQ=dq, **tensors, **self.dq_scalars))
+        else:
+            dq.copy_(dq_buf)
+        return dq, dk, dv, _sum_to_bias(dbias_full, attn_bias)
+
+
 def _backward(grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, n_batch, seq_q, seq_k,
               flags, bias_requires_grad, deterministic):
-    """(dq, dk, dv, dbias or None), dq/dk/dv contiguous like q/k/v."""
-    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-    bias_grad = bool(bias_requires_grad) and attn_bias is not None and attn_bias.is_floating_point()
-    dbias_full = None
-    if bias_grad:  # per (b, h, i, j), summed to attn_bias's shape below
-        dbias_full = torch.zeros(q.shape[0], q.shape[1], q.shape[2], k.shape[2], dtype=torch.float32,
-                                 device=q.device)
-    if q.numel() == 0 or k.numel() == 0:
-        dq.zero_(), dk.zero_(), dv.zero_()
-        return dq, dk, dv, _sum_to_bias(dbias_full, attn_bias)
-    args = _shape_args(q, k, v, cu_q, cu_k, seq_q, seq_k)
-    heads = q.shape[1]
-    grad_out, out = _rows(grad_out), _rows(out)
-    delta = torch.empty_like(lse)
-    lse_strides = _lse_strides(lse)
-    launch(
-        _attn_bwd_delta, _grid(seq_q, n_batch * heads),
-        Out=out, DO=grad_out,
-        GradLse=lse if grad_lse is None else grad_lse.to(torch.float32).expand_as(lse).contiguous(),
-        Delta=delta, CuQ=args["CuQ"], **_bhm(out, "o", "m"), **_bhm(grad_out, "do", "m"), **lse_strides,
-        H=heads, SEQ_Q=seq_q, HEAD_DIM_V=args["HEAD_DIM_V"], BLOCK_DV=args["BLOCK_DV"],
-        HAS_GRAD_LSE=grad_lse is not None, IS_VARLEN=args["IS_VARLEN"],
-        BLOCK_M=max(16, _DELTA_TILE // args["BLOCK_DV"]))
-
-    common = dict(DO=grad_out, Lse=lse, Delta=delta, **_bhm(grad_out, "do", "m"), **lse_strides,
-                  sm_scale=_scale(q, flags["scale"]), **args, **_mask_args(q, **flags),
-                  **_bias_args(q, k, attn_bias))
-    # without determinism dQ is accumulated by atomics in fp32, else written by its own kernel
-    dq_buf = dq if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    _, dkdv_kernel, dq_kernel = _kernels(q, args)
-    launch(
-        dkdv_kernel, _grid(seq_k, n_batch * k.shape[1], "BLOCK_N"),
-        DQ=dq_buf, DK=dk, DV=dv, DBias=dbias_full if bias_grad else q.new_empty(0, dtype=torch.float32),
-        **_bhm(dq_buf, "dq", "m"), **_bhm(dk, "dk", "n"), **_bhm(dv, "dv", "n"),
-        **_db_strides(dbias_full), BIAS_GRAD=bias_grad, ATOMIC_DQ=not deterministic, **common)
-    if deterministic:
-        launch(dq_kernel, _grid(seq_q, n_batch * heads), DQ=dq, **_bhm(dq, "dq", "m"), **common)
-    else:
-        dq.copy_(dq_buf)
-    return dq, dk, dv, _sum_to_bias(dbias_full, attn_bias)
+    plan = AttentionBwd(grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, n_batch, seq_q, seq_k,
+                        flags, bias_requires_grad, deterministic)
+    return plan(grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, flags["dropout_seed"])
 
 
 def _db_strides(dbias_full) -> dict:
