@@ -18,7 +18,8 @@ the same kernel:
   autotuner's key (key arguments and dtypes);
 - every tensor by dtype and 16-byte alignment, which is all Triton reads of a tensor argument.
 Kernels run by the interpreter (TRITON_INTERPRET=1) and launches while a Triton launch hook is
-set (profilers) take Triton's path every time.
+set (profilers) take Triton's path every time. An op's plan that keeps the launcher launch()
+returned passes it back through launch_as and skips the key as well.
 """
 from __future__ import annotations
 
@@ -51,8 +52,8 @@ class _Launcher:
         # Triton's launcher takes every parameter in order, constexprs too (ignored)
         self.order = operator.itemgetter(*(given.index(n) for n in names))
         self.names, self.device = names, device
-        self.run, self.function, self.metadata = compiled.run, compiled.function, compiled.packed_metadata
-        run = compiled.run
+        self.function, self.metadata = compiled.function, compiled.packed_metadata
+        self.run = run = compiled.run
         if (getattr(run, "global_scratch_size", None) == 0 and getattr(run, "profile_scratch_size", None) == 0
                 and hasattr(run, "launch")):
             # Triton 3.6's CudaLauncher.__call__ only adds its scratch buffers (none here) and
