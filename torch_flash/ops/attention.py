@@ -324,6 +324,7 @@ def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
     def make():
         check_backward_args("attention_backward", grad_out, grad_lse, q, k, v, attn_bias, out, lse, softcap,
                             dropout_p, dropout_seed, window_left, window_right)
+        spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
         if cudnn_backward_serves(grad_lse, q, k, v, attn_bias, spec):
             _dispatch.LAST["attention_backward"] = "cudnn"
             return _CUDNN
@@ -332,12 +333,12 @@ def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
         from ..kernels.triton.attention import AttentionBwd
         return AttentionBwd(grad_out, grad_lse, q, k, v, attn_bias, out, lse, None, None, q.shape[0], q.shape[2],
                             k.shape[2], kernel_flags(spec), bias_requires_grad, deterministic=True)
-    spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
     # with the global state cudnn_backward_serves reads
     values = (grad_out, grad_lse, q, k, v, attn_bias, out, lse, scale, causal, window_left, window_right, softcap,
               dropout_p, dropout_seed, bias_requires_grad, os.environ.get("TORCH_FLASH_CUDNN_BACKWARD"),
               torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.cudnn_sdp_enabled())
     plan = BACKWARD_PLANS.get("attention_backward", values, make)
+    spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
     if plan is _CUDNN:
         return (*_cudnn_backward(grad_out, q, k, v, out, lse, spec), grad_or_empty(None, q))
     if plan is not None:

@@ -19,6 +19,7 @@ from ..reference._common import compute_dtype
 from ..reference.attention import resolve_scale
 from ._autograd import call, triton_op
 from ._checks import INDEX_DTYPES, check, check_same_device, check_tensor
+from ._plans import Plans
 from .attention import check_common, check_saved_and_grads, kernel_flags, op_kwargs, spec_of, use_triton
 
 
@@ -71,6 +72,10 @@ def out_shapes(q, v) -> tuple[tuple, tuple, torch.dtype]:
     return (q.shape[0], q.shape[1], v.shape[-1]), (q.shape[1], q.shape[0]), compute_dtype(q.dtype)
 
 
+# signature -> the Triton kernels' AttentionFwd / AttentionBwd plan, or None (the reference path)
+FORWARD_PLANS, BACKWARD_PLANS = Plans(), Plans()
+
+
 @triton_op("flash::attention_varlen", mutates_args=())
 def _attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                       max_seqlen_q: int, max_seqlen_k: int, dropout_seed: Optional[Tensor] = None,
@@ -78,18 +83,27 @@ def _attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_
                       window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
                       dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
     op = "attention_varlen"
-    check_args(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softcap,
-               dropout_p, dropout_seed, window_left, window_right)
+
+    def make():
+        check_args(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softcap,
+                   dropout_p, dropout_seed, window_left, window_right)
+        spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
+        if not use_triton(op, q, k, v, None, dropout_p):
+            return None
+        from ..kernels.triton.attention import AttentionFwd
+        return AttentionFwd(q, k, v, None, cu_seqlens_q, cu_seqlens_k, cu_seqlens_q.shape[0] - 1, max_seqlen_q,
+                            max_seqlen_k, kernel_flags(spec))
+    values = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_seed, scale, causal,
+              window_left, window_right, softcap, dropout_p)
+    plan = FORWARD_PLANS.get(op, values, make)
     # the offsets' values only where reading them costs nothing: CPU tensors with data
     # (not on GPU: host sync; not the fake tensors of torch.compile tracing this body)
     if cu_seqlens_q.device.type == "cpu" and not is_fake(cu_seqlens_q):
         check_offsets(op, cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
                       max_seqlen_k)
+    if plan is not None:
+        return plan(q, k, v, None, cu_seqlens_q, cu_seqlens_k, dropout_seed)
     spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
-    if use_triton(op, q, k, v, None, dropout_p):
-        from ..kernels.triton.attention import attention_varlen_fwd
-        return attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                    **kernel_flags(spec))
     return ref.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, spec)
 
 
@@ -101,15 +115,24 @@ def _attention_varlen_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: 
                                softcap: float, dropout_p: float,
                                dropout_seed: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv)."""
-    check_backward_args("attention_varlen_backward", grad_out, grad_lse, q, k, v, cu_seqlens_q, cu_seqlens_k,
-                        max_seqlen_q, max_seqlen_k, out, lse, softcap, dropout_p, dropout_seed, window_left,
-                        window_right)
+    op = "attention_varlen_backward"
+
+    def make():
+        check_backward_args(op, grad_out, grad_lse, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                            max_seqlen_k, out, lse, softcap, dropout_p, dropout_seed, window_left, window_right)
+        spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
+        if not use_triton(op, q, k, v, None, dropout_p):
+            return None
+        from ..kernels.triton.attention import AttentionBwd
+        return AttentionBwd(grad_out, grad_lse, q, k, v, None, out, lse, cu_seqlens_q, cu_seqlens_k,
+                            cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, kernel_flags(spec), False,
+                            deterministic=True)
+    values = (grad_out, grad_lse, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse,
+              scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
+    plan = BACKWARD_PLANS.get(op, values, make)
+    if plan is not None:
+        return plan(grad_out, grad_lse, q, k, v, None, out, lse, cu_seqlens_q, cu_seqlens_k, dropout_seed)[:3]
     spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
-    if use_triton("attention_varlen_backward", q, k, v, None, dropout_p):
-        from ..kernels.triton.attention import attention_varlen_bwd
-        return attention_varlen_bwd(grad_out, grad_lse, q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                    max_seqlen_q, max_seqlen_k, out, lse, **kernel_flags(spec),
-                                    deterministic=True)
     return ref.backward(grad_out, grad_lse, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, spec)
 
 
