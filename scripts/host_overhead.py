@@ -215,25 +215,19 @@ def interleaved(impls: dict, calls: int = CALLS, rounds: int = ROUNDS, wait: boo
 
 
 def _recorded_launches(module, fn) -> list[tuple]:
-    """The (kernel, grid, args, kwargs) of every launch one call of fn makes through module."""
-    seen, real, real_as = [], module.launch, getattr(module, "launch_as", None)
+    """The (kernel, grid, args, kwargs) of every launch one call of fn makes through module's
+    launch_as."""
+    seen, real = [], module.launch_as
 
-    def recording(kernel, grid, *args, **kwargs):
+    def recording(launcher, kernel, grid, args, kwargs):
         seen.append((kernel, grid, args, kwargs))
-        return real(kernel, grid, *args, **kwargs)
-
-    def recording_as(launcher, kernel, grid, args, kwargs):
-        return recording(kernel, grid, *args, **kwargs)
-    module.launch, module.launch_as = recording, recording_as
+        return real(launcher, kernel, grid, args, kwargs)
+    module.launch_as = recording
     try:
         with torch.no_grad():
             fn()
     finally:
-        module.launch = real
-        if real_as is None:
-            del module.launch_as
-        else:
-            module.launch_as = real_as
+        module.launch_as = real
     return seen
 
 

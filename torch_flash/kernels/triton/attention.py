@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from ...reference import attention as ref
-from .launch import cdiv, launch, launch_as, next_power_of_2
+from .launch import cdiv, launch_as, next_power_of_2
 from .scalars import fp32
 
 _LOG2E = tl.constexpr(1.4426950408889634)

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ... import _dispatch
-from .launch import cdiv, launch, launch_as, next_power_of_2
+from .launch import cdiv, launch_as, next_power_of_2
 from .scalars import fp32
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -565,7 +565,7 @@ class NormBwd:
         loops = BWD_LOOPS if bias is None else BWD_LOOPS_WITH_DB
         loop = next((blk, tile) for widest, blk, tile in loops if widest is None or n <= widest)
         block, rows_per_tile = _blocks(n, BWD_MAX_BLOCK, block_n, loop)
-        self.programs = programs = _bwd_programs(m, block, x.device) if m > 0 else 0
+        self.programs = _bwd_programs(m, block, x.device) if m > 0 else 0
         self.scalars = (eps, weight_offset)
         self.has_stats = rstd is not None
         self.consts = dict(IS_RMS=is_rms, HAS_GRES=grad_residual_out is not None, HAS_W=weight is not None,
