@@ -56,6 +56,11 @@ def plain(keyset: torch._C.DispatchKeySet) -> bool:
     return (keyset & _AFTER_AUTOGRAD).highestPriorityTypeId() in _BACKEND_KEYS
 
 
+def plain_tensor(t: torch.Tensor) -> bool:
+    """A Tensor or Parameter with data (no fake, functional or other subclass, not on meta)."""
+    return type(t) in _TENSOR_TYPES and not t.is_meta
+
+
 def launching_directly(fn: Callable) -> Callable:
     """fn with wrap_triton's tracing hook off, as triton_op's own eager wrapper has it, so that
     its kernels launch as plain Triton calls (the thread-local set by hand: torch's context
@@ -111,14 +116,14 @@ def _register_autograd_kernel(opdef: CustomOpDef, rule: Callable) -> None:
 def _plain_call(args: tuple, kwargs: dict) -> bool:
     """Whether the dispatcher would hand this eager call straight to the op's body (see `plain`),
     told from Python: no torch function or dispatch mode (make_fx, FakeTensorMode, user modes),
-    no functorch transform (vmap, grad), no torch.jit trace, every tensor a plain Tensor or Parameter (no fake,
-    functional or other subclass) off the meta device, and no gradient to record."""
+    no functorch transform (vmap, grad), no torch.jit trace, every tensor a plain_tensor, and no
+    gradient to record."""
     if (torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack()
             or torch._C._are_functorch_transforms_active() or torch._C._get_tracing_state() is not None):
         return False
     grad = torch.is_grad_enabled()
     for a in (*args, *kwargs.values()):
-        if isinstance(a, torch.Tensor) and (type(a) not in _TENSOR_TYPES or a.is_meta or (grad and a.requires_grad)):
+        if isinstance(a, torch.Tensor) and (not plain_tensor(a) or (grad and a.requires_grad)):
             return False
     return True
 

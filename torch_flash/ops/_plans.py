@@ -17,10 +17,10 @@ from typing import Any, Callable
 import torch
 
 from .. import _dispatch
+from ._autograd import plain_tensor
 
 # signatures kept per op family before the table starts afresh (shapes can vary without bound)
 MAX_PLANS = 4096
-_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def signature(values: tuple) -> tuple | None:
@@ -28,7 +28,7 @@ def signature(values: tuple) -> tuple | None:
     out = []
     for v in values:
         if isinstance(v, torch.Tensor):
-            if type(v) not in _TENSOR_TYPES or v.is_meta:
+            if not plain_tensor(v):
                 return None
             out.append((v.shape, v.stride(), v.dtype, v.device, v.data_ptr() & 15))
         else:
@@ -60,9 +60,6 @@ class Plans:
         else:
             _dispatch.LAST[op] = "reference" if plan is None else getattr(plan, "path", "triton")
         return plan
-
-    def clear(self) -> None:
-        self._plans.clear()
 
 
 _MISSING = object()

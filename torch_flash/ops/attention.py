@@ -338,14 +338,13 @@ def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
               dropout_p, dropout_seed, bias_requires_grad, os.environ.get("TORCH_FLASH_CUDNN_BACKWARD"),
               torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.cudnn_sdp_enabled())
     plan = BACKWARD_PLANS.get("attention_backward", values, make)
+    if plan is not None and plan is not _CUDNN:
+        dq, dk, dv, dbias = plan(grad_out, grad_lse, q, k, v, attn_bias, out, lse, None, None, dropout_seed)
+        return dq, dk, dv, grad_or_empty(dbias, q)
     spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
     if plan is _CUDNN:
         return (*_cudnn_backward(grad_out, q, k, v, out, lse, spec), grad_or_empty(None, q))
-    if plan is not None:
-        dq, dk, dv, dbias = plan(grad_out, grad_lse, q, k, v, attn_bias, out, lse, None, None, dropout_seed)
-    else:
-        dq, dk, dv, dbias = ref.backward(grad_out, grad_lse, q, k, v, attn_bias, out, lse, spec,
-                                         bias_requires_grad)
+    dq, dk, dv, dbias = ref.backward(grad_out, grad_lse, q, k, v, attn_bias, out, lse, spec, bias_requires_grad)
     return dq, dk, dv, grad_or_empty(dbias, q)
 
 

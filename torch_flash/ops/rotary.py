@@ -269,7 +269,8 @@ def _rotary_inplace(x: Tensor, cos: Tensor, sin: Tensor, seqlen_offsets: Optiona
     """flash.rotary into x's own storage; dims past the rotary dim are not written."""
     # in place: checks of the tensors' storage, which their signature does not hold, every call
     check_inplace_args("rotary_", {"x": x}, cos, sin, seqlen_offset, seqlen_offsets, cu_seqlens)
-    _rotate("rotary_", _checked, (x,), True, cos, sin, seqlen_offsets, cu_seqlens, interleaved, seqlen_offset, conjugate)
+    _rotate("rotary_", _checked, (x,), True, cos, sin, seqlen_offsets, cu_seqlens, interleaved, seqlen_offset,
+            conjugate)
 
 
 @triton_op("flash::rotary_qk_", mutates_args=("q", "k"))
@@ -326,10 +327,11 @@ for _op, _grad_op in ((_rotary, "rotary_backward"), (_rotary_backward, "rotary")
 
 def _register_inplace_autograd(opdef, functional: str) -> None:
     """The Autograd kernel of an in-place op (register_autograd takes functional ops only).
-    Without a gradient to record it runs the op's kernel. With one, it rotates by the functional op and copies the result into the rotary
-    dims: autograd records the copy on the tensors and on the views they may be (q and k of one
-    qkv projection, which a Function marking both dirty could not return), and the gradient is
-    the functional op's, the conjugate rotation of the incoming one."""
+    Without a gradient to record it runs the op's kernel. With one, it rotates by the functional
+    op and copies the result into the rotary dims: autograd records the copy on the tensors and
+    on the views they may be (q and k of one qkv projection, which a Function marking both dirty
+    could not return), and the gradient is the functional op's, the conjugate rotation of the
+    incoming one."""
     schema = opdef._opoverload._schema
     names = [a.name for a in schema.arguments]
     mutated = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]

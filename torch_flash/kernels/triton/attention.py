@@ -702,6 +702,21 @@ def _kernels(q, args: dict):
     return kernels
 
 
+def _absent(q) -> dict:
+    """Stand-ins for an absent Bias, Seed, CuQ, CuK or DBias (never read), typed as the
+    launchers always had them."""
+    no_index = q.new_empty(0, dtype=torch.int32)
+    return dict(Bias=q.new_empty(0), Seed=q.new_empty(0, dtype=torch.int64), CuQ=no_index, CuK=no_index,
+                DBias=q.new_empty(0, dtype=torch.float32))
+
+
+def _inputs(absent: dict, dropout: bool, q, k, v, attn_bias, cu_q, cu_k, dropout_seed) -> dict:
+    """The input tensors the forward and backward kernels share, absent ones stood in for."""
+    seed = dropout_seed.to(device=q.device, dtype=torch.int64).reshape(1) if dropout else absent["Seed"]
+    return dict(Q=q, K=k, V=v, Bias=absent["Bias"] if attn_bias is None else attn_bias, Seed=seed,
+                CuQ=absent["CuQ"] if cu_q is None else cu_q, CuK=absent["CuK"] if cu_k is None else cu_k)
+
+
 class AttentionFwd:
     """The forward's decisions for one signature of its arguments (shapes, strides, dtypes,
     flags): tile class, grid and every scalar argument, made once and then called with the
@@ -722,9 +737,7 @@ class AttentionFwd:
         self.kernel = _kernels(q, args)[0]
         self.grid = _grid(seq_q, n_batch * q.shape[1])
         self.dropout = mask["DROPOUT"]
-        # in place of an absent Bias, Seed, CuQ or CuK (never read), typed as the launchers had them
-        no_index = q.new_empty(0, dtype=torch.int32)
-        self.absent = dict(Bias=q.new_empty(0), Seed=q.new_empty(0, dtype=torch.int64), CuQ=no_index, CuK=no_index)
+        self.absent = _absent(q)
         tensors = ("Q", "K", "V", "CuQ", "CuK", "Seed", "Bias")
         self.scalars = {name: value for name, value in (*args.items(), *mask.items(), *bias.items(),
                                                         *_bhm(out, "o", "m").items(), *_lse_strides(lse).items())
@@ -736,12 +749,9 @@ class AttentionFwd:
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         if self.empty:
             return out, lse
-        absent = self.absent
-        seed = dropout_seed.to(device=q.device, dtype=torch.int64).reshape(1) if self.dropout else absent["Seed"]
-        tensors = dict(Q=q, K=k, V=v, Out=out, Lse=lse, Bias=absent["Bias"] if attn_bias is None else attn_bias,
-                       Seed=seed, CuQ=absent["CuQ"] if cu_q is None else cu_q,
-                       CuK=absent["CuK"] if cu_k is None else cu_k)
-        self.launcher = launch_as(self.launcher, self.kernel, self.grid, (), {**tensors, **self.scalars})
+        tensors = _inputs(self.absent, self.dropout, q, k, v, attn_bias, cu_q, cu_k, dropout_seed)
+        self.launcher = launch_as(self.launcher, self.kernel, self.grid, (),
+                                  dict(Out=out, Lse=lse, **tensors, **self.scalars))
         return out, lse
 
 
@@ -787,29 +797,25 @@ class AttentionBwd:
                                  **_db_strides(dbias_full), BIAS_GRAD=self.bias_grad,
                                  ATOMIC_DQ=not deterministic, **common)
         self.dq_scalars = dict(**_bhm(dq, "dq", "m"), **common)
-        no_index = q.new_empty(0, dtype=torch.int32)
-        self.absent = dict(Bias=q.new_empty(0), Seed=q.new_empty(0, dtype=torch.int64), CuQ=no_index,
-                           CuK=no_index, DBias=q.new_empty(0, dtype=torch.float32))
+        self.absent = _absent(q)
         self.launchers = [None, None, None]
 
     def __call__(self, grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, dropout_seed):
         dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-        dbias_full = torch.zeros(self.dbias_shape, dtype=torch.float32, device=q.device) if self.bias_grad else None
+        dbias_full = (torch.zeros(self.dbias_shape, dtype=torch.float32, device=q.device) if self.bias_grad
+                      else None)
         if self.empty:
             dq.zero_(), dk.zero_(), dv.zero_()
             return dq, dk, dv, _sum_to_bias(dbias_full, attn_bias)
         absent, launchers = self.absent, self.launchers
         grad_out, out = _rows(grad_out), _rows(out)
         delta = torch.empty_like(lse)
-        cu_q = absent["CuQ"] if cu_q is None else cu_q
+        tensors = _inputs(absent, self.dropout, q, k, v, attn_bias, cu_q, cu_k, dropout_seed)
         grad_lse = lse if grad_lse is None else grad_lse.to(torch.float32).expand_as(lse).contiguous()
         launchers[0] = launch_as(launchers[0], _attn_bwd_delta, self.delta_grid, (),
-                                 dict(Out=out, DO=grad_out, GradLse=grad_lse, Delta=delta, CuQ=cu_q,
+                                 dict(Out=out, DO=grad_out, GradLse=grad_lse, Delta=delta, CuQ=tensors["CuQ"],
                                       **self.delta_scalars))
-        seed = dropout_seed.to(device=q.device, dtype=torch.int64).reshape(1) if self.dropout else absent["Seed"]
-        tensors = dict(DO=grad_out, Lse=lse, Delta=delta, Q=q, K=k, V=v, CuQ=cu_q,
-                       CuK=absent["CuK"] if cu_k is None else cu_k, Seed=seed,
-                       Bias=absent["Bias"] if attn_bias is None else attn_bias)
+        tensors.update(DO=grad_out, Lse=lse, Delta=delta)
         dq_buf = dq if self.deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         launchers[1] = launch_as(launchers[1], self.dkdv_kernel, self.dkdv_grid, (),
                                  dict(DQ=dq_buf, DK=dk, DV=dv, DBias=absent["DBias"] if dbias_full is None

@@ -60,7 +60,10 @@ class _Launcher:
             # cooperative/PDL flags before the C launch: call that directly
             flags = (run.launch_cooperative_grid, run.launch_pdl, None, None)
             c_launch = run.launch
-            self.run = lambda gx, gy, gz, stream, function, *rest: c_launch(gx, gy, gz, stream, function, *flags, *rest)
+
+            def direct(gx, gy, gz, stream, function, *rest):
+                c_launch(gx, gy, gz, stream, function, *flags, *rest)
+            self.run = direct
 
     def __call__(self, grid, device: int, args: tuple, kwargs: dict) -> None:
         params = self.order((*args, *kwargs.values(), *self.tail))

@@ -594,7 +594,8 @@ class NormBwd:
                 g_rows.stride(0), 0 if gr_rows is None else gr_rows.stride(0), x_rows.stride(0), dx_stride,
                 *self.scalars)
         self.launchers[0] = launch_as(self.launchers[0], _norm_bwd_kernel, (self.programs,), args, self.consts)
-        dw, db = (None if p is None else torch.empty(p.shape, dtype=p.dtype, device=x.device) for p in (weight, bias))
+        dw, db = (None if p is None else torch.empty(p.shape, dtype=p.dtype, device=x.device)
+                  for p in (weight, bias))
         outs = [t for t in (dw, db) if t is not None]
         if outs:
             # one launch sums the partials and writes both in their dtypes (torch's sum and two
