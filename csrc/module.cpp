@@ -10,7 +10,8 @@
 
 namespace {
 
-std::vector<int> built_hdims() {
+// Head dims with forward kernels (backward: those up to 128, attention_bwd_sm90_hdim*.cu).
+std::vector<int> built_hdims(bool backward) {
   std::vector<int> hdims;
 #ifdef FLASH_HDIM_64
   hdims.push_back(64);
@@ -19,7 +20,7 @@ std::vector<int> built_hdims() {
   hdims.push_back(128);
 #endif
 #ifdef FLASH_HDIM_256
-  hdims.push_back(256);
+  if (!backward) hdims.push_back(256);
 #endif
   return hdims;
 }
@@ -33,11 +34,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       [] {
         pybind11::dict info;
         info["archs"] = torch_flash::compiled_archs();
-        info["hdims"] = built_hdims();
+        info["hdims"] = built_hdims(false);
+        info["backward_hdims"] = built_hdims(true);
         info["cuda_version"] = torch_flash::cuda_version();
         info["cutlass_version"] = std::string(FLASH_CUTLASS_VERSION);
-        info["ops"] = std::vector<std::string>{"flash::attention_fwd_sm90"};
+        info["ops"] = std::vector<std::string>{"flash::attention_fwd_sm90", "flash::attention_bwd_sm90"};
         return info;
       },
-      "dict: archs, hdims, cuda_version, cutlass_version, ops (flash ops with CUDA kernels here)");
+      "dict: archs, hdims, backward_hdims, cuda_version, cutlass_version, ops (flash ops with CUDA kernels here)");
 }

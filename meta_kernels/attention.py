@@ -1,8 +1,9 @@
 """Fakes for flash.attention, flash.attention_with_lse, flash.attention_backward and the
-Hopper forward flash.attention_fwd_sm90."""
+Hopper kernels flash.attention_fwd_sm90 and flash.attention_bwd_sm90."""
 import torch
 
-from torch_flash.ops.attention import check_args, check_backward_args, check_sm90_args, out_shapes
+from torch_flash.ops.attention import (check_args, check_backward_args, check_sm90_args, check_sm90_bwd_args,
+                                       out_shapes)
 
 
 def _forward(op, q, k, v, attn_bias, softcap, dropout_p, dropout_seed, window_left, window_right):
@@ -40,3 +41,9 @@ def attention_fwd_sm90(q, k, v, scale, causal):
     check_sm90_args("attention_fwd_sm90", q, k, v, causal)
     out, lse, lse_dtype = out_shapes(q, v)
     return q.new_empty(out), q.new_empty(lse, dtype=lse_dtype)
+
+
+@torch.library.register_fake("flash::attention_bwd_sm90")
+def attention_bwd_sm90(grad_out, q, k, v, out, lse, scale, causal):
+    check_sm90_bwd_args("attention_bwd_sm90", grad_out, q, k, v, out, lse, causal)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)

@@ -7,8 +7,8 @@ the loss and of all parameter gradients (one vector) against eager in fp32 witho
 Needs transformers.
 Usage: python scripts/hf_llama_autocast.py OUT.json [--hidden H --heads N --kv-heads K]
 [--backends NAME ...] (defaults: the run in docs/perf, head dim 64 with GQA; the backend
-"flash, no attention family" leaves SDPA to PyTorch; "flash, cuDNN backward" sets
-TORCH_FLASH_CUDNN_BACKWARD=1).
+"flash, no attention family" leaves SDPA to PyTorch; "flash, Triton backward" sets
+TORCH_FLASH_CUDNN_BACKWARD=0, off the cuDNN backward flash.attention takes by default).
 """
 import argparse
 import json
@@ -28,13 +28,13 @@ CONFIG = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num
               num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096, use_cache=False,
               attn_implementation="sdpa")
 BACKENDS = {"inductor": "inductor", "flash": "flash",
-            "flash, cuDNN backward": "flash",
+            "flash, Triton backward": "flash",
             "flash, no rotary family": torch_flash.backend(ops=["attention", "norm", "loss"]),
             "flash, no attention family": torch_flash.backend(ops=["rotary", "norm", "loss"])}
 # environment a backend compiles and runs under
-ENV = {"flash, cuDNN backward": {"TORCH_FLASH_CUDNN_BACKWARD": "1"}}
-# every backend traces afresh: the compile caches do not key on the environment, and "flash, cuDNN
-# backward" would get the graph "flash" traced with the Triton backward
+ENV = {"flash, Triton backward": {"TORCH_FLASH_CUDNN_BACKWARD": "0"}}
+# every backend traces afresh: the compile caches do not key on the environment, and "flash, Triton
+# backward" would get the graph "flash" traced with the cuDNN backward
 torch._functorch.config.enable_autograd_cache = False
 torch._inductor.config.fx_graph_cache = False
 DEFAULT_BACKENDS = ["inductor", "flash", "flash, no rotary family"]

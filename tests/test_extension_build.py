@@ -84,10 +84,16 @@ def test_spec_flags(csrc):
 def test_spec_includes_cutlass(csrc):
     spec = _build.spec(csrc=str(csrc))
     root = CUTLASS[0]
-    assert spec.include_dirs[1:] == tuple(os.path.join(root, d) for d in
-                                          ("source/include", "source/tools/util/include", "source/examples"))
+    assert spec.include_dirs[1:3] == tuple(os.path.join(root, d) for d in
+                                           ("source/include", "source/tools/util/include"))
     assert all(os.path.isdir(d) for d in spec.include_dirs)
     assert os.path.isfile(os.path.join(spec.include_dirs[1], "cute", "tensor.hpp"))
+    # the example's copy, with the backward's float-to-element assignments spelled as conversions
+    example = os.path.join(spec.include_dirs[3], _build.EXAMPLE)
+    for rel, old, new in _build.EXAMPLE_PATCHES:
+        with open(os.path.join(example, rel)) as f:
+            text = f.read()
+        assert new in text and old not in text
     assert spec.cutlass_version == CUTLASS[1]
 
 

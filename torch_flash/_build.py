@@ -24,8 +24,21 @@ NAME = "torch_flash._C"
 ARCHS = ("sm_90a",)
 DEFAULT_HDIMS = (64, 128, 256)
 SOURCE_SUFFIXES = (".cpp", ".cu")
-# relative to the cutlass_library package of the nvidia-cutlass wheel; examples/ for 88_hopper_fmha
-CUTLASS_INCLUDE_SUBDIRS = ("source/include", "source/tools/util/include", "source/examples")
+# relative to the cutlass_library package of the nvidia-cutlass wheel
+CUTLASS_INCLUDE_SUBDIRS = ("source/include", "source/tools/util/include")
+# The wheel's example whose FMHA collectives csrc/attention instantiates, compiled from a copy
+# (patched_examples): its backward assigns float to the element type (dS, and dq's conversion),
+# which compiles for cutlass::half_t (assignable from CUDA's half) but not for
+# cutlass::bfloat16_t; the copy spells those two assignments as conversions.
+EXAMPLE = "88_hopper_fmha"
+EXAMPLE_PATCHES = (
+    ("collective/fmha_collective_bwd_tma_warpspecialized.hpp",
+     "acc_DS(i) = acc_P(i) * params.scale_softmax * (acc_DP(i) - reg_ODO(i));",
+     "acc_DS(i) = Element(acc_P(i) * params.scale_softmax * (acc_DP(i) - reg_ODO(i)));"),
+    ("kernel/fmha_kernel_bwd_convert.hpp",
+     "value_dest[v] = value_src[v];",
+     "value_dest[v] = Element(value_src[v]);"),
+)
 
 _HDIM = re.compile(r"_hdim(\d+)(?!\d)")
 
@@ -97,6 +110,38 @@ def find_cutlass() -> tuple[str, str] | None:
     return spec.submodule_search_locations[0], version
 
 
+def _cache_root() -> str:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "torch_flash")
+
+
+def patched_examples(cutlass_dir: str, version: str) -> str:
+    """An include dir holding a copy of the wheel's EXAMPLE folder with EXAMPLE_PATCHES applied,
+    made once per CUTLASS install."""
+    key = json.dumps([cutlass_dir, version, EXAMPLE_PATCHES])
+    root = os.path.join(_cache_root(), "cutlass-examples-" + hashlib.sha256(key.encode()).hexdigest()[:16])
+    if os.path.isdir(os.path.join(root, EXAMPLE)):
+        return root
+    tmp = f"{root}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(os.path.join(cutlass_dir, "source", "examples", EXAMPLE), os.path.join(tmp, EXAMPLE))
+    for rel, old, new in EXAMPLE_PATCHES:
+        path = os.path.join(tmp, EXAMPLE, rel)
+        with open(path) as f:
+            text = f.read()
+        if text.count(old) != 1:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise BuildError(f"nvidia-cutlass {version}: {EXAMPLE}/{rel} no longer has the line that "
+                             f"torch_flash/_build.py EXAMPLE_PATCHES rewrites: {old}")
+        with open(path, "w") as f:
+            f.write(text.replace(old, new))
+    try:
+        os.replace(tmp, root)
+    except OSError:  # another process made it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return root
+
+
 @dataclasses.dataclass(frozen=True)
 class Spec:
     """Everything a compiler needs; flags carry the macros and are argv words (torch's BuildExtension
@@ -131,7 +176,10 @@ def spec(hdims: str | None = None, csrc: str | None = None, origin: str = "FLASH
     chosen = select_hdims(os.environ.get("FLASH_HDIMS") if hdims is None else hdims, available, origin)
     sources = [s for s in all_sources if _hdim_of(s) in (None, *chosen)]
     cutlass = find_cutlass()
-    include_dirs = [csrc] + ([os.path.join(cutlass[0], d) for d in CUTLASS_INCLUDE_SUBDIRS] if cutlass else [])
+    include_dirs = [csrc]
+    if cutlass:
+        include_dirs += [os.path.join(cutlass[0], d) for d in CUTLASS_INCLUDE_SUBDIRS]
+        include_dirs.append(patched_examples(*cutlass))
     version = cutlass[1] if cutlass else None
     macros = [f"-DFLASH_HDIM_{d}" for d in chosen] + [f'-DFLASH_CUTLASS_VERSION="{version or "none"}"']
     return Spec(csrc, tuple(chosen), tuple(sources), tuple(include_dirs),
@@ -178,8 +226,7 @@ def build_dir(s: Spec) -> str:
     from torch.utils.cpp_extension import CUDA_HOME
 
     key = json.dumps([dataclasses.asdict(s), torch.__version__, torch.version.cuda, CUDA_HOME, sys.version])
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "torch_flash", "build-" + hashlib.sha256(key.encode()).hexdigest()[:16])
+    return os.path.join(_cache_root(), "build-" + hashlib.sha256(key.encode()).hexdigest()[:16])
 
 
 def build(s: Spec, jobs: int | None = None, dest: str = PACKAGE_DIR) -> str:

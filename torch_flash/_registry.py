@@ -26,6 +26,8 @@ OPS: tuple[OpEntry, ...] = (
     OpEntry("attention_with_lse", "attention", "attention", "attention_backward"),
     # the Hopper forward kernel (csrc/attention) that flash.attention calls where it serves
     OpEntry("attention_fwd_sm90", "attention", "attention", None, public=False),
+    # the Hopper backward kernel (csrc/attention) that flash.attention_backward calls where it serves
+    OpEntry("attention_bwd_sm90", "attention", "attention", None, public=False),
     OpEntry("attention_varlen", "attention_varlen", "attention", "attention_varlen_backward"),
     OpEntry("attention_decode", "attention_decode", "attention", None, ("k_cache", "v_cache")),
     OpEntry("rms_norm", "rms_norm", "norm", "rms_norm_backward"),

@@ -5,8 +5,9 @@
 Tensors use FlashAttention's (batch, seqlen, heads, headdim) layout; they reach the ops as
 `.transpose(1, 2)` views (no copy) and the output comes back contiguous in the same layout.
 Not supported (a clear error, not a silent difference): alibi_slopes and the attention
-probabilities of return_attn_probs (softmax_lse is returned; S_dmask is None). The backward
-is always deterministic, so `deterministic` is accepted and has no effect.
+probabilities of return_attn_probs (softmax_lse is returned; S_dmask is None). `deterministic`
+is accepted and has no effect: torch.use_deterministic_algorithms(True) makes the backward
+bitwise reproducible (flash.attention's docstring says where it is not by default).
 """
 from __future__ import annotations
 

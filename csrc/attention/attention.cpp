@@ -1,6 +1,6 @@
-// flash::attention_fwd_sm90 for CUDA tensors: the Hopper forward kernel behind flash.attention
-// (torch_flash/ops/attention.py defines the schema and calls this op where the kernel serves
-// the call; the backward stays in Triton and reads the lse written here).
+// flash::attention_fwd_sm90 and flash::attention_bwd_sm90 for CUDA tensors: the Hopper kernels
+// behind flash.attention and flash.attention_backward (torch_flash/ops/attention.py defines the
+// schemas and calls these ops where the kernels serve the call).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -11,12 +11,14 @@
 #include <tuple>
 #include <vector>
 
+#include "attention/attention_bwd_sm90.h"
 #include "attention/attention_fwd_sm90.h"
 
 namespace torch_flash {
 namespace {
 
 constexpr const char* kOp = "flash.attention_fwd_sm90: ";
+constexpr const char* kBwdOp = "flash.attention_bwd_sm90: ";
 
 // Error messages take numbers as strings: streaming an integer into TORCH_CHECK's message
 // crashed (SIGSEGV in the ostream's number formatting) in this extension on the GPU image
@@ -29,23 +31,23 @@ std::string shape(at::IntArrayRef sizes) {
   return out + ")";
 }
 
-int to_int(int64_t value, const char* what) {
-  TORCH_CHECK(value >= 0 && value <= std::numeric_limits<int>::max(), kOp, what, " = ", num(value),
+int to_int(int64_t value, const char* what, const char* op = kOp) {
+  TORCH_CHECK(value >= 0 && value <= std::numeric_limits<int>::max(), op, what, " = ", num(value),
               " does not fit the kernel's 32-bit indexing");
   return static_cast<int>(value);
 }
 
-void check_input(const at::Tensor& t, const char* name, const at::Tensor& q) {
-  TORCH_CHECK(t.is_cuda(), kOp, name, " must be a CUDA tensor, got ", t.device());
-  TORCH_CHECK(t.device() == q.device(), kOp, name, " is on ", t.device(), " but q is on ", q.device());
-  TORCH_CHECK(t.dim() == 4, kOp, name, " must be 4-D (B, H, S, D), got ", shape(t.sizes()));
-  TORCH_CHECK(t.scalar_type() == q.scalar_type(), kOp, name, " has dtype ", t.scalar_type(), " but q has ",
+void check_input(const char* op, const at::Tensor& t, const char* name, const at::Tensor& q) {
+  TORCH_CHECK(t.is_cuda(), op, name, " must be a CUDA tensor, got ", t.device());
+  TORCH_CHECK(t.device() == q.device(), op, name, " is on ", t.device(), " but q is on ", q.device());
+  TORCH_CHECK(t.dim() == 4, op, name, " must be 4-D (B, H, S, D), got ", shape(t.sizes()));
+  TORCH_CHECK(t.scalar_type() == q.scalar_type(), op, name, " has dtype ", t.scalar_type(), " but q has ",
               q.scalar_type());
-  TORCH_CHECK(t.stride(3) == 1, kOp, name, " must have a contiguous last dim, got strides ", shape(t.strides()));
+  TORCH_CHECK(t.stride(3) == 1, op, name, " must have a contiguous last dim, got strides ", shape(t.strides()));
   // TMA: 16-byte aligned base and strides
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, kOp, name, " must be 16-byte aligned");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, op, name, " must be 16-byte aligned");
   for (int d = 0; d < 3; ++d) {
-    TORCH_CHECK(t.stride(d) * t.element_size() % 16 == 0, kOp, name, " stride ", num(t.stride(d)),
+    TORCH_CHECK(t.stride(d) * t.element_size() % 16 == 0, op, name, " stride ", num(t.stride(d)),
                 " of dim ", num(d), " is not a multiple of 16 bytes");
   }
 }
@@ -87,39 +89,50 @@ Entry entry_for(int64_t head_dim) {
   }
 }
 
+// The checks of both directions: q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D), Hq % Hkv == 0, fp16/bf16,
+// a built head dim, an sm_90 GPU; causal (aligned bottom-right) needs Sq <= Sk.
+struct Problem {
+  int64_t batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim;
+  int device;
+};
+
+Problem check_problem(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
+                      bool built) {
+  check_input(op, q, "q", q);
+  check_input(op, k, "k", q);
+  check_input(op, v, "v", q);
+  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, op,
+              "q, k, v must be float16 or bfloat16, got ", q.scalar_type());
+  Problem p{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), q.get_device()};
+  TORCH_CHECK(k.size(0) == p.batch && v.size(0) == p.batch, op, "batch sizes differ: q ", shape(q.sizes()), ", k ",
+              shape(k.sizes()), ", v ", shape(v.sizes()));
+  TORCH_CHECK(k.size(3) == p.head_dim && v.size(3) == p.head_dim, op, "head dims differ: q ", shape(q.sizes()),
+              ", k ", shape(k.sizes()), ", v ", shape(v.sizes()));
+  TORCH_CHECK(v.size(1) == p.heads_kv && v.size(2) == p.seqlen_k, op, "k ", shape(k.sizes()), " and v ",
+              shape(v.sizes()), " differ in heads or keys");
+  TORCH_CHECK(p.heads_kv > 0 && p.heads_q % p.heads_kv == 0, op, "q has ", num(p.heads_q),
+              " heads, not a multiple of the ", num(p.heads_kv), " heads of k and v");
+  TORCH_CHECK(p.seqlen_q > 0 && p.seqlen_k > 0, op, "empty sequences are not supported (Sq ", num(p.seqlen_q),
+              ", Sk ", num(p.seqlen_k), ")");
+  TORCH_CHECK(p.seqlen_q % 8 == 0, op, "seqlen_q must be a multiple of 8, got ", num(p.seqlen_q));
+  TORCH_CHECK(!causal || p.seqlen_q <= p.seqlen_k, op, "causal needs seqlen_q <= seqlen_k, got ", num(p.seqlen_q),
+              " and ", num(p.seqlen_k));
+  TORCH_CHECK(built, op, "head dim ", num(p.head_dim),
+              " is not built (head dims 64, 128, 256, as listed by FLASH_HDIMS at build time)");
+  const int major = device_attribute(cudaDevAttrComputeCapabilityMajor, p.device);
+  const int minor = device_attribute(cudaDevAttrComputeCapabilityMinor, p.device);
+  TORCH_CHECK(major == 9 && minor == 0, op, "needs an sm_90 GPU (Hopper), got sm_", num(major), num(minor));
+  return p;
+}
+
 // q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D) with Hq % Hkv == 0 -> out (B, Hq, Sq, D) contiguous,
 // lse (B, Hq, Sq) fp32. causal: aligned bottom-right, as flash.attention, with Sq <= Sk (every
 // query row sees a key).
 std::tuple<at::Tensor, at::Tensor> attention_fwd_sm90(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                       double scale, bool causal) {
-  check_input(q, "q", q);
-  check_input(k, "k", q);
-  check_input(v, "v", q);
-  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, kOp,
-              "q, k, v must be float16 or bfloat16, got ", q.scalar_type());
-  const int64_t batch = q.size(0), heads_q = q.size(1), seqlen_q = q.size(2), head_dim = q.size(3);
-  const int64_t heads_kv = k.size(1), seqlen_k = k.size(2);
-  TORCH_CHECK(k.size(0) == batch && v.size(0) == batch, kOp, "batch sizes differ: q ", shape(q.sizes()), ", k ",
-              shape(k.sizes()), ", v ", shape(v.sizes()));
-  TORCH_CHECK(k.size(3) == head_dim && v.size(3) == head_dim, kOp, "head dims differ: q ", shape(q.sizes()), ", k ",
-              shape(k.sizes()), ", v ", shape(v.sizes()));
-  TORCH_CHECK(v.size(1) == heads_kv && v.size(2) == seqlen_k, kOp, "k ", shape(k.sizes()), " and v ", shape(v.sizes()),
-              " differ in heads or keys");
-  TORCH_CHECK(heads_kv > 0 && heads_q % heads_kv == 0, kOp, "q has ", num(heads_q),
-              " heads, not a multiple of the ", num(heads_kv), " heads of k and v");
-  TORCH_CHECK(seqlen_q > 0 && seqlen_k > 0, kOp, "empty sequences are not supported (Sq ", num(seqlen_q),
-              ", Sk ", num(seqlen_k), ")");
-  TORCH_CHECK(seqlen_q % 8 == 0, kOp, "seqlen_q must be a multiple of 8, got ", num(seqlen_q));
-  TORCH_CHECK(!causal || seqlen_q <= seqlen_k, kOp, "causal needs seqlen_q <= seqlen_k, got ", num(seqlen_q),
-              " and ", num(seqlen_k));
-  Entry entry = entry_for(head_dim);
-  TORCH_CHECK(entry != nullptr, kOp, "head dim ", num(head_dim),
-              " is not built (head dims 64, 128, 256, as listed by FLASH_HDIMS at build time)");
-  const int device = q.get_device();
-  const int major = device_attribute(cudaDevAttrComputeCapabilityMajor, device);
-  const int minor = device_attribute(cudaDevAttrComputeCapabilityMinor, device);
-  TORCH_CHECK(major == 9 && minor == 0, kOp, "needs an sm_90 GPU (Hopper), got sm_", num(major), num(minor));
-
+  Entry entry = q.dim() == 4 ? entry_for(q.size(3)) : nullptr;
+  const auto [batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, device] =
+      check_problem(kOp, q, k, v, causal, entry != nullptr);
   c10::cuda::CUDAGuard guard(q.device());
   auto out = at::empty({batch, heads_q, seqlen_q, head_dim}, q.options());
   auto lse = at::empty({batch, heads_q, seqlen_q}, q.options().dtype(at::kFloat));
@@ -165,8 +178,110 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_sm90(const at::Tensor& q, const
   return {out, lse};
 }
 
+using BwdEntry = void (*)(const AttentionBwdSm90Params&, cudaStream_t);
+
+BwdEntry bwd_entry_for(int64_t head_dim) {
+  switch (head_dim) {
+#ifdef FLASH_HDIM_64
+    case 64: return attention_bwd_sm90_hdim64;
+#endif
+#ifdef FLASH_HDIM_128
+    case 128: return attention_bwd_sm90_hdim128;
+#endif
+    default: return nullptr;
+  }
+}
+
+// t as the kernels' TMA descriptors read it: itself where its strides and start are 16-byte
+// aligned, else a contiguous copy.
+at::Tensor tma_ready(const at::Tensor& t) {
+  bool aligned = t.stride(-1) == 1 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  for (int d = 0; d + 1 < t.dim(); ++d) aligned = aligned && t.stride(d) * t.element_size() % 16 == 0;
+  return aligned ? t : t.contiguous();
+}
+
+// The gradients of attention_fwd_sm90: grad_out and out (B, Hq, Sq, D), lse (B, Hq, Sq) fp32 as
+// the forward returned them -> dq, dk, dv contiguous. Not deterministic: dq is summed over the
+// key blocks by atomic (TMA) reductions.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_sm90(const at::Tensor& grad_out, const at::Tensor& q,
+                                                                  const at::Tensor& k, const at::Tensor& v,
+                                                                  const at::Tensor& out, const at::Tensor& lse,
+                                                                  double scale, bool causal) {
+  BwdEntry entry = q.dim() == 4 ? bwd_entry_for(q.size(3)) : nullptr;
+  const auto [batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, device] =
+      check_problem(kBwdOp, q, k, v, causal, entry != nullptr);
+  for (auto [t, name] : {std::pair{&grad_out, "grad_out"}, std::pair{&out, "out"}}) {
+    TORCH_CHECK(t->sizes() == q.sizes() && t->scalar_type() == q.scalar_type() && t->device() == q.device(), kBwdOp,
+                name, " must match q (", shape(q.sizes()), ", ", q.scalar_type(), "), got ", shape(t->sizes()), ", ",
+                t->scalar_type());
+  }
+  TORCH_CHECK(lse.sizes() == q.sizes().slice(0, 3) && lse.scalar_type() == at::kFloat && lse.device() == q.device(),
+              kBwdOp, "lse must be float32 of shape ", shape(q.sizes().slice(0, 3)), ", got ", shape(lse.sizes()),
+              ", ", lse.scalar_type());
+  c10::cuda::CUDAGuard guard(q.device());
+  const auto grad_out_ = tma_ready(grad_out), out_ = tma_ready(out), lse_ = tma_ready(lse);
+  const int64_t group = heads_q / heads_kv;
+  auto dq = at::empty_like(q, at::MemoryFormat::Contiguous);
+  // one slice of dk and dv per query head of a group, summed below (one kernel each)
+  auto dk = at::empty({group, batch, heads_kv, seqlen_k, head_dim}, q.options());
+  auto dv = at::empty_like(dk);
+  auto dq_acc = at::zeros({batch, heads_q, seqlen_q, head_dim}, q.options().dtype(at::kFloat));
+  auto sum_odo = at::empty({batch, heads_q, seqlen_q}, q.options().dtype(at::kFloat));
+
+  AttentionBwdSm90Params p{};
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.out = out_.data_ptr();
+  p.grad_out = grad_out_.data_ptr();
+  p.lse = lse_.data_ptr<float>();
+  p.dq = dq.data_ptr();
+  p.dk = dk.data_ptr();
+  p.dv = dv.data_ptr();
+  p.dq_acc = dq_acc.data_ptr<float>();
+  p.sum_odo = sum_odo.data_ptr<float>();
+  p.batch = to_int(batch, "batch", kBwdOp);
+  p.heads_q = to_int(heads_q, "heads_q", kBwdOp);
+  p.heads_kv = to_int(heads_kv, "heads_kv", kBwdOp);
+  p.seqlen_q = to_int(seqlen_q, "seqlen_q", kBwdOp);
+  p.seqlen_k = to_int(seqlen_k, "seqlen_k", kBwdOp);
+  p.head_dim = to_int(head_dim, "head_dim", kBwdOp);
+  to_int(dq_acc.numel(), "B * Hq * Sq * D", kBwdOp);
+  to_int(dk[0].numel(), "B * Hkv * Sk * D", kBwdOp);
+  auto strides = [&](const at::Tensor& t, const char* name, int& b, int& h, int& r) {
+    b = to_int(t.stride(0), name, kBwdOp);
+    to_int(t.stride(1) * group, name, kBwdOp);  // the kernels step over a group's heads
+    h = static_cast<int>(t.stride(1));
+    r = to_int(t.stride(2), name, kBwdOp);
+  };
+  strides(q, "q strides", p.q_batch_stride, p.q_head_stride, p.q_row_stride);
+  strides(out_, "out strides", p.out_batch_stride, p.out_head_stride, p.out_row_stride);
+  strides(grad_out_, "grad_out strides", p.grad_out_batch_stride, p.grad_out_head_stride, p.grad_out_row_stride);
+  strides(dq, "dq strides", p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride);
+  p.k_batch_stride = to_int(k.stride(0), "k.stride(0)", kBwdOp);
+  p.k_head_stride = to_int(k.stride(1), "k.stride(1)", kBwdOp);
+  p.k_row_stride = to_int(k.stride(2), "k.stride(2)", kBwdOp);
+  p.v_batch_stride = to_int(v.stride(0), "v.stride(0)", kBwdOp);
+  p.v_head_stride = to_int(v.stride(1), "v.stride(1)", kBwdOp);
+  p.v_row_stride = to_int(v.stride(2), "v.stride(2)", kBwdOp);
+  p.lse_batch_stride = to_int(lse_.stride(0), "lse.stride(0)", kBwdOp);
+  to_int(lse_.stride(1) * group, "lse.stride(1) * group", kBwdOp);
+  p.lse_head_stride = static_cast<int>(lse_.stride(1));
+  p.dkv_member_stride = dk.stride(0);
+  p.scale = static_cast<float>(scale);
+  p.bf16 = q.scalar_type() == at::kBFloat16;
+  p.causal = causal;
+  p.device = device;
+  entry(p, c10::cuda::getCurrentCUDAStream(device).stream());
+  if (group == 1) return {dq, dk[0], dv[0]};
+  return {dq, dk.sum(0), dv.sum(0)};
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(flash, CUDA, m) { m.impl("attention_fwd_sm90", &attention_fwd_sm90); }
+TORCH_LIBRARY_IMPL(flash, CUDA, m) {
+  m.impl("attention_fwd_sm90", &attention_fwd_sm90);
+  m.impl("attention_bwd_sm90", &attention_bwd_sm90);
+}
 
 }  // namespace torch_flash

@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -24,6 +23,7 @@
 #include "88_hopper_fmha/kernel/fmha_kernel_builder.hpp"
 
 #include "attention/attention_fwd_sm90.h"
+#include "attention/attention_sm90.cuh"
 
 namespace torch_flash::sm90 {
 
@@ -34,28 +34,6 @@ using cutlass::fmha::kernel::Tag;
 // (row, 1, (batch, head)) element strides, as the FMHA collectives index their tensors.
 using Stride = cute::tuple<int, _1, cute::tuple<int, int>>;
 using StrideLse = cute::tuple<_1, cute::tuple<int, int>>;
-
-// The example mainloop fixes the scale at 1/sqrt(D); this one takes it from the arguments.
-template <class Base>
-struct MainloopWithScale : Base {
-  struct Arguments : Base::Arguments {
-    float scale;
-  };
-
-  template <class ProblemShape>
-  static bool can_implement(ProblemShape const& problem, Arguments const& args) {
-    return Base::can_implement(problem, args);
-  }
-
-  template <class ProblemShape>
-  static typename Base::Params to_underlying_arguments(ProblemShape const& problem, Arguments const& args,
-                                                       void* workspace) {
-    auto params = Base::to_underlying_arguments(problem, args, workspace);
-    params.scale_softmax = args.scale;
-    params.scale_softmax_log2 = args.scale * static_cast<float>(M_LOG2E);
-    return params;
-  }
-};
 
 // flash.attention's causal mask, aligned bottom-right: query row i sees keys j <= i + Sk - Sq
 // (CUTLASS's CausalFusion aligns top-left, the same only for Sq == Sk). Needs Sq <= Sk, so that
@@ -198,26 +176,6 @@ struct FwdKernel<Element, Fusion, Config<TileShape, Schedule, Options...>, Eleme
       Mainloop, Epilogue, typename Schedule::Scheduler, Persistent,
       Option<Tag::kLoadsQSeparately, cute::bool_constant<Schedule::kPersistent>>, Options...>;
 };
-
-inline void check_cuda(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) {
-    throw std::runtime_error(std::string("flash.attention (sm90 kernel): ") + what + ": " +
-                             cudaGetErrorString(err));
-  }
-}
-
-// Raises the kernel's dynamic shared memory limit once per device (a CUDA function attribute
-// is per device context).
-template <class Kernel>
-void allow_shared_memory(int device) {
-  static std::once_flag flags[64];
-  if (device < 0 || device >= 64) throw std::runtime_error("flash.attention (sm90 kernel): device index out of range");
-  std::call_once(flags[device], [] {
-    check_cuda(cudaFuncSetAttribute(cutlass::device_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    Kernel::SharedStorageSize),
-               "cudaFuncSetAttribute");
-  });
-}
 
 template <class Element, class Fusion, class Config, class ElementOut = Element>
 void run(const AttentionFwdSm90Params& p, int tail_tiles, cudaStream_t stream) {

@@ -154,7 +154,7 @@ def test_split_tail_vs_fp64_and_sdpa(sq, sk, group, dtype):
 
 def test_flash_attention_dispatch_and_backward():
     """flash.attention runs this kernel where it serves the call (Triton elsewhere) and its
-    backward (Triton) consumes the lse written here."""
+    backward consumes the lse written here."""
     d = HDIMS[0]
     q, k, v = (rand(2, 4, 512, d) for _ in range(3))
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]

@@ -110,8 +110,16 @@ def _samples_fwd_sm90():
         yield (q, k, v, 0.3, causal), {}
 
 
+def _samples_bwd_sm90():
+    """The Hopper backward's cases: its forward's, with the forward's out and lse."""
+    for (q, k, v, scale, causal), _ in _samples_fwd_sm90():
+        out, lse = torch.ops.flash.attention_fwd_sm90(q, k, v, scale, causal)
+        yield (torch.randn_like(out), q, k, v, out, lse, scale, causal), {}
+
+
 OPCHECK_SAMPLES = {
     "attention_fwd_sm90": _samples_fwd_sm90,
+    "attention_bwd_sm90": _samples_bwd_sm90,
     "attention": _samples_fwd,
     "attention_with_lse": _samples_fwd,
     "attention_backward": _samples_bwd,
@@ -598,7 +606,7 @@ def _hopper() -> bool:
 
 
 def _count_cudnn(monkeypatch) -> list:
-    """Calls of cuDNN's backward, with TORCH_FLASH_CUDNN_BACKWARD=1 (it is off by default)."""
+    """Calls of cuDNN's backward, with TORCH_FLASH_CUDNN_BACKWARD=1 (as by default)."""
     from torch_flash.ops import attention as A
     monkeypatch.setenv("TORCH_FLASH_CUDNN_BACKWARD", "1")
     calls, real = [], A._cudnn_backward
@@ -609,7 +617,7 @@ def _count_cudnn(monkeypatch) -> list:
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", CUDNN_CASES)
 def test_cudnn_backward(case, monkeypatch):
-    """With TORCH_FLASH_CUDNN_BACKWARD=1, on an H100 the eager backward of a plain bf16 call is
+    """By default, on an H100 or H200 the eager backward of a plain bf16 call is
     cuDNN's: the op's gradients contiguous (as its fake promises) and within 2x of the
     deterministic Triton backward's error against float64, for an upstream gradient in HF's
     transposed layout too, eager and compiled (traced, the call is counted once); with
@@ -695,8 +703,8 @@ def test_cudnn_backward_only_where_it_agrees(monkeypatch):
     """Calls whose semantics cuDNN's backward does not share, or that ask for ours, keep the
     Triton backward: causal with Sq != Sk (cuDNN's diagonal is top-left), softcap, a window,
     a bias, an lse gradient, fp32, k and v whose strides or addresses are not 16-byte aligned,
-    TORCH_FLASH_BACKEND=triton; short causal calls, which ours runs faster; and every call
-    without TORCH_FLASH_CUDNN_BACKWARD=1."""
+    TORCH_FLASH_BACKEND=triton; short causal calls, which ours runs faster on the H100; and
+    every call with TORCH_FLASH_CUDNN_BACKWARD=0."""
     if not _hopper():
         pytest.skip("cuDNN's backward is taken on sm_90 only")
     calls = _count_cudnn(monkeypatch)
@@ -729,6 +737,9 @@ def test_cudnn_backward_only_where_it_agrees(monkeypatch):
     monkeypatch.delenv("TORCH_FLASH_BACKEND")
     run()
     assert calls == [1]
-    monkeypatch.delenv("TORCH_FLASH_CUDNN_BACKWARD")  # the default
+    monkeypatch.setenv("TORCH_FLASH_CUDNN_BACKWARD", "0")
     run()
     assert calls == [1]
+    monkeypatch.delenv("TORCH_FLASH_CUDNN_BACKWARD")  # the default
+    run()
+    assert calls == [1, 1]

@@ -1,6 +1,7 @@
 """Attention benchmark: our Triton kernels and, where torch_flash._C is built, the Hopper
-forward of csrc/attention, vs SDPA's flash, cuDNN and efficient backends (flash-op is
-flash.attention as dispatched: the CUDA forward where it serves, Triton otherwise).
+kernels of csrc/attention (cuda-sm90), vs FlashAttention 4 (fa4: flash-attn-4's CuTe DSL
+kernels, where importable) and SDPA's flash, cuDNN and efficient backends (flash-op is
+flash.attention as dispatched: the CUDA kernels where they serve, Triton otherwise).
 
 Grid (DESIGN.md): bf16, 32k tokens per batch, hidden 2048 (H = 2048 / D), D in {64, 128},
 S in {1k, 4k, 16k} (B = 32k / S), causal and not. Inputs are (B, S, H, D) buffers viewed as
@@ -13,6 +14,7 @@ ratios medians of the rounds' ratios.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -22,7 +24,7 @@ from ._common import median_or_none, median_ratio, report_unavailable, time_roun
 
 TOKENS, HIDDEN = 32 * 1024, 2048
 HEAD_DIMS, SEQLENS = (64, 128), (1024, 4096, 16384)
-BASELINES = ("sdpa-flash", "sdpa-cudnn")
+BASELINES = ("fa4", "sdpa-flash", "sdpa-cudnn")
 
 
 def _sdpa(backend_name: str) -> Callable:
@@ -38,6 +40,22 @@ def _sdpa(backend_name: str) -> Callable:
 def _flash_op(q, k, v, causal):
     import torch_flash  # noqa: F401  (registers torch.ops.flash)
     return torch.ops.flash.attention(q, k, v, causal=causal)
+
+
+@functools.cache
+def _fa4() -> Callable | None:
+    """FlashAttention 4's flash_attn_func on our (B, H, S, D) views of (B, S, H, D) buffers, or
+    None where flash-attn-4 is not importable."""
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception as e:
+        report_unavailable("fa4", e)
+        return None
+
+    def fn(q, k, v, causal):
+        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
+        return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
+    return fn
 
 
 AUTOGRAD_IMPLS = {
@@ -72,15 +90,20 @@ def _time_point(d: int, s: int, b: int, causal: bool) -> list[dict]:
     fns: dict[tuple[str, str], Callable] = {}
 
     fns["triton", "fwd"] = lambda: tk.attention_fwd(q, k, v, None, **flags)
-    if _extension.loaded():  # the Hopper kernel of csrc/attention (forward only)
+    if _extension.loaded():  # the Hopper kernels of csrc/attention
         fns["cuda-sm90", "fwd"] = lambda: torch.ops.flash.attention_fwd_sm90(q, k, v, d ** -0.5, causal)
+        if d in _extension.build_info().get("backward_hdims", ()):
+            o, l = torch.ops.flash.attention_fwd_sm90(q, k, v, d ** -0.5, causal)
+            fns["cuda-sm90", "bwd"] = lambda o=o, l=l: torch.ops.flash.attention_bwd_sm90(
+                dout, q, k, v, o, l, d ** -0.5, causal)
     out, lse = tk.attention_fwd(q, k, v, None, **flags)
     for impl, det in (("triton", False), ("triton-det", True)):
         fns[impl, "bwd"] = lambda det=det: tk.attention_bwd(
             dout, None, q, k, v, None, out, lse, **flags, bias_requires_grad=False, deterministic=det)
 
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    for impl, fn in AUTOGRAD_IMPLS.items():
+    fa4 = _fa4()
+    for impl, fn in {**({"fa4": fa4} if fa4 else {}), **AUTOGRAD_IMPLS}.items():
         fns[impl, "fwd"] = lambda fn=fn: fn(q, k, v, causal)
         try:
             o = fn(*leaves, causal)

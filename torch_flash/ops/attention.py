@@ -163,6 +163,21 @@ def _sm90_serves(q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: ref.Spec) -> 
     return True
 
 
+def _sm90_bwd_serves(grad_lse, q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: ref.Spec) -> bool:
+    """Whether the Hopper backward of csrc/attention (flash.attention_bwd_sm90) serves this call:
+    on request only (TORCH_FLASH_BACKEND=cuda), as it runs at 0.46-0.65x FlashAttention 4's
+    speed, below cuDNN's backward and, causal, below the Triton one (H200, 2026-11-27,
+    docs/perf/README.md); where the forward's kernel would (_sm90_serves), for a head dim it
+    has (backward_hdims), no lse gradient, and not under torch.use_deterministic_algorithms(True)
+    (it sums dq over key blocks with atomic adds)."""
+    if (_dispatch.forced_backend() != "cuda" or grad_lse is not None
+            or torch.are_deterministic_algorithms_enabled()):
+        return False
+    info = _extension.build_info()
+    return (info is not None and "flash::attention_bwd_sm90" in info["ops"]
+            and q.shape[-1] in info.get("backward_hdims", ()) and _sm90_serves(q, k, v, attn_bias, spec))
+
+
 def kernel_flags(spec: ref.Spec) -> dict:
     """The Triton launchers' keyword arguments for one call."""
     return dict(scale=spec.scale, causal=spec.causal, window_left=spec.window_left,
@@ -234,16 +249,16 @@ CUDNN_CAUSAL_MIN_SEQLEN = 2048
 def cudnn_backward_serves(grad_lse, q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: ref.Spec) -> bool:
     """Whether flash.attention_backward hands this call to cuDNN's SDPA backward, which reads
     the lse of our forward as its own (equal to 1e-6 on the H100) and was checked there against
-    float64 (tests/ops/test_attention.py): 1.2x-1.5x our Triton backward from 4k tokens on the
-    H100 (docs/perf/attention_cudnn_bwd_h100.json), but not bitwise reproducible, which the op's
-    backward is by default; so only on request. That is: TORCH_FLASH_CUDNN_BACKWARD=1, not under
-    torch.use_deterministic_algorithms(True), no forced backend, cuDNN's SDPA enabled, an sm_90
+    float64 (tests/ops/test_attention.py): 1.1x-1.55x our Triton backward on the H200, 0.82x-0.90x
+    FlashAttention 4's (docs/perf/README.md), but not bitwise reproducible. That is: unless
+    TORCH_FLASH_CUDNN_BACKWARD=0, not under torch.use_deterministic_algorithms(True), no forced
+    backend, cuDNN's SDPA enabled, an sm_90
     GPU, fp16/bf16, one head dim <= 128 (a multiple of 8), Sq == Sk (cuDNN aligns the causal
     diagonal top-left, ours bottom-right), causal only from CUDNN_CAUSAL_MIN_SEQLEN keys, no
     bias, dropout, softcap, window or lse gradient, and k and v laid out as cuDNN reads them
     (strides and, where real, addresses 16-byte aligned; q is copied anyway)."""
     d, s = q.shape[-1], q.shape[2]
-    return (os.environ.get("TORCH_FLASH_CUDNN_BACKWARD") == "1" and q.device.type == "cuda"
+    return (os.environ.get("TORCH_FLASH_CUDNN_BACKWARD") != "0" and q.device.type == "cuda"
             and _dispatch.forced_backend() is None
             and not torch.are_deterministic_algorithms_enabled() and torch.backends.cuda.cudnn_sdp_enabled()
             and torch.cuda.get_device_capability(q.device) == (9, 0)
@@ -300,6 +315,17 @@ def _cudnn_backward(grad_out, q, k, v, out, lse, spec: ref.Spec) -> tuple[Tensor
     return tuple(g.contiguous() for g in grads[:3])
 
 
+class _Sm90BwdPlan:
+    """flash.attention_bwd_sm90 (csrc/attention) for the calls of one signature."""
+    path = "cuda"
+
+    def __init__(self, spec: ref.Spec):
+        self.scale, self.causal = spec.scale, spec.causal
+
+    def __call__(self, grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, dropout_seed):
+        return (*torch.ops.flash.attention_bwd_sm90(grad_out, q, k, v, out, lse, self.scale, self.causal), None)
+
+
 class _Cudnn:
     """The kept choice (ops/_plans.py) of cuDNN's backward, which needs no plan of its own."""
     path = "cudnn"
@@ -318,9 +344,10 @@ def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
                         softcap: float, dropout_p: float, dropout_seed: Optional[Tensor],
                         bias_requires_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dbias); dbias has attn_bias's shape, or is empty unless bias_requires_grad.
-    cuDNN's backward where it serves (cudnn_backward_serves; not deterministic), else ours,
-    which is deterministic: the Triton path computes dq in its own pass instead of with atomics,
-    which measured faster on the H100 at every point of the benchmark grid as well."""
+    cuDNN's backward where it serves (cudnn_backward_serves), else the Hopper kernel where it
+    serves (_sm90_bwd_serves: on request), else the Triton kernels. The first two sum dq with
+    atomic adds and are not bitwise reproducible, so torch.use_deterministic_algorithms(True)
+    turns both off; the Triton path computes dq in its own pass, deterministic."""
     def make():
         check_backward_args("attention_backward", grad_out, grad_lse, q, k, v, attn_bias, out, lse, softcap,
                             dropout_p, dropout_seed, window_left, window_right)
@@ -328,7 +355,12 @@ def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
         if cudnn_backward_serves(grad_lse, q, k, v, attn_bias, spec):
             _dispatch.LAST["attention_backward"] = "cudnn"
             return _CUDNN
-        if not use_triton("attention_backward", q, k, v, attn_bias, dropout_p):
+        backend = _dispatch.select("attention_backward", q.device,
+                                   triton=_triton_serves(q, k, v, attn_bias, dropout_p),
+                                   cuda=_sm90_bwd_serves(grad_lse, q, k, v, attn_bias, spec))
+        if backend == "cuda":
+            return _Sm90BwdPlan(spec)
+        if backend != "triton":
             return None
         from ..kernels.triton.attention import AttentionBwd
         return AttentionBwd(grad_out, grad_lse, q, k, v, attn_bias, out, lse, None, None, q.shape[0], q.shape[2],
@@ -356,6 +388,21 @@ def _attention_fwd_sm90(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: b
     the forward inside flash.attention's, whose backward reads its lse."""
     check_sm90_args("attention_fwd_sm90", q, k, v, causal)
     return ref.forward(q, k, v, None, ref.Spec(scale, causal))
+
+
+def check_sm90_bwd_args(op: str, grad_out, q, k, v, out, lse, causal: bool) -> None:
+    check_sm90_args(op, q, k, v, causal)
+    check_saved_and_grads(op, q, v, out, lse, grad_out, None, out_shapes(q, v))
+
+
+@torch.library.custom_op("flash::attention_bwd_sm90", mutates_args=())
+def _attention_bwd_sm90(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                        scale: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of flash.attention_backward for the calls the Hopper backward serves (see
+    _sm90_bwd_serves), contiguous. torch_flash._C registers that kernel for CUDA tensors; this
+    body, the reference, runs elsewhere."""
+    check_sm90_bwd_args("attention_bwd_sm90", grad_out, q, k, v, out, lse, causal)
+    return ref.attention_bwd_sm90(grad_out, q, k, v, out, lse, scale, causal)
 
 
 _SCALARS = ("causal", "window_left", "window_right", "softcap", "dropout_p")
@@ -422,9 +469,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor] = Non
     right = 0). softcap > 0 applies softcap * tanh(s / softcap) to the scaled scores
     before bias and mask (Gemma 2). dropout_p drops attention probabilities with a seed
     drawn from torch's default generator. A query that sees no key gets zeros.
-    The backward is deterministic (bitwise reproducible), except that TORCH_FLASH_CUDNN_BACKWARD=1
-    lets cuDNN's serve calls of plain fp16/bf16 self-attention on an H100, eager or compiled
-    (ops.attention.cudnn_backward_serves; not under torch.use_deterministic_algorithms(True)).
+    The backward of plain fp16/bf16 self-attention on a Hopper GPU runs cuDNN's
+    (ops.attention.cudnn_backward_serves; TORCH_FLASH_CUDNN_BACKWARD=0 turns it off), which
+    sums dq with atomic adds as SDPA's fastest backends do: not bitwise reproducible. Under
+    torch.use_deterministic_algorithms(True) the Triton backward runs instead, which is (as it
+    is everywhere else).
     """
     return call("attention", q, k, v, attn_bias,
                 **op_kwargs("attention", scale, causal, window, softcap, dropout_p))

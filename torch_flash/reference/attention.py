@@ -205,6 +205,13 @@ def attention_fwd_sm90(q, k, v, scale, causal):
     return attention_with_lse(q, k, v, scale=scale, causal=causal)
 
 
+def attention_bwd_sm90(grad_out, q, k, v, out, lse, scale, causal):
+    """flash.attention_bwd_sm90 by the formula: (dq, dk, dv) of `attention_with_lse`'s backward
+    without an lse gradient."""
+    dq, dk, dv, _ = backward(grad_out, None, q, k, v, None, out, lse, Spec(scale, causal), False)
+    return dq, dk, dv
+
+
 # ---------------------------------------------------------------------------- CPU path
 
 _CPU_FLASH_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

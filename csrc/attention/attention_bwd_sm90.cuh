@@ -1,0 +1,166 @@
+// Hopper attention backward: CUTLASS's warp-specialised FMHA backward (examples/88_hopper_fmha of
+// the nvidia-cutlass package: a CTA per key block, its two consumer warpgroups holding dK and dV
+// of half the block in registers while a producer warp streams Q, dO, lse and sum(dO * O) tiles
+// by TMA; the softmax recomputed from the lse; dQ of each query tile added into an fp32 buffer
+// by a TMA reduction from a warp of its own), instantiated for torch-flash's layouts with the
+// softmax scale as an argument and the causal mask aligned bottom-right. Around it, the
+// example's own small kernels: sum(dO * O) per row before, the dQ buffer's conversion to dq's
+// dtype after. GQA runs one launch per query head of a group (as the forward does), each
+// into its own slice of dk and dv.
+#pragma once
+
+#include <algorithm>
+
+#include "cutlass/cutlass.h"
+#include "cutlass/device_kernel.h"
+#include "cutlass/kernel_hardware_info.h"
+#include "cute/tensor.hpp"
+
+#include "88_hopper_fmha/collective/fmha_collective_bwd_tma_warpspecialized.hpp"
+#include "88_hopper_fmha/collective/fmha_epilogue_bwd.hpp"
+#include "88_hopper_fmha/collective/fmha_fusion.hpp"
+#include "88_hopper_fmha/kernel/fmha_kernel_bwd_convert.hpp"
+#include "88_hopper_fmha/kernel/fmha_kernel_bwd_sum_OdO.hpp"
+#include "88_hopper_fmha/kernel/fmha_kernel_tma_warpspecialized.hpp"
+#include "88_hopper_fmha/kernel/fmha_tile_scheduler.hpp"
+
+#include "attention/attention_bwd_sm90.h"
+#include "attention/attention_sm90.cuh"
+
+namespace torch_flash::sm90 {
+
+using namespace cute;
+
+// (batch, head, row, 1) element strides, as the backward collectives take them.
+using BwdStride = cute::tuple<int, int, int, _1>;
+using BwdStrideRow = cute::tuple<int, int, _1>;  // lse, sum(dO * O): (batch, head, 1)
+
+// The backward's coordinates: a query tile m of BlockQO rows against the CTA's key block n of
+// BlockKV keys; before_softmax sees (key, query) index pairs. Every query tile is visited, the
+// ones that see none of the block's keys skipped (is_contributing: then all tiles before them).
+struct NoMaskBwd {
+  template <class BlkCoord, class TileShape, class ProblemSize>
+  CUTLASS_DEVICE int get_trip_count(BlkCoord const&, TileShape const& tile, ProblemSize const& problem) {
+    return ceil_div(get<2>(problem), get<0>(tile));
+  }
+
+  template <class BlkCoord, class TileShape, class ProblemSize>
+  CUTLASS_DEVICE bool is_contributing(BlkCoord const&, TileShape const&, ProblemSize const&) {
+    return true;
+  }
+
+  // Keys past Sk are zeros (TMA fills them), which contribute nothing to dQ; their dK and dV rows
+  // are never stored. Query rows past Sq have zero dO and lse, hence zero dS and dV terms.
+  template <class AccQK, class IndexQK, class ProblemSize>
+  CUTLASS_DEVICE void before_softmax(AccQK&, IndexQK const&, ProblemSize const&) {}
+};
+
+// flash.attention's causal mask, aligned bottom-right: query row i sees keys j <= i + Sk - Sq.
+struct CausalBottomRightBwd : NoMaskBwd {
+  template <class BlkCoord, class TileShape, class ProblemSize>
+  CUTLASS_DEVICE bool is_contributing(BlkCoord const& blk, TileShape const& tile, ProblemSize const& problem) {
+    const int last_row = std::min((get<0>(blk) + 1) * int(get<0>(tile)), int(get<2>(problem))) - 1;
+    return get<1>(blk) * int(get<1>(tile)) <= last_row + get<3>(problem) - get<2>(problem);
+  }
+
+  template <class AccQK, class IndexQK, class ProblemSize>
+  CUTLASS_DEVICE void before_softmax(AccQK& acc, IndexQK const& index, ProblemSize const& problem) {
+    const int off = get<3>(problem) - get<2>(problem);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(acc); i++) {
+      auto pos = index(i);
+      if (get<0>(pos) > get<1>(pos) + off) acc(i) = -INFINITY;
+    }
+  }
+};
+
+// TileShape: (query rows per step, keys per CTA, head dim).
+template <class Element, class Fusion, class TileShape>
+struct BwdKernel {
+  using Mainloop = MainloopWithScale<
+      cutlass::fmha::collective::FmhaBwdMainloopTmaWarpSpecialized<Element, float, TileShape, Fusion>>;
+  using Epilogue = cutlass::fmha::collective::FmhaBwdEpilogueKV<Element, float, typename Mainloop::TileShapePV>;
+  using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
+      Mainloop, Epilogue,
+      cutlass::fmha::kernel::TileSchedulerBwdAdapter<cutlass::fmha::kernel::IndividualTileScheduler>>;
+  using SumOdO = cutlass::fmha::kernel::FmhaKernelBwdSumOdO<Element, float>;
+  using Convert = cutlass::fmha::kernel::FmhaKernelBwdConvert<Element, float>;
+};
+
+template <class Kernel>
+void launch_simple(const typename Kernel::Params& params, cudaStream_t stream, const char* what) {
+  cutlass::device_kernel<Kernel><<<Kernel::get_grid_shape(params), Kernel::get_block_shape(), 0, stream>>>(params);
+  check_cuda(cudaGetLastError(), what);
+}
+
+template <class Element, class Fusion, class TileShape>
+void run_bwd(const AttentionBwdSm90Params& p, cudaStream_t stream) {
+  using K = BwdKernel<Element, Fusion, TileShape>;
+  using Kernel = typename K::Kernel;
+  using Mainloop = typename K::Mainloop;
+  const int group = p.heads_q / p.heads_kv;
+  const int sq = p.seqlen_q, d = p.head_dim;
+  const cute::tuple<int, int, int, int, int> all_heads{p.batch, p.heads_q, sq, p.seqlen_k, d};
+  const BwdStrideRow row_stride{p.heads_q * sq, sq, _1{}};  // sum_odo (B, Hq, Sq)
+  const BwdStride acc_stride{p.heads_q * sq * d, sq * d, d, _1{}};  // dq_acc (B, Hq, Sq, D)
+
+  typename K::SumOdO::Arguments sum_args{
+      all_heads,
+      static_cast<const Element*>(p.out), {p.out_batch_stride, p.out_head_stride, p.out_row_stride, _1{}},
+      static_cast<const Element*>(p.grad_out),
+      {p.grad_out_batch_stride, p.grad_out_head_stride, p.grad_out_row_stride, _1{}},
+      p.sum_odo, row_stride};
+  if (!K::SumOdO::can_implement(sum_args)) throw std::runtime_error("flash.attention_backward (sm90 kernel): head dim");
+  launch_simple<typename K::SumOdO>(K::SumOdO::to_underlying_arguments(sum_args, nullptr), stream, "sum(dO * O)");
+
+  cutlass::KernelHardwareInfo hw;
+  hw.device_id = p.device;
+  allow_shared_memory<Kernel>(p.device);
+  for (int g = 0; g < group; ++g) {  // query heads g, g + G, ... against kv heads 0, 1, ...
+    auto at = [g](const void* base, int head_stride, int element_size) {
+      return static_cast<const char*>(base) + long(g) * head_stride * element_size;
+    };
+    const long dkv_at = g * p.dkv_member_stride;
+    typename Kernel::Arguments args{
+        {p.batch, p.heads_kv, sq, p.seqlen_k, d},
+        typename Mainloop::Arguments{
+            {reinterpret_cast<const Element*>(at(p.q, p.q_head_stride, sizeof(Element))),
+             {p.q_batch_stride, p.q_head_stride * group, p.q_row_stride, _1{}},
+             static_cast<const Element*>(p.k), {p.k_batch_stride, p.k_head_stride, p.k_row_stride, _1{}},
+             static_cast<const Element*>(p.v), {p.v_batch_stride, p.v_head_stride, p.v_row_stride, _1{}},
+             reinterpret_cast<const Element*>(at(p.grad_out, p.grad_out_head_stride, sizeof(Element))),
+             {p.grad_out_batch_stride, p.grad_out_head_stride * group, p.grad_out_row_stride, _1{}},
+             p.lse + long(g) * p.lse_head_stride, {p.lse_batch_stride, p.lse_head_stride * group, _1{}},
+             p.sum_odo + long(g) * sq, {p.heads_q * sq, sq * group, _1{}},
+             p.dq_acc + long(g) * sq * d, {p.heads_q * sq * d, sq * d * group, d, _1{}}},
+            p.scale},
+        {static_cast<Element*>(p.dk) + dkv_at, {p.heads_kv * p.seqlen_k * d, p.seqlen_k * d, d, _1{}},
+         static_cast<Element*>(p.dv) + dkv_at, {p.heads_kv * p.seqlen_k * d, p.seqlen_k * d, d, _1{}}},
+        hw};
+    if (!Kernel::can_implement(args)) {
+      throw std::runtime_error("flash.attention_backward (sm90 kernel): unsupported problem (head dim " +
+                               std::to_string(d) + ", seqlen_q " + std::to_string(sq) + ")");
+    }
+    auto params = Kernel::to_underlying_arguments(args, nullptr);
+    cutlass::device_kernel<Kernel>
+        <<<Kernel::get_grid_shape(params), Kernel::get_block_shape(), Kernel::SharedStorageSize, stream>>>(params);
+    check_cuda(cudaGetLastError(), "backward kernel launch");
+  }
+
+  typename K::Convert::Arguments convert_args{
+      all_heads, p.dq_acc, acc_stride, nullptr, acc_stride, nullptr, acc_stride,
+      static_cast<Element*>(p.dq), {p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride, _1{}},
+      nullptr, acc_stride, nullptr, acc_stride};  // dk, dv: not converted
+  launch_simple<typename K::Convert>(K::Convert::to_underlying_arguments(convert_args, nullptr), stream, "dq conversion");
+}
+
+// Every dtype x mask variant of one head dim.
+template <class TileShape>
+void dispatch_bwd(const AttentionBwdSm90Params& p, cudaStream_t stream) {
+  if (p.bf16 && p.causal) run_bwd<cutlass::bfloat16_t, CausalBottomRightBwd, TileShape>(p, stream);
+  else if (p.bf16) run_bwd<cutlass::bfloat16_t, NoMaskBwd, TileShape>(p, stream);
+  else if (p.causal) run_bwd<cutlass::half_t, CausalBottomRightBwd, TileShape>(p, stream);
+  else run_bwd<cutlass::half_t, NoMaskBwd, TileShape>(p, stream);
+}
+
+}  // namespace torch_flash::sm90

@@ -1,0 +1,47 @@
+// Plain-C++ interface between the torch binding (attention.cpp) and the CUTLASS backward
+// kernels (attention_bwd_sm90_hdim*.cu), as attention_fwd_sm90.h is for the forward.
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace torch_flash {
+
+// The gradients of one multi-head problem: q, out, grad_out (B, Hq, Sq, D), k/v (B, Hkv, Sk, D),
+// lse (B, Hq, Sq) fp32 natural log, as the forward wrote it. Strides in elements, the last dim
+// contiguous. dq (B, Hq, Sq, D); dk/dv (G, B, Hkv, Sk, D) with G = Hq / Hkv: one slice per query
+// head of a group (member g holds the gradients of heads g, g + G, ...), summed by the caller
+// where G > 1. The workspace: dq_acc (B, Hq, Sq, D) fp32 zeroed, sum_odo (B, Hq, Sq) fp32, both
+// contiguous.
+struct AttentionBwdSm90Params {
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* out;
+  const void* grad_out;
+  const float* lse;
+  void* dq;
+  void* dk;
+  void* dv;
+  float* dq_acc;
+  float* sum_odo;
+  int batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim;
+  int q_batch_stride, q_head_stride, q_row_stride;
+  int k_batch_stride, k_head_stride, k_row_stride;
+  int v_batch_stride, v_head_stride, v_row_stride;
+  int out_batch_stride, out_head_stride, out_row_stride;
+  int grad_out_batch_stride, grad_out_head_stride, grad_out_row_stride;
+  int lse_batch_stride, lse_head_stride;
+  int dq_batch_stride, dq_head_stride, dq_row_stride;
+  long dkv_member_stride;  // between the G slices of dk and dv, which are otherwise contiguous
+  float scale;
+  bool bf16;    // else fp16
+  bool causal;  // aligned bottom-right (row i sees keys j <= i + Sk - Sq), with Sq <= Sk
+  int device;
+};
+
+// One entry per head dim, defined in attention_bwd_sm90_hdim{D}.cu (built when D is in
+// FLASH_HDIMS). Throws std::runtime_error when the kernel cannot run the problem.
+void attention_bwd_sm90_hdim64(const AttentionBwdSm90Params& p, cudaStream_t stream);
+void attention_bwd_sm90_hdim128(const AttentionBwdSm90Params& p, cudaStream_t stream);
+
+}  // namespace torch_flash

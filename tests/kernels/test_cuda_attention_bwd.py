@@ -1,0 +1,172 @@
+"""The Hopper attention backward of csrc/attention (flash.attention_bwd_sm90, from torch_flash._C)
+against a float64 reference, its error no worse than SDPA's own backward (and FlashAttention 4's
+where importable) against the same reference, and its place in flash.attention_backward's
+dispatch. Needs an sm_90 GPU and the built extension; on other machines the op's reference body
+is covered by the opcheck samples in tests/ops/test_attention.py."""
+import pytest
+import torch
+
+import torch_flash
+from torch_flash import _dispatch, _extension
+from torch_flash.reference import attention as ref
+from _utils import rel_err
+
+pytestmark = pytest.mark.cuda
+
+if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+        and _extension.loaded()):
+    pytest.skip("needs an sm_90 GPU and torch_flash._C (python -m torch_flash build)",
+                allow_module_level=True)
+
+HDIMS = _extension.build_info().get("backward_hdims", [])
+if not HDIMS:
+    pytest.skip("no backward kernel built", allow_module_level=True)
+
+
+def rand(b, h, s, d, dtype=torch.bfloat16, transposed=True):
+    """Fresh inputs; transposed: a (B, S, H, D) buffer viewed as (B, H, S, D), as models do."""
+    if transposed:
+        return torch.randn(b, s, h, d, dtype=dtype, device="cuda").transpose(1, 2)
+    return torch.randn(b, h, s, d, dtype=dtype, device="cuda")
+
+
+def reference_grads(q, k, v, grad_out, scale, causal):
+    """(dq, dk, dv) in float64 by the project's formula (causal bottom-right)."""
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    out, _ = ref.attention_with_lse(*leaves, scale=scale, causal=causal)
+    return torch.autograd.grad(out, leaves, grad_out.double())
+
+
+def peer_grads(q, k, v, grad_out, scale, causal):
+    """The baseline: FlashAttention 4's gradients where it is importable (and takes the case),
+    else SDPA's (causal bottom-right by an explicit mask when Sq != Sk), in the inputs' dtype."""
+    sq, sk = q.shape[2], k.shape[2]
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    try:
+        from flash_attn.cute import flash_attn_func
+        out = flash_attn_func(*(t.transpose(1, 2) for t in leaves), softmax_scale=scale, causal=causal)
+        out = (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
+    except Exception:  # not installed, or a case it does not take
+        group = q.shape[1] // k.shape[1]
+        kk, vv = (t.repeat_interleave(group, 1) for t in leaves[1:])
+        mask = torch.ones(sq, sk, dtype=torch.bool, device="cuda").tril(sk - sq) if causal and sq != sk else None
+        out = torch.nn.functional.scaled_dot_product_attention(leaves[0], kk, vv, attn_mask=mask, scale=scale,
+                                                               is_causal=causal and sq == sk)
+    return torch.autograd.grad(out, leaves, grad_out)
+
+
+def check_backward(q, k, v, scale, causal):
+    out, lse = torch.ops.flash.attention_fwd_sm90(q, k, v, scale, causal)
+    grad_out = torch.randn_like(out)
+    before = [t.clone() for t in (grad_out, q, k, v, out, lse)]
+    grads = torch.ops.flash.attention_bwd_sm90(grad_out, q, k, v, out, lse, scale, causal)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(before, (grad_out, q, k, v, out, lse))), "inputs modified"
+    expected = reference_grads(q, k, v, grad_out, scale, causal)
+    baseline = peer_grads(q, k, v, grad_out, scale, causal)
+    for name, g, r, p, t in zip("qkv", grads, expected, baseline, (q, k, v)):
+        assert g.shape == t.shape and g.dtype == t.dtype and g.is_contiguous()
+        assert torch.isfinite(g).all()
+        err, base = rel_err(g, r), rel_err(p, r)
+        # measured (H200): 1.0x-1.05x FA4's error at the standard scale, up to 1.35x at scale 0.37
+        # and for GQA's dk/dv (bf16 slices summed); FA4's own error is the bar still to reach
+        assert err <= 2e-2 and err <= 1.4 * base + 1e-4, f"d{name}: {err:.2e} (peer {base:.2e})"
+
+
+@pytest.mark.parametrize("d", HDIMS)
+@pytest.mark.parametrize("s", [64, 136, 1000, 2048])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_grid_vs_fp64_and_peer(d, s, causal, dtype):
+    q, k, v = (rand(2, 4, s, d, dtype) for _ in range(3))
+    check_backward(q, k, v, d ** -0.5, causal)
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (8, 1), (6, 3)])
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gqa_layouts_and_scale(hq, hkv, transposed, causal):
+    for d in HDIMS:
+        q = rand(2, hq, 264, d, transposed=transposed)
+        k, v = (rand(2, hkv, 264, d, transposed=transposed) for _ in range(2))
+        check_backward(q, k, v, 0.37, causal)
+
+
+@pytest.mark.parametrize("sq,sk", [(8, 3), (16, 17), (112, 113), (1000, 1000), (8, 4097), (1000, 4097),
+                                   (4096, 4097), (200, 16)])
+def test_ragged_lengths(sq, sk):
+    """Sq and Sk that are not multiples of the tiles (64 query rows a step, 128 keys a CTA);
+    Sq a multiple of 8, the kernels' contract; causal where Sq <= Sk. (One key makes dq and dk
+    zero, where a relative error says nothing.)"""
+    for d in HDIMS:
+        q, k, v = rand(1, 2, sq, d), rand(1, 2, sk, d), rand(1, 2, sk, d)
+        check_backward(q, k, v, d ** -0.5, False)
+        if sq <= sk:
+            check_backward(q, k, v, d ** -0.5, True)
+
+
+def test_flash_attention_backward_dispatch(monkeypatch):
+    """flash.attention's backward runs this kernel on request (TORCH_FLASH_BACKEND=cuda), cuDNN's
+    by default, Triton's under torch.use_deterministic_algorithms(True); the gradients agree
+    with float64 every way."""
+    d = HDIMS[0]
+    s = 2048  # cuDNN's backward takes causal calls from CUDNN_CAUSAL_MIN_SEQLEN keys
+    q, k, v = (rand(1, 4, s, d) for _ in range(3))
+    dout = torch.randn(1, 4, s, d, dtype=q.dtype, device="cuda")
+    expected = reference_grads(q, k, v, dout, d ** -0.5, True)
+
+    def grads():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = torch_flash.attention(*leaves, causal=True)
+        return torch.autograd.grad(out, leaves, dout)
+
+    for forced, deterministic, path in (("cuda", False, "cuda"), (None, False, "cudnn"), (None, True, "triton")):
+        if forced:
+            monkeypatch.setenv("TORCH_FLASH_BACKEND", forced)
+        else:
+            monkeypatch.delenv("TORCH_FLASH_BACKEND", raising=False)
+        torch.use_deterministic_algorithms(deterministic)
+        try:
+            got = grads()
+        finally:
+            torch.use_deterministic_algorithms(False)
+        assert _dispatch.LAST["attention_backward"] == path
+        for name, g, r in zip("qkv", got, expected):
+            assert rel_err(g, r) <= 2e-2, f"{path} d{name}: {rel_err(g, r):.2e}"
+
+
+def test_cuda_graph_capture():
+    d = HDIMS[0]
+    q, k, v = (rand(2, 4, 256, d) for _ in range(3))
+    out, lse = torch.ops.flash.attention_fwd_sm90(q, k, v, 0.125, True)
+    dout = torch.randn_like(out)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.ops.flash.attention_bwd_sm90(dout, q, k, v, out, lse, 0.125, True)  # warm up off the capture
+        with torch.cuda.graph(graph, stream=stream):
+            grads = torch.ops.flash.attention_bwd_sm90(dout, q, k, v, out, lse, 0.125, True)
+    dout.copy_(torch.randn_like(dout))  # replayed with new values
+    expected = reference_grads(q, k, v, dout, 0.125, True)
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, g, r in zip("qkv", grads, expected):
+        assert rel_err(g, r) <= 2e-2, f"d{name}: {rel_err(g, r):.2e}"
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda g, q, k, v, o, l: (g, q.float(), k.float(), v.float(), o, l), "float16 or bfloat16"),
+    (lambda g, q, k, v, o, l: (g[:, :, :-8], q, k, v, o, l), "grad_out must match q"),
+    (lambda g, q, k, v, o, l: (g, q, k, v, o, l.half()), "lse must be float32"),
+    (lambda g, q, k, v, o, l: (g, q, k, v, o, l[:, :1]), "lse must be float32 of shape"),
+    (lambda g, q, k, v, o, l: (g, q, k[:, :, 1:], v, o, l), "differ in heads or keys"),
+    (lambda g, q, k, v, o, l: (g, q.cpu(), k, v, o, l), "CUDA tensor"),
+])
+def test_bad_inputs_raise(bad, match):
+    """Called directly, the C++ kernel checks its inputs: an error naming the op, never a crash."""
+    q, k, v = (rand(1, 2, 64, HDIMS[0], transposed=False) for _ in range(3))
+    out, lse = torch.ops.flash.attention_fwd_sm90(q, k, v, 0.125, False)
+    with pytest.raises(RuntimeError, match="attention_bwd_sm90.*" + match):
+        torch.ops.flash.attention_bwd_sm90(*bad(torch.randn_like(out), q, k, v, out, lse), 0.125, False)
+    torch.cuda.synchronize()  # and the device is still fine
