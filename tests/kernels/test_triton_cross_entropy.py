@@ -260,6 +260,22 @@ def test_target_out_of_range_is_nan():
     assert lce_loss.isnan() and dh[1:3].isnan().all() and not dh[[0, 3]].isnan().any()
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_target_summary(dtype):
+    """(n_valid, min, max) of the non-ignored targets in one launch: over several of its blocks
+    (the last partial), with ignored rows among them, none valid, and int64 extremes."""
+    n = 2 * K.SUMMARY_BLOCK + 37
+    t = torch.randint(0, 1000, (n,), dtype=dtype, device=DEV)
+    t[::3] = -100
+    t[5], t[n - 2] = -7, 4321  # the extremes, in the first and the partial last block
+    valid = t[t != -100]
+    expected = [valid.numel(), valid.min().item(), valid.max().item()]
+    assert K.target_summary(t.view(1, n), -100).tolist() == expected  # any shape: flattened
+    assert K.target_summary(torch.full((9,), -100, dtype=dtype, device=DEV), -100).tolist() == [0, 0, 0]
+    big = torch.tensor([3, -(2**63), 2**63 - 1, 5], device=DEV)
+    assert K.target_summary(big, 5).tolist() == [3, -(2**63), 2**63 - 1]
+
+
 def test_empty_batch():
     x, t = _logits((0, 50), BF16), torch.zeros(0, dtype=torch.int64, device=DEV)
     for reduction in REDUCTIONS:

@@ -1,6 +1,6 @@
-"""torch_flash/ops/_autograd.py's eager path: a plain call runs the op's body without the
-dispatcher, and every call that is not plain (traced, under a mode, fake, vmapped, needing a
-gradient) still reaches torch.ops.flash, so that tracers and modes see the op."""
+"""torch_flash/ops/_autograd.py's eager path: a plain call runs the op's body (or, recording a
+gradient, its autograd rule) without the dispatcher, and every call that is not plain (traced,
+under a mode, fake, vmapped) still reaches torch.ops.flash, so that tracers and modes see the op."""
 from __future__ import annotations
 
 import pytest
@@ -33,8 +33,28 @@ def test_plain_call_skips_the_dispatcher(monkeypatch):
     torch.testing.assert_close(torch_flash.rms_norm(x, w), _autograd._BODIES["rms_norm"](x, w))
 
 
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+def test_gradient_call_skips_the_dispatcher(op, monkeypatch):
+    """Recording a gradient, a plain call runs the op's autograd rule directly (_direct_rule):
+    the same output, gradients and saved state as through torch.ops.flash, bit for bit."""
+    x, w = _inputs()
+    fn = getattr(torch_flash, op)
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in (x, w)]
+        y = fn(*leaves)
+        dy = torch.linspace(-1, 1, y.numel()).view_as(y)
+        return y, torch.autograd.grad(y, leaves, dy)
+    monkeypatch.setattr(_autograd, "_direct_rule", lambda op: None)  # the dispatcher's way
+    expected, expected_grads = run()
+    monkeypatch.undo()
+    monkeypatch.setattr(getattr(torch.ops.flash, op), "default", None)  # reaching it would raise
+    got, grads = run()
+    assert torch.equal(got, expected) and all(map(torch.equal, grads, expected_grads))
+
+
 @pytest.mark.parametrize("how", ["dispatch mode", "make_fx", "make_fx pre_dispatch", "jit trace", "fake",
-                                 "gradient"])
+                                 "gradient under a mode"])
 def test_calls_that_are_not_plain_reach_the_op(how):
     x, w = _inputs()
     if how == "dispatch mode":
@@ -53,9 +73,11 @@ def test_calls_that_are_not_plain_reach_the_op(how):
         assert isinstance(y, FakeTensor) and y.shape == x.shape
     else:
         x.requires_grad_()
-        y = torch_flash.rms_norm(x, w)
-        assert y.grad_fn is not None
-        y.sum().backward()
+        with _Recorder() as rec:
+            y = torch_flash.rms_norm(x, w)
+            assert y.grad_fn is not None
+            y.sum().backward()
+        assert "flash.rms_norm.default" in rec.ops and "flash.rms_norm_backward.default" in rec.ops
         assert x.grad is not None and torch.isfinite(x.grad).all()
 
 

@@ -15,7 +15,8 @@ handling (`plain` below), and under torch.compile the triton op's decomposition 
 The public functions go one step further with `call`: where nothing but the Autograd kernel
 would act on the call (plain tensors, no mode, no transform, not tracing, no gradient), they
 run the body without entering the dispatcher at all, whose C++-to-Python crossing alone costs
-about 20 us on the GPU machine's host (docs/perf, "Host cost of an eager call").
+about 20 us on the GPU machine's host (docs/perf, "Host cost of an eager call"); a plain call
+that records a gradient runs the op's autograd rule directly (_direct_rule).
 
 Autograd via a sibling. `flash.attention` returns `out`, but its backward needs the
 log-sum-exp that `flash.attention_with_lse` computes in the same pass; recomputing it would
@@ -113,35 +114,111 @@ def _register_autograd_kernel(opdef: CustomOpDef, rule: Callable) -> None:
         opdef._lib.impl(opdef._name, kernel, "Autograd", with_keyset=True, allow_override=True)
 
 
-def _plain_call(args: tuple, kwargs: dict) -> bool:
-    """Whether the dispatcher would hand this eager call straight to the op's body (see `plain`),
-    told from Python: no torch function or dispatch mode (make_fx, FakeTensorMode, user modes),
-    no functorch transform (vmap, grad), no torch.jit trace, every tensor a plain_tensor, and no
-    gradient to record."""
+_NOT_PLAIN, _NO_GRAD, _GRAD = 0, 1, 2
+
+
+def _classify(args: tuple, kwargs: dict) -> int:
+    """_NOT_PLAIN unless the dispatcher would hand this eager call straight to the op's Autograd
+    kernel and from there to its body (see `plain`), told from Python: no torch function or
+    dispatch mode (make_fx, FakeTensorMode, user modes), no functorch transform (vmap, grad), no
+    torch.jit trace, every tensor a plain_tensor. Then _GRAD where a positional tensor needs a
+    gradient recorded (as torch's autograd kernel asks), else _NO_GRAD."""
     if (torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack()
             or torch._C._are_functorch_transforms_active() or torch._C._get_tracing_state() is not None):
-        return False
-    grad = torch.is_grad_enabled()
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, torch.Tensor) and (not plain_tensor(a) or (grad and a.requires_grad)):
-            return False
-    return True
+        return _NOT_PLAIN
+    for a in kwargs.values():
+        if isinstance(a, torch.Tensor) and not plain_tensor(a):
+            return _NOT_PLAIN
+    grad = False
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if not plain_tensor(a):
+                return _NOT_PLAIN
+            grad = grad or a.requires_grad
+    return _GRAD if grad and torch.is_grad_enabled() else _NO_GRAD
+
+
+def _plain_call(args: tuple, kwargs: dict) -> bool:
+    """Whether the call is plain (_classify) and records no gradient."""
+    return _classify(args, kwargs) == _NO_GRAD
 
 
 def call(op: str, *args, **kwargs):
     """torch.ops.flash.<op>(*args, **kwargs), without the dispatcher where the call is plain
-    (_plain_call); in-place ops then move their written tensors' version counters themselves,
-    as ADInplaceOrView would (written tensors must be passed positionally for that)."""
+    (_classify): without a gradient the body runs directly, in-place ops then moving their
+    written tensors' version counters themselves, as ADInplaceOrView would (written tensors
+    must be passed positionally for that); with one, the op's autograd rule runs directly
+    (_direct_rule)."""
     if torch.compiler.is_compiling():  # Dynamo traces the op call, nothing else here
         return getattr(torch.ops.flash, op).default(*args, **kwargs)
     body, mutated = _BODIES.get(op), _MUTATED.get(op, ())
-    if body is None or (mutated and len(args) <= mutated[-1]) or not _plain_call(args, kwargs):
+    kind = _NOT_PLAIN if body is None or (mutated and len(args) <= mutated[-1]) else _classify(args, kwargs)
+    if kind == _NO_GRAD:
+        out = body(*args, **kwargs)
+        for i in mutated:
+            if args[i] is not None:
+                torch.autograd.graph.increment_version(args[i])
+        return out
+    rule = _direct_rule(op) if kind == _GRAD and not mutated else None
+    if rule is None:
         return getattr(torch.ops.flash, op).default(*args, **kwargs)
-    out = body(*args, **kwargs)
-    for i in mutated:
-        if args[i] is not None:
-            torch.autograd.graph.increment_version(args[i])
-    return out
+    return rule(*args, **kwargs)
+
+
+# op name -> its autograd rule callable as rule(*args, **kwargs) without the dispatcher, or None
+_DIRECT: dict[str, Callable | None] = {}
+
+
+def _direct_rule(op: str) -> Callable | None:
+    """The autograd rule of a plain call that records a gradient: a hand-written one
+    (register_autograd_kernel), else an autograd.Function that does what torch's register_autograd
+    machinery (torch._library.autograd) does around the body, minus the dispatcher's redispatch
+    and its per-call default filling (about 70 us a call on the GPU machine's host)."""
+    if op not in _DIRECT:
+        _DIRECT[op] = REGISTERED.get(op) or _function_rule(op)
+    return _DIRECT[op]
+
+
+def _function_rule(op: str) -> Callable | None:
+    from torch._library.custom_ops import OPDEFS
+    opdef = OPDEFS.get(f"flash::{op}")
+    if opdef is None or opdef._backward_fn is None:
+        return None
+    body, backward, setup = _BODIES[op], opdef._backward_fn, opdef._setup_context_fn
+    arguments = opdef._opoverload._schema.arguments
+    positional = [(a.name, a.default_value if a.has_default_value() else inspect.Parameter.empty)
+                  for a in arguments if not a.kwarg_only]
+    keyword_only = {a.name: a.default_value for a in arguments if a.kwarg_only}
+
+    class _Function(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, keywords, *args):
+            out = body(*args, **keywords)
+            if setup is None:
+                pass
+            elif keyword_only:
+                setup(ctx=ctx, inputs=args, keyword_only_inputs=keywords, output=out)
+            else:
+                setup(ctx=ctx, inputs=args, output=out)
+            return out
+
+        @staticmethod
+        def backward(ctx, *grads):
+            needs = ctx.needs_input_grad
+            ctx.needs_input_grad = needs[1:]  # the rule sees its inputs' flags only
+            try:
+                result = backward(ctx, *grads)
+            finally:
+                ctx.needs_input_grad = needs
+            return (None, *result) if isinstance(result, tuple) else (None, result)
+
+    def rule(*args, **kwargs):
+        given = list(args)
+        for name, default in positional[len(args):]:
+            given.append(kwargs[name] if name in kwargs else default)
+        keywords = {name: kwargs.get(name, default) for name, default in keyword_only.items()}
+        return _Function.apply(keywords, *given)
+    return rule
 
 
 def register_autograd_kernel(opdef: CustomOpDef, rule: Callable) -> None:

@@ -437,7 +437,7 @@ _attention_with_lse.register_autograd(
     setup_context=_setup_with_lse)
 register_autograd_via(
     _attention,
-    forward=lambda **inputs: torch.ops.flash.attention_with_lse(**inputs),
+    forward=lambda **inputs: call("attention_with_lse", **inputs),
     setup_context=lambda ctx, inputs, out, lse: _save(ctx, inputs, out, lse),
     backward=lambda ctx, grad_out: dict(zip(("q", "k", "v", "attn_bias"), _grads(ctx, grad_out, None))),
 )

@@ -76,16 +76,22 @@ class TargetCheck:
     read no logit out of bounds for such targets, and make their rows NaN) and raises before
     returning. Real tensors only: traced graphs, and CUDA graph captures, get the kernels' NaN or
     gather's bounds check; so do ops called with enabled=False from a compiled graph, whose run
-    must not wait on the host."""
+    must not wait on the host. Where Triton runs, one kernel (target_summary) gives the verdict
+    and n_valid, the count of non-ignored rows the loss kernels' mean reads (else None)."""
 
     def __init__(self, op: str, target: Tensor, n_classes: int, ignore_index: int, enabled: bool = True):
         self.op, self.n_classes, self.ignore_index = op, n_classes, ignore_index
-        self.verdict = self.event = None
+        self.verdict = self.event = self.n_valid = None
         if (not enabled or is_fake(target) or target.numel() == 0
                 or (target.is_cuda and torch.cuda.is_current_stream_capturing())):
             return
-        flat = target.reshape(-1)
-        verdict = torch.stack(torch.aminmax(torch.where(flat != ignore_index, flat, 0)))
+        if _dispatch.triton_can_run(target.device) and _dispatch.forced_backend() != "reference":
+            from ..kernels.triton.cross_entropy import target_summary
+            summary = target_summary(target, ignore_index)
+            self.n_valid, verdict = summary[0], summary[1:]
+        else:
+            flat = target.reshape(-1)
+            verdict = torch.stack(torch.aminmax(torch.where(flat != ignore_index, flat, 0)))
         if target.is_cuda:
             self.verdict = torch.empty(2, dtype=verdict.dtype, pin_memory=True).copy_(verdict, non_blocking=True)
             self.event = torch.cuda.Event()
@@ -198,7 +204,7 @@ def _forward(op: str, logits: Tensor, target: Tensor, opts: LossOptions, reducti
                               logits, target, (logits, target, *opts, reduction))
     targets = TargetCheck(op, target, logits.shape[-1], opts.ignore_index)
     if ce_fwd is not None:
-        loss, lse, _ = ce_fwd(logits, target, **opts._asdict(), reduction=reduction)
+        loss, lse, _ = ce_fwd(logits, target, **opts._asdict(), reduction=reduction, n_valid=targets.n_valid)
         targets.raise_if_bad()
         # the kernel computes in fp32; the op's contract is logits' dtype above half
         return loss.to(compute_dtype(logits.dtype)), lse
@@ -250,7 +256,8 @@ def _backward_into(op: str, grad_loss: Tensor, logits: Tensor, target: Tensor, l
         targets.raise_if_bad()  # before out (the caller's logits) is overwritten, or gather indexes with them
     if ce_bwd is not None:
         # lse None: the kernel recomputes it (one more read of the logits)
-        dlogits = ce_bwd(grad_loss, logits, target, lse, **opts._asdict(), reduction=reduction, **shard, out=out)
+        dlogits = ce_bwd(grad_loss, logits, target, lse, **opts._asdict(), reduction=reduction, **shard, out=out,
+                         n_valid=targets.n_valid)
     else:
         dlogits = ref.cross_entropy_backward(grad_loss, logits, target, opts, reduction, lse, **shard, out=out)
     targets.raise_if_bad()
@@ -335,7 +342,7 @@ def _forward_with_lse(*, inplace_backward, **inputs):
     """The autograd forward (a gradient is needed)."""
     if inplace_backward:
         _check_inplace("cross_entropy", inputs["logits"])
-    return torch.ops.flash.cross_entropy_with_lse(**inputs)
+    return call("cross_entropy_with_lse", **inputs)
 
 
 def _setup(ctx, inputs, loss, lse):

@@ -146,7 +146,7 @@ def _present(grad: Tensor, param: Optional[Tensor]) -> Optional[Tensor]:
 
 
 def _ln_forward(**inputs):
-    y, mean, rstd = torch.ops.flash.layer_norm_with_stats(**inputs)
+    y, mean, rstd = call("layer_norm_with_stats", **inputs)
     return y, (mean, rstd)
 
 
@@ -163,7 +163,7 @@ def _ln_backward(ctx, grad_y):
 
 
 def _add_ln_forward(**inputs):
-    y, residual_out, mean, rstd = torch.ops.flash.add_layer_norm_with_stats(**inputs)
+    y, residual_out, mean, rstd = call("add_layer_norm_with_stats", **inputs)
     return (y, residual_out), (residual_out, mean, rstd)
 
 

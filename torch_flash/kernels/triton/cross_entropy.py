@@ -420,6 +420,40 @@ def _n_valid(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
     return (target != ignore_index).sum()
 
 
+# Targets per step of _target_summary_kernel's one program (int64: 32 KiB a step).
+SUMMARY_BLOCK = 4096
+_SENTINEL: tl.constexpr = tl.constexpr(2**62)
+
+
+@triton.jit
+def _target_summary_kernel(T, Out, n, ignore_index, BLOCK: tl.constexpr):
+    """Out (3,) int64: how many of the n targets T are not ignore_index, and the least and the
+    greatest of those (0 and 0 if none). One program, one pass."""
+    count = tl.zeros((BLOCK,), tl.int64)
+    low = tl.full((BLOCK,), _SENTINEL, tl.int64)
+    high = tl.full((BLOCK,), -_SENTINEL, tl.int64)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        t = tl.load(T + offs, mask=offs < n, other=ignore_index).to(tl.int64)
+        valid = t != ignore_index
+        count += valid.to(tl.int64)
+        low = tl.minimum(low, tl.where(valid, t, _SENTINEL))
+        high = tl.maximum(high, tl.where(valid, t, -_SENTINEL))
+    total = tl.sum(count, axis=0)
+    tl.store(Out, total)
+    tl.store(Out + 1, tl.where(total > 0, tl.min(low, axis=0), 0))
+    tl.store(Out + 2, tl.where(total > 0, tl.max(high, axis=0), 0))
+
+
+def target_summary(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """(n_valid, min, max) of the non-ignored targets as a (3,) int64 device tensor, in one launch
+    (what the ops' target check and the kernels' mean need; torch ops took six)."""
+    t = _flat(target)
+    out = torch.empty(3, dtype=torch.int64, device=t.device)
+    launch(_target_summary_kernel, (1,), t, out, t.numel(), ignore_index, BLOCK=SUMMARY_BLOCK, num_warps=8)
+    return out
+
+
 def _launch(x, t, *, loss, lse, grad_loss, out, n_valid, ignore_index, label_smoothing, z_loss,
             softcap, reduction, block=None, stats=None, vocab_start=0, vocab_size=None, in_place=False,
             out_stride=None):
@@ -479,7 +513,7 @@ def ce_supports(logits: torch.Tensor, target: torch.Tensor) -> bool:
 
 
 def ce_fwd(logits, target, *, ignore_index, label_smoothing, z_loss, softcap, reduction,
-           grad_logits_out=None, block=None):
+           grad_logits_out=None, block=None, n_valid=None):
     """Cross-entropy of logits (..., V) against target (...): (loss, lse, grad or None).
 
     loss: fp32, target's shape for reduction="none", else a scalar. lse: fp32 (...), the
@@ -487,13 +521,15 @@ def ce_fwd(logits, target, *, ignore_index, label_smoothing, z_loss, softcap, re
     where the target is outside [0, V) and not ignore_index. grad_logits_out (shaped like
     logits, any dtype of DTYPES; may be logits itself) receives d(loss)/d(logits) for an upstream
     gradient of 1 (per row for "none"), in a second sweep over each row; the backward then only
-    scales it by grad_loss. block forces the vocabulary block (a power of 2).
+    scales it by grad_loss. block forces the vocabulary block (a power of 2). n_valid: the
+    non-ignored rows as a device scalar, where the caller has it (target_summary).
     """
     n_cols = logits.shape[-1]
     x, t = _as_rows(logits, n_cols), _flat(target)
     losses = torch.empty(t.shape[0], dtype=torch.float32, device=logits.device)
     lse = torch.empty_like(losses)
-    n_valid = _n_valid(t, ignore_index)
+    if n_valid is None:
+        n_valid = _n_valid(t, ignore_index)
     dst, dst_stride, copy_back = ((None, None, False) if grad_logits_out is None
                                   else _writable_rows(grad_logits_out, x.shape))
     _launch(x, t, loss=losses, lse=lse, grad_loss=None, out=dst, n_valid=n_valid,
@@ -520,12 +556,13 @@ def ce_stats(logits, target, *, ignore_index, softcap, vocab_start=0, vocab_size
 
 
 def ce_bwd(grad_loss, logits, target, lse, *, ignore_index, label_smoothing, z_loss, softcap, reduction,
-           vocab_start=0, vocab_size=None, out=None, block=None):
+           vocab_start=0, vocab_size=None, out=None, block=None, n_valid=None):
     """dlogits (..., V) from ce_fwd's lse: one read of logits, one write of out (default: a new
     contiguous tensor like logits; may be logits itself). grad_loss: target's shape for
     reduction="none", else a scalar. lse None: the same kernel recomputes it first (a backward
     that needs nothing saved but the inputs, for one more read of the logits). A vocabulary shard
-    (classes from vocab_start of vocab_size) needs lse, the whole row's log-sum-exp."""
+    (classes from vocab_start of vocab_size) needs lse, the whole row's log-sum-exp. n_valid as
+    in ce_fwd."""
     n_cols = logits.shape[-1]
     x, t = _as_rows(logits, n_cols), _flat(target)
     if out is None:
@@ -534,7 +571,7 @@ def ce_bwd(grad_loss, logits, target, lse, *, ignore_index, label_smoothing, z_l
     scratch = torch.empty(t.shape[0], dtype=torch.float32, device=x.device) if lse is None else None
     _launch(x, t, loss=scratch, lse=torch.empty_like(scratch) if lse is None else _flat(lse),
             grad_loss=grad_loss, out=dst,
-            n_valid=_n_valid(t, ignore_index) if reduction == "mean" else None,
+            n_valid=(n_valid if n_valid is not None else _n_valid(t, ignore_index)) if reduction == "mean" else None,
             ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
             reduction=reduction, block=block, vocab_start=vocab_start, vocab_size=vocab_size,
             in_place=out is logits and not copy_back, out_stride=dst_stride)
