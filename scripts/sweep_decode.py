@@ -1,6 +1,6 @@
 """Sweep the decode kernel's tile configs and split counts on the GPU: the fraction of a
 device copy of the caches that each (config, num_splits) reaches at the benchmark's points,
-so that auto_num_splits and the autotune key of torch_flash/kernels/triton/decode.py can be
+so that auto_num_splits and the autotune key of torch_flash/kernels/triton/attention_decode.py can be
 chosen from measurements. Usage: python scripts/sweep_decode.py OUT.json
 """
 import json
@@ -10,7 +10,7 @@ import torch
 from torch._library.triton import set_wrap_triton_enabled
 
 from torch_flash.bench._common import copy_bandwidth, env_info, median_ms
-from torch_flash.kernels.triton import decode as K
+from torch_flash.kernels.triton import attention_decode as K
 
 POINTS = [(1, 131072), (2, 65536), (8, 32768), (32, 32768)]
 SPLITS = (0, 8, 16, 33, 66, 132, 256)

@@ -15,7 +15,7 @@ import torch
 from torch_flash.bench._common import compile_fresh, env_info, peak_memory, time_rounds
 from torch_flash.bench.cross_entropy import with_grad
 from torch_flash.bench.linear_cross_entropy import _eager, _inputs, _liger, plot_time_memory
-from torch_flash.kernels.triton.cross_entropy import lce_plan
+from torch_flash.kernels.triton.linear_cross_entropy import lce_plan
 from torch_flash.ops.linear_cross_entropy import linear_cross_entropy
 
 CHUNK_SIZES = (128, 256, 512, 768, 1024, 1536, 0)

@@ -5,7 +5,7 @@ cache length from batch 32 with 32k-token caches down to batch 1 with 128k. Ever
 full at the timed step (cache_seqlens = S - 1 plus the appended token), so all S keys count.
 
 Implementations on the same tensors in one process:
-- ours: the Triton launcher of torch_flash/kernels/triton/decode.py as the op runs it (append
+- ours: the Triton launcher of torch_flash/kernels/triton/attention_decode.py as the op runs it (append
   of the new k/v, split-KV attention, combine), on a (B, Hkv, S, D) cache; `ours-paged`: the
   same cache as shuffled 256-token blocks of a pool with a block table; `ours-1split`: no
   split-KV (what the splits buy).
@@ -59,7 +59,7 @@ def _paged(k_cache, v_cache, page):
 
 
 def run(args) -> list[dict]:
-    from ..kernels.triton.decode import auto_num_splits, decode_fwd
+    from ..kernels.triton.attention_decode import auto_num_splits, decode_fwd
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     points = CPU_POINTS if device == "cpu" else (QUICK if args.quick else POINTS)

@@ -10,7 +10,7 @@ Liger-Kernel's LigerFusedLinearCrossEntropyFunction where installed.
 No bias, mean reduction, upstream gradient 1. Compute-bound: ms and peak memory only (peak_mb:
 beyond what existed before the call, the gradients included). Rows: {op, shape, pass, impl, ms,
 tbps (None), peak_mb}.
---targets: issue 4's target point alone, forward + backward in TARGET_ROUNDS rounds, each
+--targets: the target point (TARGET_SHAPE) alone, forward + backward in TARGET_ROUNDS rounds, each
 round's ratio to torch.compile kept (rows add vs_compile, round_ratios, rounds_faster and the
 targets' verdicts); ours also with chunk_size set to Liger's chunk ("ours, Liger's chunk"), the
 same memory as Liger's.
@@ -28,13 +28,13 @@ from ._common import compile_fresh, median_or_none, peak_memory, time_rounds
 from .cross_entropy import measure, no_grad, plot_rows, with_grad
 
 # (tokens, hidden, vocabulary): LLaMA-3 8B's lm-head, then 70B's, whose 8192 tokens all fit
-# in dweight's memory (kernels/triton/cross_entropy.py, _resident_chunk), then GPT-2 small's (a
+# in dweight's memory (kernels/triton/linear_cross_entropy.py, _resident_chunk), then GPT-2 small's (a
 # small hidden size, a vocabulary not divisible by 16)
 SHAPES = [(8192, 4096, 128256), (8192, 8192, 128256), (8192, 768, 50257)]
 QUICK = [(2048, 2048, 32000)]
 CPU_SHAPES = [(8, 32, 256)]  # smoke run under TRITON_INTERPRET=1
 # Issue 4: forward + backward at LLaMA-3 8B's lm-head no slower than torch.compile of linear +
-# cross_entropy, within the extra memory of Liger's fused kernel (the issue measured 1.45 GB).
+# cross_entropy, within the extra memory of Liger's fused kernel (1.45 GB measured).
 # The two sides are about 1 % apart, as far as single rounds move: --targets times this point
 # alone in more rounds and keeps each round's ratio.
 TARGET_SHAPE, TARGET_ROUNDS, TARGET_PEAK_BYTES = (8192, 4096, 128256), 25, 1.45e9
@@ -128,7 +128,7 @@ def run_targets(device: str) -> list[dict]:
 
 
 def run(args) -> list[dict]:
-    from ..kernels.triton.cross_entropy import lce_plan
+    from ..kernels.triton.linear_cross_entropy import lce_plan
     from ..ops.linear_cross_entropy import linear_cross_entropy
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -170,7 +170,7 @@ def plot(data: dict, path: str) -> None:
 
 def plot_time_memory(ax, rows: list[dict], compiled: str) -> None:
     """Median ms against peak extra memory, a labelled point per row with both ({impl, ms,
-    peak_mb}), the row impl == compiled as a horizontal line and issue 4's memory target as a
+    peak_mb}), the row impl == compiled as a horizontal line and the memory target as a
     vertical one."""
     measured = [r for r in rows if r["peak_mb"] is not None and r["ms"] is not None]
     for i, row in enumerate(measured):

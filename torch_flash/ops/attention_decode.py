@@ -11,7 +11,7 @@ still runs forward; a backward through it raises "no autograd formula was regist
 The rotary tables are positional in the schema because custom ops cannot take keyword-only
 tensors; the public function takes them by keyword.
 
-Paths: the Triton kernels (torch_flash/kernels/triton/decode.py) for CUDA tensors, the
+Paths: the Triton kernels (torch_flash/kernels/triton/attention_decode.py) for CUDA tensors, the
 reference for CPU tensors. The checks of index values (cache_seqlens, block_table) need the
 values on the host, so they run on CPU tensors only: on the GPU they would synchronise every
 step and break CUDA-graph capture. There the kernels never read or write outside the caches
@@ -118,7 +118,7 @@ PLANS = Plans()
 def _use_triton(q, k_cache, v_cache, rotary_cos) -> bool:
     triton = _dispatch.triton_can_run(q.device)
     if triton:
-        from ..kernels.triton.decode import supports
+        from ..kernels.triton.attention_decode import supports
         triton = supports(q, k_cache, v_cache, rotary_cos)
     return _dispatch.select(OP, q.device, triton=triton) == "triton"
 
@@ -139,7 +139,7 @@ def _attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens
         check_args(*tensors, softcap, window_left, window_right, num_splits)
         if not _use_triton(q, k_cache, v_cache, rotary_cos):
             return None
-        from ..kernels.triton.decode import DecodeFwd
+        from ..kernels.triton.attention_decode import DecodeFwd
         return DecodeFwd(*tensors, **flags)
     plan = PLANS.get(OP, (*tensors, *flags.values()), make)
     check_data(q, k_cache, cache_seqlens, k_new, block_table, rotary_cos)

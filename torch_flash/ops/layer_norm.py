@@ -17,8 +17,8 @@ from torch import Tensor
 from ..reference import layer_norm as ref
 from ._autograd import call, grad_or_empty, register_autograd_via, triton_op
 from ._checks import check, check_same_device, check_tensor
-from .rms_norm import check_args as _check_x_weight_residual
-from .rms_norm import check_grads, laid_out_like, triton_backward, triton_forward
+from ._norm import check_args as _check_x_weight_residual
+from ._norm import check_grads, laid_out_like, triton_backward, triton_forward
 
 
 def check_args(op: str, x, weight, bias, eps, residual=None, out_dtype=None) -> None:

@@ -6,7 +6,7 @@ options, output shape and dtype. Token chunks of `chunk_size` rows (0: as many a
 chunk's logits, in the inputs' dtype, within a fixed budget, or within a third of dweight
 where that is computed and larger) mean the (N, V) logits never exist; where dweight is
 computed, the first tokens (H of them and up to one chunk more) keep theirs in dweight's own
-memory before it is written and in the chunk buffer (kernels/triton/cross_entropy.py,
+memory before it is written and in the chunk buffer (kernels/triton/linear_cross_entropy.py,
 _resident_chunk, lce_plan). With gradients needed
 (mean/sum), the forward runs flash.linear_cross_entropy_with_grads, which also computes the
 gradients chunk by chunk, and the backward hands them out scaled in
@@ -52,7 +52,7 @@ def check_args(op: str, hidden, weight, target, bias, opts: LossOptions, reducti
 def _backend(op: str, hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor]) -> str:
     triton = _dispatch.triton_can_run(hidden.device)
     if triton:
-        from ..kernels.triton.cross_entropy import lce_supports
+        from ..kernels.triton.linear_cross_entropy import lce_supports
         triton = lce_supports(hidden, weight, target, bias)
     return _dispatch.select(op, hidden.device, triton=triton)
 
@@ -65,7 +65,7 @@ def _grads_or_empty(hidden: Tensor, dh, dw, db) -> tuple[Tensor, Tensor, Tensor]
 def _triton_lce(hidden, weight, target, bias, opts: LossOptions, reduction: str, chunk_size: int,
                 grads: tuple[bool, bool, bool]):
     """lce_fwd with the op's output dtypes: (loss, dhidden, dweight, dbias), empty where not computed."""
-    from ..kernels.triton.cross_entropy import lce_fwd
+    from ..kernels.triton.linear_cross_entropy import lce_fwd
     loss, dh, dw, db = lce_fwd(hidden, weight, target, bias, **opts._asdict(), reduction=reduction,
                                chunk_size=chunk_size, grads=grads)
     return loss.to(compute_dtype(hidden.dtype)), *_grads_or_empty(hidden, dh, dw, db)
@@ -181,7 +181,7 @@ def _scale_unless_one_(grads, grad_loss: Tensor) -> None:
     has run, leaving the GPU idle while the next launches are prepared (about 1 ms a step at
     8192 x 4096 x 128256 on an H100)."""
     if _dispatch.select("linear_cross_entropy_backward", grad_loss.device, triton=True) == "triton":
-        from ..kernels.triton.cross_entropy import scale_unless_one_
+        from ..kernels.triton.linear_cross_entropy import scale_unless_one_
         scale_unless_one_(grads, grad_loss)
     elif grad_loss.item() != 1:
         for t in grads:

@@ -1,11 +1,11 @@
-"""Triton KV-cache decoding (torch_flash/kernels/triton/decode.py) against the float64 reference
+"""Triton KV-cache decoding (torch_flash/kernels/triton/attention_decode.py) against the float64 reference
 (torch_flash/reference/attention_decode.py, itself checked against a naive loop in
 tests/ops/test_attention_decode.py): append with rotary, paged caches, GQA, split-KV.
 
 Without a GPU the kernels run under TRITON_INTERPRET=1 on CPU tensors (tiny shapes); the
 `cuda`-marked tests take realistic sizes, check that a call never synchronises with the host,
 and run a decoding step under torch.compile(mode="reduce-overhead") (CUDA graphs):
-    python -m pytest -q tests/kernels/test_triton_decode.py -m cuda
+    python -m pytest -q tests/kernels/test_triton_attention_decode.py -m cuda
 """
 import os
 
@@ -18,7 +18,7 @@ os.environ.setdefault("TORCH_FLASH_AUTOTUNE", "0")
 
 triton = pytest.importorskip("triton")
 import torch_flash  # noqa: E402,F401  (registers the ops)
-from torch_flash.kernels.triton import decode as K  # noqa: E402
+from torch_flash.kernels.triton import attention_decode as K  # noqa: E402
 from torch_flash.ops.attention_decode import attention_decode  # noqa: E402
 from torch_flash.ops.rotary import rotary_cos_sin  # noqa: E402
 from torch_flash.reference import attention_decode as ref  # noqa: E402
