@@ -146,7 +146,7 @@ def rewrite(obj, ops: Iterable[str] | None = None):
     """Rewrite an ExportedProgram (returns a new one that validates, runs, saves and loads)
     or a pre-dispatch GraphModule (rewritten in place and returned)."""
     if isinstance(obj, torch.export.ExportedProgram):
-        ep = copy.deepcopy(obj)
+        ep = _copy(obj)
         report = rewrite_graph(ep.graph_module, ops)
         COUNTERS.update(report.counters())
         # replaced output nodes have new names: keep the signature in step with the graph
@@ -162,9 +162,21 @@ def rewrite(obj, ops: Iterable[str] | None = None):
     raise TypeError(f"torch_flash.rewrite: expected an ExportedProgram or GraphModule, got {type(obj).__name__}")
 
 
-def explain(model: Callable, *args, **kwargs) -> Report:
+def _copy(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    with warnings.catch_warnings():
+        # torch's own deepcopy of an ExportedProgram warns about its pytree internals (2.13)
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+        return copy.deepcopy(ep)
+
+
+def explain(model: Callable | torch.export.ExportedProgram, *args, **kwargs) -> Report:
     """Every candidate site of `model(*args, **kwargs)`: rewritten (to which op) or not, and why.
-    Runs the model once through Dynamo without changing it."""
+    Runs the model once through Dynamo without changing it. An ExportedProgram (as `rewrite`
+    takes) is read from its graph, with no inputs."""
+    if isinstance(model, torch.export.ExportedProgram):
+        if args or kwargs:
+            raise TypeError("torch_flash.explain: an ExportedProgram is explained from its graph; pass no inputs")
+        return rewrite_graph(_copy(model).graph_module, None)
     report = Report()
 
     def record(gm, example_inputs):

@@ -126,3 +126,15 @@ def test_sign_test():
     assert _sign_test(0, 5) == 1.0
     assert _sign_test(5, 5) == pytest.approx(1 / 32)
     assert _sign_test(4, 5) == pytest.approx(6 / 32)  # 4 or 5 of 5
+
+
+def test_cli_subcommand_and_default_out(monkeypatch):
+    """`python -m torch_flash bench ...` is the bench's own command line, and results go to
+    ./bench_results unless --out says otherwise (never over the committed docs/perf)."""
+    import torch_flash.__main__ as cli
+    import torch_flash.bench.__main__ as bench
+    seen = []
+    monkeypatch.setattr(bench, "main", lambda argv=None: seen.append(argv))
+    cli.main(["bench", "norm", "--quick"])
+    assert seen == [["norm", "--quick"]]
+    assert bench.parser().get_default("out") == "bench_results"

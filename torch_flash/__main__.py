@@ -1,4 +1,4 @@
-"""python -m torch_flash info | build | demo"""
+"""python -m torch_flash info | build | demo | bench"""
 from __future__ import annotations
 
 import argparse
@@ -39,10 +39,11 @@ def info() -> None:
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
     print("\nops (torch.ops.flash.*):")
+    name_width = max(len(e.name) for e in OPS)
     for e in OPS:
         back = f"backward {e.backward}" if e.backward else "inference only"
         mut = f", mutates {', '.join(e.mutates)}" if e.mutates else ""
-        print(f"  {e.name:<22} {e.family:<9} {back}{mut}")
+        print(f"  {e.name:<{name_width}} {e.family:<9} {back}{mut}")
 
 
 def _extension_rows() -> list[tuple[str, str]]:
@@ -121,6 +122,13 @@ def main(argv=None) -> None:
     d.add_argument("--steps", type=int, help="timed training steps (default 10 on CUDA, 3 on CPU)")
     for field in SIZE_FLAGS:
         d.add_argument(f"--{field}", type=int, help=f"override the model's {field} (default by device)")
+    sub.add_parser("bench", add_help=False, help="the benchmarks: python -m torch_flash bench SUITE ... "
+                   "(the same as python -m torch_flash.bench; SUITE --help for more)")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # everything after it is the bench's own command line
+        from torch_flash.bench.__main__ import main as bench
+        bench(argv[1:])
+        return
     args = p.parse_args(argv)
     if args.cmd == "info":
         info()

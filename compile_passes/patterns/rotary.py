@@ -324,6 +324,45 @@ def _replace(gm: fx.GraphModule, m: Match) -> str:
     return replace(graph, m.out, node, "rotary")
 
 
+def _pair_qk(gm: fx.GraphModule) -> None:
+    """q and k rotated by the same tables (HF's apply_rotary_pos_emb and every spelling above
+    rotate both): two flash.rotary calls with equal tables and flags become one flash.rotary_qk,
+    one launch instead of two, placed at the second. What is computed from the first between the
+    two (the transpose back of a (B, S, H, D) layout, a cast) moves after it; the second's
+    arguments must not be among that."""
+    graph = gm.graph
+    calls = list(graph.find_nodes(op="call_function", target=FLASH.rotary.default))
+    taken: set[fx.Node] = set()
+    for i, a in enumerate(calls):
+        for b in calls[i + 1:]:
+            if (a in taken or b in taken or len(a.args) != 3 or len(b.args) != 3 or a.kwargs != b.kwargs
+                    or not same_value(a.args[1:], b.args[1:])):
+                continue
+            nodes = list(graph.nodes)
+            first, second = sorted((a, b), key=nodes.index)
+            between = nodes[nodes.index(first) + 1:nodes.index(second)]
+            moved = {first}
+            for n in between:
+                if any(i in moved for i in n.all_input_nodes):
+                    moved.add(n)
+            if any(i in moved for i in second.all_input_nodes):
+                continue
+            args = (first.args[0], second.args[0], *first.args[1:])
+            qk = call_checked(graph, second, FLASH.rotary_qk.default, args, first.kwargs)
+            if isinstance(qk, str):
+                continue
+            outs = [getitem(graph, qk, j) for j in (1, 0)][::-1]  # each right after qk: qk, [0], [1]
+            for old, new in zip((first, second), outs):
+                old.replace_all_uses_with(new)
+                graph.erase_node(old)
+            after = outs[-1]
+            for n in between:
+                if n in moved:
+                    after.append(n)
+                    after = n
+            taken |= {a, b}
+
+
 def rewrite(gm: fx.GraphModule, report: Report) -> None:
     anchors = [(n, name) for target, name in ROTATIONS.items()
                for n in gm.graph.find_nodes(op="call_function", target=target)]
@@ -341,3 +380,4 @@ def rewrite(gm: fx.GraphModule, report: Report) -> None:
         if not site.reason:
             site.op = "rotary"
     gm.graph.eliminate_dead_code()
+    _pair_qk(gm)

@@ -3,6 +3,8 @@ import itertools
 import subprocess
 import sys
 
+import warnings
+
 import pytest
 import torch
 
@@ -134,6 +136,22 @@ def test_rewrite_exported_program(tmp_path):
     torch.export.save(ep, path)
     loaded = torch.export.load(path)
     torch.testing.assert_close(loaded.module()(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_explain_exported_program():
+    """explain takes what rewrite takes: an ExportedProgram, reported from its graph, left as it
+    was; and no FutureWarning from either (torch's own deepcopy of the program warns)."""
+    torch.manual_seed(0)
+    ep = torch.export.export(NanoGPTAttention().eval(), (torch.randn(2, 10, 32),))
+    before = _flash_nodes(ep.graph_module)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        report = torch_flash.explain(ep)
+        torch_flash.rewrite(ep)
+    assert [s.op for s in report.sites] == ["attention"] and all(s.rewritten for s in report.sites)
+    assert _flash_nodes(ep.graph_module) == before == []
+    with pytest.raises(TypeError, match="ExportedProgram"):
+        torch_flash.explain(ep, torch.randn(2, 10, 32))
 
 
 def test_rewrite_when_output_is_replaced(tmp_path):

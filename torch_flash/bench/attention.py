@@ -137,7 +137,7 @@ def _line(row: dict) -> str:
             f"{fmt(row['ms'], '9.3f')} ms {fmt(row['tflops'], '7.1f')} TFLOP/s  {ratios}")
 
 
-# The Hopper forward's targets (issue 6), x SDPA-cuDNN: 1.05 at D=128, S=16k without a mask,
+# The Hopper forward's targets, x SDPA-cuDNN: 1.05 at D=128, S=16k without a mask,
 # 1.0 at every other point from S=4k. --targets times only these forwards, in more rounds, and
 # keeps each round's ratio: single rounds move by several percent.
 TARGET_SEQLENS, TARGET_ROUNDS = (4096, 16384), 9
