@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import sys
+import time
 import warnings
 from collections import Counter
 from typing import Callable, Iterable
@@ -40,10 +42,20 @@ def _predispatch(gm: fx.GraphModule) -> fx.GraphModule:
     return pgm
 
 
+# A graph whose rewrite takes longer says so on stderr (sites found, time).
+PROGRESS_AFTER_S = 2.0
+
+
 def _rewrite_dynamo_graph(gm: fx.GraphModule, families,
                           into: Report | None = None) -> tuple[fx.GraphModule, Report]:
+    start = time.perf_counter()
     pgm = _predispatch(gm)
     report = rewrite_graph(pgm, families)
+    elapsed = time.perf_counter() - start
+    if elapsed >= PROGRESS_AFTER_S:
+        done = sum(s.rewritten for s in report.sites)
+        print(f"torch_flash: {done} of {len(report.sites)} sites rewritten in a graph of "
+              f"{len(gm.graph.nodes)} nodes ({elapsed:.1f} s); Inductor compiles next", file=sys.stderr, flush=True)
     COUNTERS.update(report.counters())
     if into is not None:
         into.extend(report)

@@ -154,6 +154,15 @@ def test_explain_exported_program():
         torch_flash.explain(ep, torch.randn(2, 10, 32))
 
 
+def test_long_rewrite_says_so(monkeypatch, capsys):
+    """A graph whose rewrite takes longer than PROGRESS_AFTER_S prints its sites and time."""
+    from torch_flash.compile_passes import backend as B
+    monkeypatch.setattr(B, "PROGRESS_AFTER_S", 0.0)
+    torch._dynamo.reset()
+    torch.compile(LlamaBlock(), backend="flash")(torch.randn(2, 8, 32), causal_additive_mask(2, 8))
+    assert "torch_flash: 3 of 3 sites rewritten in a graph of" in capsys.readouterr().err
+
+
 def test_rewrite_when_output_is_replaced(tmp_path):
     norm = PlainRMSNorm(16)
     x = torch.randn(3, 16)
