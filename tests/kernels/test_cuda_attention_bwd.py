@@ -22,12 +22,7 @@ HDIMS = _extension.build_info().get("backward_hdims", [])
 if not HDIMS:
     pytest.skip("no backward kernel built", allow_module_level=True)
 
-
-def rand(b, h, s, d, dtype=torch.bfloat16, transposed=True):
-    """Fresh inputs; transposed: a (B, S, H, D) buffer viewed as (B, H, S, D), as models do."""
-    if transposed:
-        return torch.randn(b, s, h, d, dtype=dtype, device="cuda").transpose(1, 2)
-    return torch.randn(b, h, s, d, dtype=dtype, device="cuda")
+from test_cuda_attention import rand  # noqa: E402  (the forward's inputs)
 
 
 def reference_grads(q, k, v, grad_out, scale, causal):
