@@ -5,7 +5,8 @@ attn_mask, scale, dropout_p and enable_gqa map onto the op's arguments).
 
 From a softmax the walk goes up a chain of elementwise steps to the q-k product:
 dtype casts; the scale (`* c`, `/ c`, baddbmm's alpha, or folded into q or k before the
-product); a tanh softcap `c * tanh(s / c)`; additive terms (`+ bias`, `- bias`, baddbmm's
+product; c a constant, or a one-value tensor read at run time, which goes into q as q * c);
+a tanh softcap `c * tanh(s / c)`; additive terms (`+ bias`, `- bias`, baddbmm's
 input); masks (`masked_fill(m, v)`, `where(m, s, v)` with v = -inf or a large negative value
 such as finfo.min). The product is `q @ k^T`, bmm/baddbmm on merged (B*H, S, D) tensors
 (run as B*H heads of one batch), or an einsum in any layout; k and v may be repeated for GQA
@@ -647,6 +648,7 @@ class Match:
     merged: bool = False  # (B*H, S, D) tensors, run as B*H heads of one batch
     scale: float | None = 1.0  # None: D ** -0.5
     sym: list = field(default_factory=list)  # (node, divides) scales computed from dynamic sizes
+    runtime: list = field(default_factory=list)  # (node, divides) one-element scale tensors, folded into q
     softcap: float = 0.0
     dropout_p: float = 0.0
     window: Window = Window()
@@ -656,7 +658,7 @@ class Match:
 
 @dataclass
 class Step:
-    kind: str  # cast | scale | symscale | softcap | add | keep | heads ((B*H, ...) viewed as (B, H, ...))
+    kind: str  # cast | scale | symscale | tensorscale | softcap | add | keep | heads ((B*H, ...) as (B, H, ...))
     node: fx.Node
     value: Any = None
     part: Part | None = None
@@ -951,7 +953,13 @@ def _scale_step(node: fx.Node) -> tuple[Step, fx.Node] | str:
     for x, c in ((a, b),) if div else ((a, b), (b, a)):
         if isinstance(x, fx.Node) and isinstance(val(c), (torch.SymFloat, torch.SymInt)):
             return Step("symscale", node, (c, div)), x
-    return "the scores are multiplied by a tensor, not by a constant"
+    for x, c in ((a, b),) if div else ((a, b), (b, a)):
+        # a scale the model reads at run time (an input or buffer: Inductor's _sfdp patterns)
+        if (isinstance(x, fx.Node) and _same_shape(_shape(x), _shape(node)) and dtype_of(x) == dtype_of(node)
+                and isinstance(c, fx.Node) and isinstance(val(c), torch.Tensor) and val(c).numel() == 1
+                and val(c).is_floating_point()):
+            return Step("tensorscale", node, (c, div)), x
+    return "the scores are multiplied by a tensor that is not one value"
 
 
 def _softcap(node: fx.Node) -> tuple[fx.Node, float] | None:
@@ -970,13 +978,18 @@ def _fold(steps: list[Step], m: Match) -> str:
     """Apply the steps in computation order onto m's scale, softcap and parts; "" or why not."""
     for st in reversed(steps):
         m.chain.append(st.node)
-        if st.kind in ("scale", "symscale"):
+        if st.kind in ("scale", "symscale", "tensorscale"):
             if m.softcap:
                 return "the scores are scaled after the tanh softcap"
             if st.kind == "symscale":
                 if m.parts:
                     return "a mask or bias is added before a scale computed from a dynamic size"
                 m.sym.append(st.value)
+                continue
+            if st.kind == "tensorscale":
+                if m.parts:
+                    return "a mask or bias is added before a scale read from a tensor"
+                m.runtime.append(st.value)  # any sign: q * c @ k^T is (q @ k^T) * c
                 continue
             if st.value < 0:
                 return "the scores are multiplied by a negative constant"
@@ -1425,6 +1438,8 @@ def _replace(gm: fx.GraphModule, m: Match) -> str:
         q, k, v = (_uncast(x) for x in (q, k, v))
         if len({dtype_of(q), dtype_of(k), dtype_of(v)}) > 1:
             return "q, k and v have different dtypes"
+    for c, div in m.runtime:  # q * c keeps q's dtype (a one-value tensor does not promote it)
+        q = _emit(g, at, A.div.Tensor if div else A.mul.Tensor, q, c)
     bias = _bias(g, at, m.parts)
     if m.merged:
         q, k, v = (_emit(g, at, A.unsqueeze.default, x, 0) for x in (q, k, v))

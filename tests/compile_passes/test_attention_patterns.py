@@ -556,7 +556,7 @@ def classifier_softmax(q, k, v):
 NEAR_MISSES = [
     (probabilities_returned, _args(), "used more than once (e.g. also returned as attention weights)"),
     (softmax_over_queries, _args(), "softmax is not over the last dimension"),
-    (learned_temperature, _args(lambda: torch.rand(1, H, 1, 1)), "multiplied by a tensor, not by a constant"),
+    (learned_temperature, _args(lambda: torch.rand(1, H, 1, 1)), "multiplied by a tensor that is not one value"),
     (fill_zero, _args(), "masked scores are set to 0.0, not -inf or a large negative value"),
     (tile_repeat, _args(hkv=KV), "repeated in tile order"),
     (softcap_after_mask, _args(), "softcap comes after a mask or bias"),
@@ -788,3 +788,57 @@ def test_transformers(name, causal, window_left, impl):
         assert [c["causal"] for c in calls] == [False, False, True, False, True, False]
     else:
         assert all(c["causal"] == causal and c["window_left"] == window_left for c in calls), calls
+
+
+class RuntimeScale(torch.nn.Module):
+    """Scores scaled by a one-value tensor the model reads at run time, as PyTorch Inductor's
+    _sfdp patterns spell it: divided by an inverse scale or multiplied by a scale factor,
+    before an additive mask or without one; the factor a learned parameter (its gradient
+    reaches it through q * c) or a buffer."""
+
+    def __init__(self, how: str, mask: bool, learned: bool, d: int = 16):
+        super().__init__()
+        self.how, self.mask = how, mask
+        self.proj = torch.nn.Linear(d, 3 * d)
+        c = torch.tensor(d ** 0.5 if how == "div" else d ** -0.5)
+        if learned:
+            self.c = torch.nn.Parameter(c)
+        else:
+            self.register_buffer("c", c)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, 2, -1).transpose(1, 2) for t in self.proj(x).chunk(3, -1))
+        scores = q @ k.transpose(-2, -1)
+        scores = scores.div(self.c) if self.how == "div" else scores * self.c
+        if self.mask:
+            scores = scores + torch.full((s, s), float("-inf")).triu(1)
+        return scores.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("how", ["div", "mul"])
+@pytest.mark.parametrize("mask", [False, True])
+@pytest.mark.parametrize("learned", [False, True])
+def test_runtime_scale_tensor(how, mask, learned):
+    """The scale folds into q (q * c, then scale 1.0): the same outputs and gradients, the
+    factor's included, and the site reported rewritten."""
+    torch.manual_seed(0)
+    model, x = RuntimeScale(how, mask, learned), torch.randn(2, 6, 16)
+    report = torch_flash.explain(model, x)
+    assert [s.op for s in report.sites] == ["attention"], str(report)
+    check_training(model, x)
+
+
+def test_runtime_scale_after_a_mask_is_left_with_a_reason():
+    """A mask added before the runtime scale would be scaled with the scores: left alone, with
+    the reason in explain."""
+    class ScaledAfterMask(RuntimeScale):
+        def forward(self, x):
+            b, s, _ = x.shape
+            q, k, v = (t.view(b, s, 2, -1).transpose(1, 2) for t in self.proj(x).chunk(3, -1))
+            scores = (q @ k.transpose(-2, -1) + torch.randn(s, s)) * self.c
+            return scores.softmax(-1) @ v
+
+    report = torch_flash.explain(ScaledAfterMask("mul", False, False), torch.randn(2, 6, 16))
+    assert [s.op for s in report.sites] == [None]
+    assert "a mask or bias is added before a scale read from a tensor" in str(report)
