@@ -1,4 +1,6 @@
 """torch_flash.compat: FlashAttention 2's signatures and (B, S, H, D) layout."""
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -50,6 +52,21 @@ def test_alibi_is_refused():
     q = torch.randn(1, 4, 2, 16)
     with pytest.raises(ValueError, match="compat.flash_attn_func: alibi_slopes"):
         compat.flash_attn_func(q, q, q, alibi_slopes=torch.ones(2))
+
+
+def test_deterministic_says_how():
+    """deterministic=True has no per-call switch here: a warning points at
+    torch.use_deterministic_algorithms(True), under which it says nothing."""
+    q = torch.randn(1, 4, 2, 16)
+    with pytest.warns(UserWarning, match="compat.flash_attn_func: deterministic=True .*use_deterministic_algorithms"):
+        compat.flash_attn_func(q, q, q, deterministic=True)
+    torch.use_deterministic_algorithms(True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            compat.flash_attn_func(q, q, q, deterministic=True)
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 # --- flash_attn_with_kvcache -----------------------------------------------------------

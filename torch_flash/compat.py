@@ -6,11 +6,12 @@ Tensors use FlashAttention's (batch, seqlen, heads, headdim) layout; they reach 
 `.transpose(1, 2)` views (no copy) and the output comes back contiguous in the same layout.
 Not supported (a clear error, not a silent difference): alibi_slopes and the attention
 probabilities of return_attn_probs (softmax_lse is returned; S_dmask is None). `deterministic`
-is accepted and has no effect: torch.use_deterministic_algorithms(True) makes the backward
-bitwise reproducible (flash.attention's docstring says where it is not by default).
+has no per-call effect (a warning says so): torch.use_deterministic_algorithms(True) makes the
+backward bitwise reproducible (flash.attention's docstring says where it is not by default).
 """
 from __future__ import annotations
 
+import warnings
 from typing import Optional, Union
 
 import torch
@@ -22,10 +23,14 @@ from .ops.attention_varlen import attention_varlen
 from .ops.rotary import rotary
 
 
-def _check_supported(fn: str, alibi_slopes) -> None:
+def _check_supported(fn: str, alibi_slopes, deterministic: bool = False) -> None:
     if alibi_slopes is not None:
         raise ValueError(f"torch_flash.compat.{fn}: alibi_slopes is not supported; pass the ALiBi "
                          "bias as attn_bias to torch_flash.attention instead")
+    if deterministic and not torch.are_deterministic_algorithms_enabled():
+        warnings.warn(f"torch_flash.compat.{fn}: deterministic=True has no per-call effect here; the "
+                      "backward is bitwise reproducible under torch.use_deterministic_algorithms(True) "
+                      "(cuDNN's, which plain Hopper calls take otherwise, is not)", stacklevel=3)
 
 
 def _result(out: Tensor, lse: Tensor, return_attn_probs: bool):
@@ -38,7 +43,7 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
                     alibi_slopes=None, deterministic: bool = False, return_attn_probs: bool = False):
     """q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) -> out (B, Sq, Hq, Dv)
     (and softmax_lse (B, Hq, Sq), None with return_attn_probs)."""
-    _check_supported("flash_attn_func", alibi_slopes)
+    _check_supported("flash_attn_func", alibi_slopes, deterministic)
     out, lse = attention_with_lse(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                   scale=softmax_scale, causal=causal, window=tuple(window_size),
                                   softcap=softcap, dropout_p=dropout_p)
@@ -74,7 +79,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                            return_attn_probs: bool = False):
     """Packed q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv) with int32
     cu_seqlens (batch + 1,) -> out (total_q, Hq, Dv) (and softmax_lse (Hq, total_q), None)."""
-    _check_supported("flash_attn_varlen_func", alibi_slopes)
+    _check_supported("flash_attn_varlen_func", alibi_slopes, deterministic)
     out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                 scale=softmax_scale, causal=causal, window=tuple(window_size),
                                 softcap=softcap, dropout_p=dropout_p, return_lse=True)
