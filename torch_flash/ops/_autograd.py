@@ -138,11 +138,6 @@ def _classify(args: tuple, kwargs: dict) -> int:
     return _GRAD if grad and torch.is_grad_enabled() else _NO_GRAD
 
 
-def _plain_call(args: tuple, kwargs: dict) -> bool:
-    """Whether the call is plain (_classify) and records no gradient."""
-    return _classify(args, kwargs) == _NO_GRAD
-
-
 def call(op: str, *args, **kwargs):
     """torch.ops.flash.<op>(*args, **kwargs), without the dispatcher where the call is plain
     (_classify): without a gradient the body runs directly, in-place ops then moving their
@@ -194,12 +189,9 @@ def _function_rule(op: str) -> Callable | None:
         @staticmethod
         def forward(ctx, keywords, *args):
             out = body(*args, **keywords)
-            if setup is None:
-                pass
-            elif keyword_only:
-                setup(ctx=ctx, inputs=args, keyword_only_inputs=keywords, output=out)
-            else:
-                setup(ctx=ctx, inputs=args, output=out)
+            if setup is not None:
+                extra = {"keyword_only_inputs": keywords} if keyword_only else {}
+                setup(ctx=ctx, inputs=args, output=out, **extra)
             return out
 
         @staticmethod
@@ -215,7 +207,9 @@ def _function_rule(op: str) -> Callable | None:
     def rule(*args, **kwargs):
         given = list(args)
         for name, default in positional[len(args):]:
-            given.append(kwargs[name] if name in kwargs else default)
+            if name not in kwargs and default is inspect.Parameter.empty:
+                raise TypeError(f"flash.{op}() missing required argument '{name}'")
+            given.append(kwargs.get(name, default))
         keywords = {name: kwargs.get(name, default) for name, default in keyword_only.items()}
         return _Function.apply(keywords, *given)
     return rule
