@@ -331,15 +331,18 @@ def _pair_qk(gm: fx.GraphModule) -> None:
     two (the transpose back of a (B, S, H, D) layout, a cast) moves after it; the second's
     arguments must not be among that."""
     graph = gm.graph
-    calls = list(graph.find_nodes(op="call_function", target=FLASH.rotary.default))
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    # in graph order, so that each call pairs with the next one of its tables (k after q)
+    calls = sorted(graph.find_nodes(op="call_function", target=FLASH.rotary.default), key=order.__getitem__)
     taken: set[fx.Node] = set()
-    for i, a in enumerate(calls):
-        for b in calls[i + 1:]:
-            if (a in taken or b in taken or len(a.args) != 3 or len(b.args) != 3 or a.kwargs != b.kwargs
-                    or not same_value(a.args[1:], b.args[1:])):
+    for i, first in enumerate(calls):
+        if first in taken or len(first.args) != 3:
+            continue
+        for second in calls[i + 1:]:
+            if (second in taken or len(second.args) != 3 or first.kwargs != second.kwargs
+                    or not same_value(first.args[1:], second.args[1:])):
                 continue
-            nodes = list(graph.nodes)
-            first, second = sorted((a, b), key=nodes.index)
+            nodes = list(graph.nodes)  # merges move nodes: positions as they are now
             between = nodes[nodes.index(first) + 1:nodes.index(second)]
             moved = {first}
             for n in between:
@@ -360,7 +363,8 @@ def _pair_qk(gm: fx.GraphModule) -> None:
                 if n in moved:
                     after.append(n)
                     after = n
-            taken |= {a, b}
+            taken |= {first, second}
+            break
 
 
 def rewrite(gm: fx.GraphModule, report: Report) -> None:
