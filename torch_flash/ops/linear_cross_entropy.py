@@ -63,11 +63,12 @@ def _grads_or_empty(hidden: Tensor, dh, dw, db) -> tuple[Tensor, Tensor, Tensor]
 
 
 def _triton_lce(hidden, weight, target, bias, opts: LossOptions, reduction: str, chunk_size: int,
-                grads: tuple[bool, bool, bool]):
-    """lce_fwd with the op's output dtypes: (loss, dhidden, dweight, dbias), empty where not computed."""
+                grads: tuple[bool, bool, bool], targets: TargetCheck):
+    """lce_fwd with the op's output dtypes: (loss, dhidden, dweight, dbias), empty where not
+    computed; n_valid from the target check where it has one."""
     from ..kernels.triton.linear_cross_entropy import lce_fwd
     loss, dh, dw, db = lce_fwd(hidden, weight, target, bias, **opts._asdict(), reduction=reduction,
-                               chunk_size=chunk_size, grads=grads)
+                               chunk_size=chunk_size, grads=grads, n_valid=targets.n_valid)
     return loss.to(compute_dtype(hidden.dtype)), *_grads_or_empty(hidden, dh, dw, db)
 
 
@@ -79,7 +80,7 @@ def _linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: 
     check_args("linear_cross_entropy", hidden, weight, target, bias, opts, reduction, chunk_size)
     targets = TargetCheck("linear_cross_entropy", target, weight.shape[0], ignore_index)
     if _backend("linear_cross_entropy", hidden, weight, target, bias) == "triton":
-        loss = _triton_lce(hidden, weight, target, bias, opts, reduction, chunk_size, (False,) * 3)[0]
+        loss = _triton_lce(hidden, weight, target, bias, opts, reduction, chunk_size, (False,) * 3, targets)[0]
         targets.raise_if_bad()
         return loss
     targets.raise_if_bad()
@@ -115,7 +116,7 @@ def _linear_cross_entropy_with_grads(hidden: Tensor, weight: Tensor, target: Ten
     targets = TargetCheck(op, target, weight.shape[0], ignore_index, check_targets)
     grads = (grad_hidden, grad_weight, grad_bias)
     if _backend(op, hidden, weight, target, bias) == "triton":
-        out = _triton_lce(hidden, weight, target, bias, opts, reduction, chunk_size, grads)
+        out = _triton_lce(hidden, weight, target, bias, opts, reduction, chunk_size, grads, targets)
         targets.raise_if_bad()
         return out
     targets.raise_if_bad()
@@ -141,7 +142,7 @@ def _linear_cross_entropy_backward(grad_loss: Tensor, hidden: Tensor, weight: Te
     targets = TargetCheck(op, target, weight.shape[0], ignore_index, check_targets)
     grads = (grad_hidden, grad_weight, grad_bias)
     if reduction != "none" and _backend(op, hidden, weight, target, bias) == "triton":
-        _, *out = _triton_lce(hidden, weight, target, bias, opts, reduction, chunk_size, grads)
+        _, *out = _triton_lce(hidden, weight, target, bias, opts, reduction, chunk_size, grads, targets)
         targets.raise_if_bad()
         return tuple(t * grad_loss.to(t.dtype) for t in out)
     targets.raise_if_bad()

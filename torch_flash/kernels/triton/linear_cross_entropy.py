@@ -451,7 +451,7 @@ def _resident_chunk(h_c, t_c, weight, bias, dh_rows, dw, db, buf, layout, n_vali
 
 
 def lce_fwd(hidden, weight, target, bias, *, ignore_index, label_smoothing, z_loss, softcap, reduction,
-            chunk_size=0, grads=(True, True, True), block=None):
+            chunk_size=0, grads=(True, True, True), block=None, n_valid=None):
     """cross_entropy(hidden @ weight.T + bias, target): (loss, dhidden, dweight, dbias).
 
     hidden (..., H), weight (V, H), target (...), bias (V,) or None, one dtype of DTYPES. The
@@ -459,7 +459,8 @@ def lce_fwd(hidden, weight, target, bias, *, ignore_index, label_smoothing, z_lo
     inputs' dtypes and shapes (dhidden, dweight contiguous). grads says which of (dhidden,
     dweight, dbias) to compute: the others are None (a frozen lm-head saves the dweight buffer
     and its GEMM), as are all three for reduction "none" (its per-row grad_loss is only known
-    in the backward, which recomputes) and dbias without a bias.
+    in the backward, which recomputes) and dbias without a bias. n_valid: the non-ignored rows as a
+    device scalar, where the caller has it (cross_entropy.target_summary).
 
     Per chunk of tokens, cuBLAS computes the logits column-major (weight @ hidden_chunk.T, in the
     inputs' dtype, rounded once: the bias is added in fp32 by the loss kernels), which
@@ -487,7 +488,8 @@ def lce_fwd(hidden, weight, target, bias, *, ignore_index, label_smoothing, z_lo
     t = _flat(target)
     h = hidden.reshape(t.shape[0], hid)  # not -1: H may be 0
     n_rows = h.shape[0]
-    n_valid = _n_valid(t, ignore_index)
+    if n_valid is None:
+        n_valid = _n_valid(t, ignore_index)
     want_dh, want_dw, want_db = (want and reduction != "none" for want in grads)
     want_db = want_db and bias is not None
     dh = hidden.new_empty(hidden.shape) if want_dh else None
