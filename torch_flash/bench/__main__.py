@@ -1,5 +1,5 @@
-"""python -m torch_flash.bench <suite> [--out DIR] [--quick] [--targets]   (also: python -m torch_flash bench)
-python -m torch_flash.bench plot <results.json> [...]   (PNG from saved JSON, e.g. on a CPU machine)
+"""python -m torch_flash.bench SUITE [--out DIR] [--quick] [--targets]   (also: python -m torch_flash bench)
+python -m torch_flash.bench plot RESULTS.json [...]   (PNG beside each JSON, e.g. on a CPU machine)
 """
 from __future__ import annotations
 
@@ -7,23 +7,65 @@ import argparse
 import importlib
 import json
 import os
+import sys
 
 from ._common import write_json
 
 SUITES = ("attention", "norm", "cross_entropy", "linear_cross_entropy", "rotary", "decode")
 
+DESCRIPTION = """\
+Time a fused op against the strongest alternatives in the same process on the same inputs
+(GPU; on CPU only a smoke run under TRITON_INTERPRET=1). Writes OUT/SUITE.json (device,
+versions, date and one row per measurement) and a PNG plot of it where matplotlib is installed.
+
+  python -m torch_flash.bench norm                   # ./bench_results/norm.json and .png
+  python -m torch_flash.bench plot results.json ...  # a PNG beside each JSON file
+"""
+
+EPILOG = """\
+Also reachable as `python -m torch_flash bench ...`. The committed results live in
+docs/results/<suite>/<date>_<device>.json and are described in docs/perf.md.
+"""
+
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m torch_flash.bench")
-    p.add_argument("suite", choices=SUITES + ("plot",))
-    p.add_argument("files", nargs="*", help="JSON files to plot (suite 'plot')")
-    p.add_argument("--out", default="bench_results", help="folder for the JSON and PNG (default ./bench_results; "
-                   "the committed results in docs/perf are written only when asked for)")
+    p = argparse.ArgumentParser(prog="python -m torch_flash.bench", description=DESCRIPTION, epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("suite", choices=SUITES + ("plot",), help="the op family to time, or 'plot'")
+    p.add_argument("files", nargs="*", help="with 'plot': JSON files written by the bench")
+    p.add_argument("--out", default="bench_results", help="folder for the JSON and PNG (default: ./bench_results)")
     p.add_argument("--quick", action="store_true", help="a few small shapes (smoke run)")
     p.add_argument("--targets", action="store_true",
-                   help="attention: the Hopper forward's target points; linear_cross_entropy: its target "
-                        "point (8192 x 4096 x 128256); each alone, in more rounds (SUITE_targets.json)")
+                   help="attention: the Hopper forward's target points; linear_cross_entropy: "
+                        "8192 x 4096 x 128256; each alone, in more rounds (SUITE_targets.json)")
     return p
+
+
+def plot_files(paths: list[str]) -> int:
+    """Write PATH.png beside each PATH.json with its suite's plot; 0, or 1 if one could not be
+    plotted (each reason printed)."""
+    failed = 0
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        suite = data.get("suite")
+        if suite not in SUITES:
+            print(f"{path}: no plot for suite {suite!r} (plots exist for {', '.join(SUITES)})", file=sys.stderr)
+            failed = 1
+            continue
+        png = os.path.splitext(path)[0] + ".png"
+        importlib.import_module(f"torch_flash.bench.{suite}").plot(data, png)
+        print(f"wrote {png}")
+    return failed
+
+
+def _needs_matplotlib() -> str | None:
+    """None where matplotlib imports, else the message to print."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return "plots need matplotlib (pip install matplotlib); the JSON holds every number without it"
+    return None
 
 
 def main(argv=None) -> None:
@@ -32,12 +74,16 @@ def main(argv=None) -> None:
     if args.targets and args.suite not in ("attention", "linear_cross_entropy"):
         p.error("--targets is for the attention and linear_cross_entropy suites")
     if args.suite == "plot":
-        for path in args.files:
-            with open(path) as f:
-                data = json.load(f)
-            mod = importlib.import_module(f"torch_flash.bench.{data['suite']}")
-            mod.plot(data, os.path.splitext(path)[0] + ".png")
+        if not args.files:
+            p.error("plot: name one or more JSON files written by the bench")
+        missing = _needs_matplotlib()
+        if missing:
+            p.exit(2, f"{p.prog} plot: {missing}\n")
+        if plot_files(args.files):
+            p.exit(1)
         return
+    if args.files:
+        p.error(f"unexpected arguments after {args.suite}: {' '.join(args.files)}")
     import torch
     if not torch.cuda.is_available():
         if os.environ.get("TRITON_INTERPRET") != "1":
@@ -55,11 +101,11 @@ def main(argv=None) -> None:
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"{args.suite}{'_targets' if args.targets else ''}.json")
     write_json(path, args.suite, rows)
-    try:
-        with open(path) as f:
-            mod.plot(json.load(f), os.path.splitext(path)[0] + ".png")
-    except ImportError as e:  # no matplotlib on this machine: plot later with `bench plot`
-        print(f"no plot ({e}); run `python -m torch_flash.bench plot {path}` where matplotlib is installed")
+    missing = _needs_matplotlib()
+    if missing:  # plot later, where matplotlib is installed
+        print(f"no plot: {missing}; later: python -m torch_flash.bench plot {path}")
+    else:
+        plot_files([path])
 
 
 if __name__ == "__main__":

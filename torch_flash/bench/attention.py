@@ -3,7 +3,7 @@ kernels of csrc/attention (cuda-sm90), vs FlashAttention 4 (fa4: flash-attn-4's 
 kernels, where importable) and SDPA's flash, cuDNN and efficient backends (flash-op is
 flash.attention as dispatched: the CUDA kernels where they serve, Triton otherwise).
 
-Grid (DESIGN.md): bf16, 32k tokens per batch, hidden 2048 (H = 2048 / D), D in {64, 128},
+Standard grid: bf16, 32k tokens per batch, hidden 2048 (H = 2048 / D), D in {64, 128},
 S in {1k, 4k, 16k} (B = 32k / S), causal and not. Inputs are (B, S, H, D) buffers viewed as
 (B, H, S, D), as a model produces them, and every implementation runs on the same tensors in
 the same process. FLOPs: 4*B*H*S*S*D, halved for causal; backward counts 2.5x the forward.

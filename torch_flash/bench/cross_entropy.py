@@ -101,7 +101,7 @@ def plot_rows(data: dict, path: str, value: str, ylabel: str) -> None:
     fig.suptitle(f"{data['suite']} on {data['env']['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    plt.close(fig)
 
 
 def _eager(x, t):

@@ -33,7 +33,7 @@ from .cross_entropy import measure, no_grad, plot_rows, with_grad
 SHAPES = [(8192, 4096, 128256), (8192, 8192, 128256), (8192, 768, 50257)]
 QUICK = [(2048, 2048, 32000)]
 CPU_SHAPES = [(8, 32, 256)]  # smoke run under TRITON_INTERPRET=1
-# Issue 4: forward + backward at LLaMA-3 8B's lm-head no slower than torch.compile of linear +
+# The target: forward + backward at LLaMA-3 8B's lm-head no slower than torch.compile of linear +
 # cross_entropy, within the extra memory of Liger's fused kernel (1.45 GB measured).
 # The two sides are about 1 % apart, as far as single rounds move: --targets times this point
 # alone in more rounds and keeps each round's ratio.
@@ -94,7 +94,7 @@ def _sign_test(faster: int, rounds: int) -> float:
 
 
 def run_targets(device: str) -> list[dict]:
-    """Issue 4's point, ours and Liger against torch.compile in TARGET_ROUNDS interleaved rounds
+    """The target point, ours and Liger against torch.compile in TARGET_ROUNDS interleaved rounds
     (3 on CPU: a smoke run of tiny shapes); ratios are torch.compile's ms / the impl's, per round."""
     n, hid, v = TARGET_SHAPE if device == "cuda" else CPU_SHAPES[0]
     h, w, t = _inputs(n, hid, v, device)
@@ -208,4 +208,4 @@ def _plot_targets(data: dict, path: str) -> None:
                  f"({data['env']['date'][:10]})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    plt.close(fig)

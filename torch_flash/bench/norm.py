@@ -72,7 +72,7 @@ def plot_bars(data: dict, path: str, panel_keys: tuple[str, ...]) -> None:
     fig.suptitle(f"{data['suite']} on {data['env']['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    plt.close(fig)
 
 
 def _naive_rms(x, w, eps: float = EPS):  # HF LlamaRMSNorm
