@@ -57,10 +57,9 @@ if _INTERPRET:
     _CONFIGS = {"narrow": _configs((16, 1, 1)), "wide": _configs((16, 1, 1))}
 else:
     _CONFIGS = {
-        # up to 512 B per key (D = Dv = 128 in bf16). One config: measured on the H100
-        # (scripts/sweep_decode.py, docs/perf/decode_sweep.json) it is at or near the best at
-        # every point from B=1 / 128k to B=32 / 32k, while an autotuned pick made at one point
-        # (the key cannot see the keys per split) lost up to a third at another.
+        # up to 512 B per key (D = Dv = 128 in bf16). One config, at or near the best at every
+        # point from B=1 / 128k to B=32 / 32k (scripts/sweep_decode.py, docs/perf.md), where an
+        # autotuned pick made at one point (its key cannot see the keys per split) is not.
         "narrow": _configs((128, 4, 3)),
         # up to 2 KB per key (D = Dv = 256 in fp32)
         "wide": _configs((32, 4, 2), (64, 4, 2), (32, 8, 3), (16, 4, 3)),

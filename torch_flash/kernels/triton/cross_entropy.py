@@ -32,11 +32,9 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 # Widest vocabulary block, elements per thread and warps per program (16 at most). The
-# gradient sweep runs backwards so that its first reads hit what the lse sweep left in L2; where
-# it overwrites the logits, 16384 columns lead (H100, 8192 x 128k bf16 forward + gradient: a
-# stripped copy of the kernel 1.97 ms vs 2.20 ms at 8192 in one run; the bench 1.99 ms, where
-# the forward-order 8192-column kernel took 2.16 ms), elsewhere 8192 do (cross-entropy bench of
-# 2026-11-22, writing another buffer: 2.20 ms vs 2.26 ms; the loss alone: 0.73 ms vs 0.80 ms).
+# gradient sweep runs backwards so that its first reads hit what the lse sweep left in L2, which
+# wider blocks help where it overwrites the logits; writing another buffer, 8192 columns lead
+# (docs/perf.md, "Cross-entropy": the bench's ours[block=N] rows).
 MAX_BLOCK = 8192
 MAX_BLOCK_IN_PLACE = 16384
 ELEMENTS_PER_THREAD = 16

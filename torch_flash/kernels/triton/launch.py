@@ -6,12 +6,11 @@ that the compiler sees the kernel and tunes it itself.
 Eager, a launch whose arguments were seen before goes straight to the compiled kernel's C
 launcher. Triton's own entry point (JITFunction.run, and Autotuner.run before it) rebinds the
 arguments, re-derives the specialisation and the tuning key, and looks the compiled kernel up on
-every call: 25 us of host time for the RMSNorm kernel on the H100 machine, 18 us more through
-the autotuner (docs/perf, "Host cost of an eager call"), more than the kernel takes at small
-shapes. Here the first launch for a key goes through Triton (compiling and autotuning as
-usual); its compiled kernel, chosen config and argument order are kept under a key that
-determines everything Triton specialises on, so that later launches with the same key take
-the same kernel:
+every call, which costs more host time than the kernel takes at small shapes (docs/perf.md,
+"Host cost of an eager call"). Here the first launch for a key goes through Triton (compiling
+and autotuning as usual); its compiled kernel, chosen config and argument order are kept under
+a key that determines everything Triton specialises on, so that later launches with the same
+key take the same kernel:
 - the kernel, the current CUDA device (Triton compiles per device), the keyword names;
 - every argument that is not a tensor (ints, floats, flags, constexprs) by value: finer than
   Triton's specialisation (ints by divisibility by 16 and equality to 1), and than the

@@ -29,21 +29,16 @@ from .scalars import fp32
 LCE_CHUNK_BYTES = 256 * 2**20
 # Where dweight is computed, a chunk may hold up to 1/LCE_DWEIGHT_SHARE of dweight's bytes of
 # logits: at least hidden / 3 rows. Every chunk reads and writes the whole dweight (4*V*H bytes
-# in bf16) for 6*rows*V*H FLOPs of GEMMs, so the rows, not the bytes, set that overhead; at the
-# H100's power cap it is paid in joules (docs/perf/README.md, "At the power cap"). Before the
-# resident chunk, 8192 x 4096 x 128256 ran as 7 chunks of 1280 rows, 0.6 % faster than 8 of 1024
-# in one process (lce_chunk_ab_h100.json); now 4096 + 1024 tokens are resident and the other
-# 3072 split evenly under that cap, 3 chunks of 1024.
+# in bf16) for 6*rows*V*H FLOPs of GEMMs, so the rows, not the bytes, set that overhead, paid in
+# joules at the GPU's power cap (docs/perf.md, "Linear cross-entropy"). At 8192 x 4096 x 128256,
+# 4096 + 1024 tokens are resident and the other 3072 split evenly under that cap: 3 x 1024.
 LCE_DWEIGHT_SHARE = 3
 # Chunk rows are rounded to a multiple of this (GEMM tile) where the chunk is that large.
 LCE_ROW_ALIGN = 128
 # Every chunk's token count is a multiple of this, a ragged chunk padded (_pad_rows), and so
 # is the resident chunk's stride: cuBLAS runs a GEMM whose token extent or leading dimension is
 # not in slower sm80 kernels, and Triton specializes the loss kernels on sizes and strides
-# divisible by 16 (H100, 8192 x 4096 x 128256 forward + backward: 111 ms with 4286 tokens
-# resident at stride 4286, against Liger-Kernel's 64 at the same memory; 8190 tokens, whose last
-# chunk has 1022, 48.2 ms of kernels against 36.5 for 8192: the loss kernel 7.0 ms against 2.4,
-# and that chunk's GEMMs 3x slower; lce_ragged_profile_before_h100.json).
+# divisible by 16 (a ragged chunk made its GEMMs several times slower).
 LCE_PITCH = 16
 # The resident chunk's dweight GEMM runs in class slices of s = min(this, V // 2) rows, its
 # logits shifted far enough that each slice writes only consumed logits (_resident_layout): at
@@ -57,8 +52,7 @@ LCE_DH_PIECE_BYTES = 32 * 2**20
 LCE_COLS_STATS = (1024, 16, 4, 2)
 LCE_COLS_GRAD = (1024, 16, 4, 4)
 # _ce_combine_kernel: splits and rows per block; narrow row blocks spread its serial loop over
-# the splits across more SMs (H100, one 1024-row chunk: statistics and combine 0.103 ms against
-# 0.122 ms with 256 x 16 blocks; lce_resident_chunk_probe_h100.json)
+# the splits across more SMs
 LCE_COMBINE_BLOCK_S = 128
 LCE_COMBINE_BLOCK_R = 32
 
@@ -138,7 +132,7 @@ def _ce_cols_kernel(X, B, T, Lse, ZT, ZSum, NValid, n_rows, n_cols, vocab_start,
     step = BLOCK_V * stride_x
     # whole class blocks first, masked by row only, then the partial one: with a class mask in
     # the loop, which Triton cannot prove uniform over a block for a class count not divisible
-    # by 16, the loop ran 1.5x slower (H100, 4096 tokens x 50257 classes: 1.75 TB/s, 2.62 now)
+    # by 16, the loop ran far slower
     full = c0 + (c1 - c0) // BLOCK_V * BLOCK_V
     tail_cols = full + tl.arange(0, BLOCK_V)
     tail_mask = (tail_cols < c1)[:, None] & row_ok[None, :]
@@ -298,11 +292,8 @@ def _resident_layout(rows: int, n_cols: int, hid: int) -> tuple[int, int, int, i
     [a * H, b * H), and must not overwrite logits of class a or later, which start at (a +
     shift) * stride: with stride = max(rows, H) rounded up to LCE_PITCH and shift = ceil(s * H
     / stride), b * H <= (a + s) * H <= (a + shift) * stride. head is as many classes as fit
-    below V * H, rounded down to a multiple of 16, which Triton specializes the loss kernels on:
-    before _ce_cols_kernel peeled its partial class block, an odd count ran 1.5x slower (H100:
-    1.78 TB/s over 100965 classes, 2.70 over 126208); since, 2.70 and 2.66 over 100965 and
-    100960, and the benchmarks of docs/perf ran with the rounding, which costs at most 15
-    classes of buffer."""
+    below V * H, rounded down to a multiple of 16, which Triton specializes the loss kernels on
+    (it costs at most 15 classes of buffer)."""
     s = max(1, min(LCE_DWEIGHT_SLICE, n_cols // 2))
     stride = _pitch(max(rows, hid))
     shift = cdiv(s * hid, stride)
@@ -350,8 +341,8 @@ def _resident_within(n_rows: int, n_cols: int, hid: int, chunk_size: int) -> int
 def _cols_grid(config, n_cols: int, n_rows: int, device: torch.device, block: int | None):
     """(grid, split_cols, BLOCK_R, BLOCK_V, warps) of _ce_cols_kernel over (n_cols, n_rows) logits
     for config (BLOCK_R, BLOCK_V, warps, programs per SM): column splits enough for that many
-    programs, and no more: a program past them starts a second wave (H100, 5120 tokens x 128256
-    classes in 5 row blocks: 2.36 ms with 53 splits, 2.21 with 52). block forces BLOCK_V (tests)."""
+    programs, and no more: a program past them starts a second wave. block forces BLOCK_V
+    (tests)."""
     block_r, block_v, warps, per_sm = config
     block_r = min(block_r, next_power_of_2(n_rows))
     block_v = block or block_v
@@ -418,7 +409,7 @@ def _resident_chunk(h_c, t_c, weight, bias, dh_rows, dw, db, buf, layout, n_vali
     dweight GEMM then runs in class slices in order, each writing dweight rows whose logits it
     or an earlier slice has read. Up to H tokens cost no memory
     beyond a few thousand classes in buf; tokens beyond H fill buf as a chunk would, but their
-    dweight share is written once, with no read-modify-write (docs/perf/README.md, "Linear
+    dweight share is written once, with no read-modify-write (docs/perf.md, "Linear
     cross-entropy"). dhidden sums the two parts in fp32, token pieces at a time, and is
     rounded once. h_c and t_c come padded (_pad_rows), dh_rows has the real tokens' rows.
     Returns the chunk's losses, padding included."""
@@ -476,8 +467,7 @@ def lce_fwd(hidden, weight, target, bias, *, ignore_index, label_smoothing, z_lo
     resident: 2.10 GB + 134 MB + 34 MB + 34 MB = 2.30 GB.
     dweight accumulates in weight's dtype through cuBLAS (fp32 inside each GEMM, rounded once
     per chunk): an fp32 accumulator would triple dweight's memory for bf16 weights. The resident
-    chunk rounds its share once, like PyTorch; the H100 at 8192 x 4096 x 128256 put dweight at
-    1.29e-3 relative to an fp32 reference, PyTorch-like row-major chunks of 1280 at 1.32e-3.
+    chunk rounds its share once, like PyTorch.
     """
     # int(): traced by torch.compile with a vocabulary or hidden size gone dynamic (a second
     # size seen), Inductor failed to decompose the kernels (torch 2.11: AssertionError in
@@ -501,7 +491,7 @@ def lce_fwd(hidden, weight, target, bias, *, ignore_index, label_smoothing, z_lo
     dh_rows = None if dh is None else dh.view(h.shape)
     # each chunk's losses go to buffers of their own, joined at the end: traced by Inductor, a
     # kernel writing slices of one buffer becomes a chain of slice copies that torch 2.11
-    # miscompiled into an out-of-bounds read (H100, 8 chunks)
+    # miscompiled into an out-of-bounds read
     losses = []
     done, rows = lce_plan(n_rows, n_cols, hid, hidden.dtype, chunk_size, dw is not None)
     layout = _resident_layout(_pitch(done), n_cols, hid) if done else None

@@ -37,20 +37,15 @@ FWD_MAX_BLOCK = 16384
 BWD_MAX_BLOCK = 8192
 # Target elements per program tile: short rows are processed several at a time.
 TILE = 4096
-# The backward's column loop: (widest row, column block, elements per row tile), the first
-# entry that holds the row. H100, 2026-11-27 (docs/perf/norm_loop_probe_h100.json): at N =
-# 16384, one row at a time in 8192-column blocks (RMSNorm 0.49 of copy; 1024 x 8 rows 0.39);
-# at 65536, 8-row tiles of 1024 columns, whose dW/dB partials are read and written once per 8
-# rows rather than per row (RMSNorm 0.29 -> 0.39 of copy, LayerNorm 0.21 -> 0.43). With a dB
-# partial row as well (LayerNorm with a bias), the 8-row tiles win from 16384 on (add +
-# LayerNorm 0.44 -> 0.51, LayerNorm 0.42 -> 0.43).
+# The backward's column loop for rows wider than BWD_MAX_BLOCK: (widest row, column block,
+# elements per row tile), the first entry that holds the row. Tiles of several rows read and
+# write the dW/dB partials once per tile rather than once per row, which pays off on the widest
+# rows, and from 16384 on where a dB partial row doubles that traffic.
 BWD_LOOPS = ((16384, 8192, 4096), (None, 1024, 8192))
 BWD_LOOPS_WITH_DB = ((None, 1024, 8192),)
 # Backward programs per SM: BWD_ELEMENTS_PER_SM // row block, at most 2 (dW partials are
-# programs x N fp32). Measured on the H100 (scripts/sweep_norm.py, 2026-11-21): at (32768, 4096)
-# 2 programs per SM reached 0.91 / 0.86 of copy (RMSNorm / LayerNorm) where 4 reached 0.88 / 0.81;
-# at (65536, 1024) 2 reached 0.89 / 0.89 where the 8 of the rule before reached 0.81 / 0.81
-# (docs/perf/norm_1024_h100.json, 2026-11-23).
+# programs x N fp32; chosen with scripts/sweep_norm.py, docs/perf.md "Constants chosen from
+# measurements").
 BWD_ELEMENTS_PER_SM = 8192
 BWD_MAX_PROGRAMS_PER_SM = 2
 
@@ -300,10 +295,8 @@ def _norm_bwd_kernel(G, GR, X, W, MEAN, RSTD, DX, DWP, DBP, M, N, stride_g, stri
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < N
         # With HAS_DB, w + offset is read again (from L1) per row tile rather than held for the
-        # whole loop, where dB's accumulator would make the row's registers spill (add +
-        # LayerNorm at (32768, 4096), 4 warps: 255 registers, 30 spilled; reloaded, none: 0.78
-        # -> 0.93 of copy on the H200, 0.86 -> 0.95 on the H100; RMSNorm lost up to 10 % by
-        # reloading: docs/perf/README.md, "Norms")
+        # whole loop, where dB's accumulator would make the row's registers spill; without dB,
+        # holding it is faster (docs/perf.md, "Tried and not kept")
         if not HAS_DB:
             wo = _weight(W, cols, col_mask, weight_offset, HAS_W)
         dw = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -414,8 +407,8 @@ def _sum_parts_kernel(PARTS, OUT0, OUT1, n_parts, N, HAS_OUT1: tl.constexpr, BLO
 
 
 # _sum_parts_kernel's tile: columns per program and partial rows per step. 32 columns give
-# 256 programs at N = 4096 for two parameters (H100, docs/perf/norm_sum_parts_h100.json: 11.6 us
-# for (264, 4096) partials; 128-column tiles 22 us, too few programs to stream them).
+# 256 programs at N = 4096 for two parameters, enough to stream the partials (wider tiles:
+# docs/perf.md, "Tried and not kept").
 SUM_BLOCK = 32
 SUM_ROWS = 64
 
@@ -584,8 +577,7 @@ class NormBwd:
             return (dx, None if weight is None else torch.zeros_like(weight),
                     None if bias is None else torch.zeros_like(bias))
         g_rows, gr_rows, x_rows = _in_rows(grad_y, n), _in_rows(grad_residual_out, n), _in_rows(x, n)
-        # dW and dB partials in one buffer, so that one reduction finishes both (the reductions
-        # after the kernel were 5% of LayerNorm's backward at (32768, 4096) on the H100)
+        # dW and dB partials in one buffer, so that one reduction kernel finishes both
         n_params = (weight is not None) + (bias is not None)
         parts = torch.empty(n_params, self.programs, n, dtype=torch.float32, device=x.device)
         dwp = parts[0] if weight is not None else None
