@@ -6,7 +6,7 @@ of 20 steps, GPU kernel time from torch.profiler over 5, peak memory, and the re
 the loss and of all parameter gradients (one vector) against eager in fp32 without autocast.
 Needs transformers.
 Usage: python scripts/hf_llama_autocast.py OUT.json [--hidden H --heads N --kv-heads K]
-[--backends NAME ...] (defaults: the run in docs/perf, head dim 64 with GQA; the backend
+[--backends NAME ...] (defaults: the run in docs/results/hf_llama_autocast, head dim 64 with GQA; the backend
 "flash, no attention family" leaves SDPA to PyTorch; "flash, Triton backward" sets
 TORCH_FLASH_CUDNN_BACKWARD=0, off the cuDNN backward flash.attention takes by default).
 """

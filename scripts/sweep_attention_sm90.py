@@ -9,38 +9,18 @@ against cuDNN's output. The winners go into csrc/attention/attention_fwd_sm90_hd
     python scripts/sweep_attention_sm90.py [--out sweep.json] [--only 128] [--jobs 16]
         [--variants d64-full-pp,d128-causal-coop] [--seqlens 1024,4096,16384]
 
-H100, 2026-11-21 (docs/perf/sweep_attention_sm90_h100.json): two consumer warpgroups of 64 rows
-each with 5 K/V stages lead at D=128 (fewer stages, 176-key tiles, 256-row tiles lose); three
-warpgroups (192 rows) lead at D=64 from 4k keys. Causal masks run best on persistent CTAs that
-take pairs of query tiles adding up to the same work (sm90::Paired,
-docs/perf/sweep_attention_sm90_h100_paired.json; a CTA per pair measured the same); behind it:
-one CTA per tile, persistent CTAs taking single tiles in turn (the static order idles SMs at the
-end), longest-first orders (persistent with the query tile slowest loses its K/V reuse in L2).
-FlashAttention-3's intra-warpgroup overlap (each consumer warpgroup's softmax of S_j under its
-own P_{j-1} V_{j-1}; commit 099fb06, docs/perf/sweep_attention_sm90_h100_overlap.json) ran
-8-15% slower at every point, with or without the warpgroups issuing their GEMMs in turn: at
-64 rows per warpgroup the softmax is shorter than the other warpgroup's GEMMs, so ping-pong
-alone keeps the tensor cores busy and the overlap only adds waits and registers. Smaller key
-tiles with deeper K/V pipelines (D=128: 96 keys x 6 stages, 80 x 7, 64 x 8;
-docs/perf/sweep_attention_sm90_h100_stages.json) lose too: 0.99x-1.03x, 0.69x-0.71x,
-0.84x-0.85x cuDNN against 1.04x-1.06x for 128 x 5. Handing each K/V stage back to the producer
-as soon as its GEMM completes, not after the next softmax (commit fcc7b4a,
-docs/perf/sweep_attention_sm90_h100_early_release.json): 0.94x-1.02x of the example's
-mainloop, no gain. The err column is against cuDNN's bf16 output: 128-key tiles sum in cuDNN's
-order and agree to 5e-5; other tile widths differ by bf16 rounding, about 1e-3 (the kernel
-tests compare with float64).
+Results: docs/results/sweep_attention_sm90/ (docs/perf.md). At D=128 two consumer warpgroups
+of 64 rows with 5 K/V stages lead; at D=64 three warpgroups (192 rows) lead from 4k keys.
+Causal masks run best on persistent CTAs that take pairs of query tiles adding up to the same
+work (sm90::Paired). The variants that lost (FlashAttention-3's intra-warpgroup overlap, deeper
+K/V pipelines, early stage release, exponentials on the FMA pipe, longest-first orders) are in
+docs/perf.md, "Tried and not kept". The err column is against cuDNN's bf16 output: 128-key
+tiles sum in cuDNN's order and agree to about 5e-5; other tile widths differ by bf16 rounding
+(the kernel tests compare with float64).
 
-Part of the softmax exponentials by a cubic on the FMA pipe instead of the MUFU
-(FlashAttention-4's trick; sm90::PolyExp2 in commit 969ec23,
-docs/perf/sweep_attention_sm90_h100_polyexp.json): slower the more of them, 0.92x-1.00x of the
-MUFU-only kernel for every 8th, 0.71x-0.78x for all; the kernel is not MUFU-bound.
 The "-topleft" variants keep CUTLASS's top-left causal mask, which launch() does not split by
-rows: the A/B of the causal row split and middle pairs (docs/perf/sweep_attention_sm90_h100_rowsplit.json:
-D=64 S=4k causal 431 vs 413 TFLOP/s, 16k 490 vs 479).
-
-Persistent configurations without a mask also run as "<name>-nosplit", without the split tail
-(attention_fwd_sm90.cuh, TailSplit; docs/perf/sweep_attention_sm90_h100_tail.json: D=128
-S=4k 641 vs 624 TFLOP/s, 16k 642 vs 631 in one sweep, 634 vs 621 and 651 vs 626 in another).
+rows (the A/B of the causal row split and middle pairs); persistent configurations without a
+mask also run as "<name>-nosplit", without the split tail (attention_fwd_sm90.cuh, TailSplit).
 
 Timing: cuDNN and every configuration of a grid point run back to back in interleaved rounds, and
 the ratio is the median of the rounds' ratios (single timings drift by 4-10% between runs).
