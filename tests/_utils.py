@@ -8,7 +8,7 @@ from typing import Callable, Iterable
 
 import torch
 
-# DESIGN.md "Numerics": relative error ||out - ref|| / ||ref|| against a float64 reference.
+# docs/design.md, "Numerics": relative error ||out - ref|| / ||ref|| against a float64 reference.
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1e-2}
 
 # op name -> callable returning [(args, kwargs), ...]; each tests/ops/test_<stem>.py

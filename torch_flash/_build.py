@@ -1,4 +1,4 @@
-"""Build spec of the optional CUDA extension `torch_flash._C` (DESIGN.md "Dispatch").
+"""Build spec of the optional CUDA extension `torch_flash._C` (docs/design.md, "The CUDA extension").
 
 The one place that knows its sources, flags, macros and include dirs, and whether it can be
 built here. Used by setup.py (which loads this file by path: pip's build isolation has no
