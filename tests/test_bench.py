@@ -3,6 +3,7 @@ rotating start, failures dropped for good, ratios as medians of the rounds' rati
 suite's smoke run on CPU (python -m torch_flash.bench)."""
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -11,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from torch_flash import _dispatch
 from torch_flash.bench import _common
 from torch_flash.bench.__main__ import main
 
@@ -76,10 +78,13 @@ def test_suite_smoke_run_on_cpu(suite, tmp_path, monkeypatch):
     which every variant of ours has a time."""
     if torch.cuda.is_available():
         pytest.skip("with a GPU the suites run their full shapes")
-    monkeypatch.setenv("TORCH_FLASH_BACKEND", "unset")  # so that teardown removes what main() sets
+    monkeypatch.setenv("TORCH_FLASH_BACKEND", "unset")  # no backend forced from outside
     monkeypatch.delenv("TORCH_FLASH_BACKEND")
+    mod = importlib.import_module(f"torch_flash.bench.{suite}")
+    run, forced = mod.run, []
+    monkeypatch.setattr(mod, "run", lambda args: forced.append(_dispatch.forced_backend()) or run(args))
     main([suite, "--out", str(tmp_path)])
-    assert os.environ["TORCH_FLASH_BACKEND"] == "triton"
+    assert forced == ["triton"]
     rows = json.loads((tmp_path / f"{suite}.json").read_text())["rows"]
     ours = [r for r in rows if r["impl"].startswith("ours")]
     assert ours and all(r["ms"] is not None and r["ms"] > 0 for r in ours), rows
