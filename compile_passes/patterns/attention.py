@@ -25,10 +25,12 @@ which keeps the model's semantics.
 Exactness. A rewrite computes what the model computes, to the op's tolerance, on every query
 row that sees at least one key: a score hidden with -inf or a value <= -1e4 (finfo.min in
 HF models) weighs exp(-1e4 + s) = 0 in fp32 next to any visible score above -9900, so both
-fills hide alike. A row that the masks hide entirely gives 0 (as SDPA and FlashAttention
-do), where the model gives NaN (fill -inf) or an average over the hidden keys (finite fill;
-HF eager on left-padded query rows). That average is out of flash.attention's reach: its
-fp32 log-sum-exp at -3e38 (or -1e9) has no room left for log(Sk).
+fills hide alike. A row that -inf masks hide entirely gives 0 (as SDPA and FlashAttention
+do) where the model gives NaN. A finite fill makes the model average v over the keys it
+fills on such a row (HF eager, left-padded query rows): where a mask that is not a band
+(padding) may hide a whole row, nothing is split and the model's own terms go in as
+attn_bias, which flash.attention reads alike (_masks); a finite fill that overwrites the
+scores there (masked_fill) also cuts the rows' gradient to q and k, and is left alone.
 Dropout draws its own mask (flash.attention's Philox stream), so training with dropout
 matches the model in distribution, not bit for bit.
 """
@@ -631,11 +633,14 @@ class Operand:
 @dataclass
 class Part:
     """One term of the scores: `add` s + mult * node; `keep` hides the scores where node
-    differs from positive (with -inf or a large negative value)."""
+    differs from positive: adds fill there, or sets the score to fill (overwrite: masked_fill
+    and where on the scores), fill being -inf or a large negative value."""
     kind: str
     node: fx.Node
     mult: float = 1.0
     positive: bool = True
+    fill: float = -math.inf
+    overwrite: bool = False
 
 
 @dataclass
@@ -902,7 +907,7 @@ def _walk(node: Any, shape: tuple, steps: list) -> fx.Node | str:
             fill = _constant(cur.args[2])
             if fill is None or fill > MASKED:
                 return f"masked scores are set to {cur.args[2]}, not -inf or a large negative value"
-            steps.append(Step("keep", cur, part=Part("keep", cur.args[1], positive=False)))
+            steps.append(Step("keep", cur, part=Part("keep", cur.args[1], positive=False, fill=fill, overwrite=True)))
             cur = src
             continue
         if t in (A.where.self, A.where.ScalarOther, A.where.ScalarSelf):
@@ -911,7 +916,7 @@ def _walk(node: Any, shape: tuple, steps: list) -> fx.Node | str:
             scores, fill, positive = (a, fb, True) if fa is None else (b, fa, False)
             if fill is None or fill > MASKED:
                 return "torch.where picks between the scores and something other than -inf or a large negative value"
-            steps.append(Step("keep", cur, part=Part("keep", c, positive=positive)))
+            steps.append(Step("keep", cur, part=Part("keep", c, positive=positive, fill=fill, overwrite=True)))
             cur = scores
             continue
         return f"the scores pass through {_name(cur)} between q @ k^T and the softmax"
@@ -1101,7 +1106,7 @@ def _match(softmax: fx.Node, order: dict) -> Match | str:
     m.chain += chain + [product]
     m = _operands(m, q, kt, v)
     if isinstance(m, Match):
-        _masks(m, _shape(softmax))
+        return _masks(m, _shape(softmax)) or m
     return m
 
 
@@ -1169,11 +1174,11 @@ def _keep_of(part: Part) -> list[Part] | None:
         for x, fill, positive in ((a, b, True), (b, a, False)):
             v = _constant(fill)
             if v is not None and v * part.mult <= MASKED:
-                return [Part("keep", c, positive=positive)] + _added(x, part.mult)
+                return [Part("keep", c, positive=positive, fill=v * part.mult)] + _added(x, part.mult)
     if t in (A.masked_fill.Scalar, A.masked_fill.Tensor):
         v = _constant(n.args[2])
         if v is not None and v * part.mult <= MASKED:
-            return [Part("keep", n.args[1], positive=False)] + _added(n.args[0], part.mult)
+            return [Part("keep", n.args[1], positive=False, fill=v * part.mult)] + _added(n.args[0], part.mult)
     return None
 
 
@@ -1270,6 +1275,7 @@ class _Masks:
         self.shape, self.index = shape, _Index()
         self.kept: list[Part] = []
         self.bands: list[tuple[Any, Part]] = []  # (keep formula, the part to keep if no window)
+        self.finite: list[Part] = []  # parts that hide keys with a finite fill
 
     def value(self, node: fx.Node) -> _Val | None:
         v = self.index(node)
@@ -1287,6 +1293,8 @@ class _Masks:
                     for f, x in cases:
                         keep = _f_or(keep, f) if x == 0 else keep
                     self.bands.append((keep, part))
+                    if any(-math.inf < x <= MASKED for _, x in cases):
+                        self.finite.append(part)
                 else:
                     self.kept.append(part)
                 return
@@ -1297,8 +1305,10 @@ class _Masks:
             for extra in keep[1:]:
                 self.add(extra)
             part = keep[0]
+        if part.fill > -math.inf:
+            self.finite.append(part)
         for n, p in _conjuncts(part.node, part.positive):
-            piece = Part("keep", n, positive=p)
+            piece = Part("keep", n, positive=p, fill=part.fill, overwrite=part.overwrite)
             v = self.value(n)
             if v is None or v.kind != "bool":
                 keep = _constant_keep(n, p, self.shape)
@@ -1310,12 +1320,19 @@ class _Masks:
                 self.bands.append((v.formula if p else _f_not(v.formula), piece))
 
 
-def _masks(m: Match, shape: tuple) -> None:
+def _masks(m: Match, shape: tuple) -> str:
     """Move the masks that provably are a band around the bottom-right diagonal from m.parts
     into m.window. Sums are split into their terms and keep conditions into their and-ed
     pieces where that finds a band (causal & padding: the causal piece becomes causal=True,
     the padding piece stays attn_bias, unless it is a constant: _constant_keep). shape: the
-    scores' (..., Sq, Sk)."""
+    scores' (..., Sq, Sk). "" when done, else why the site is left alone.
+
+    A mask that may hide a query row entirely (one that is not a band: padding) with a finite
+    fill (HF's finfo.min) makes the model average v over the keys so filled: then nothing is
+    split and the model's own terms go in as attn_bias, which the op reads alike (a fill at or
+    below -1e9 weighs every such key equally, gradients to q and k as the model's add gives).
+    A finite fill that overwrites the scores (masked_fill) gives those rows no gradient to q
+    and k, which the op cannot do: such a site is left alone."""
     sorted_ = _Masks(shape)
     for part in m.parts:
         terms = _summands(part.node, part.mult) if part.kind == "add" else [part]
@@ -1325,19 +1342,29 @@ def _masks(m: Match, shape: tuple) -> None:
         if len(terms) > 1 and split.bands:
             sorted_.kept += split.kept
             sorted_.bands += split.bands
+            sorted_.finite += split.finite
         else:
             sorted_.add(part)
     kept, bands = sorted_.kept, sorted_.bands
+    window = None
     if bands:
         f = TRUE
         for g, _ in bands:
             f = _f_and(f, g)
-        w = _window(f, shape)
-        if isinstance(w, Window):
-            m.window = w
-        else:
+        window = _window(f, shape)
+        if not isinstance(window, Window):
             kept += [p for _, p in bands]
+    if sorted_.finite and any(p.kind == "keep" for p in kept):
+        over = next((p for p in sorted_.finite if p.overwrite), None)
+        if over is not None:
+            return (f"scores are set to the finite {over.fill:g} where a mask that is not causal (padding) hides "
+                    "them: a query row it hides entirely averages v in the model with no gradient to q and k, "
+                    "which flash.attention does not compute (fill with -inf, or add the mask)")
+        return ""  # the model's own terms, unsplit
+    if isinstance(window, Window):
+        m.window = window
     m.parts = kept
+    return ""
 
 
 # ------------------------------------------------------------------------- SDPA
@@ -1371,7 +1398,7 @@ def _match_sdpa(n: fx.Node) -> Match | str:
         m.window = Window(-1, right)
     if mask is not None:
         m.parts = [Part("keep", mask) if dtype_of(mask) == torch.bool else Part("add", mask)]
-        _masks(m, tuple(val(q).shape[:-2]) + (sq, sk))
+        return _masks(m, tuple(val(q).shape[:-2]) + (sq, sk)) or m
     return m
 
 
