@@ -1,11 +1,12 @@
 """Attention spellings -> flash.attention.
 
-Anchors: softmax over the last dim, and `aten.scaled_dot_product_attention` (its is_causal,
-attn_mask, scale, dropout_p and enable_gqa map onto the op's arguments).
+Anchors: softmax over the last dim (math SDPA's `_safe_softmax` included), and
+`aten.scaled_dot_product_attention` (its is_causal, attn_mask, scale, dropout_p and
+enable_gqa map onto the op's arguments).
 
 From a softmax the walk goes up a chain of elementwise steps to the q-k product:
 dtype casts; the scale (`* c`, `/ c`, baddbmm's alpha, or folded into q or k before the
-product; c a constant, or a one-value tensor read at run time, which goes into q as q * c);
+product, as math SDPA's sqrt(scale) into q and k^T; c a constant, or a one-value tensor read at run time, which goes into q as q * c);
 a tanh softcap `c * tanh(s / c)`; additive terms (`+ bias`, `- bias`, baddbmm's
 input); masks (`masked_fill(m, v)`, `where(m, s, v)` with v = -inf or a large negative value
 such as finfo.min). The product is `q @ k^T`, bmm/baddbmm on merged (B*H, S, D) tensors
@@ -51,13 +52,16 @@ from ..report import Report, Site
 from ._shared import arg, call_checked, known_equal, replace
 
 FLASH = torch.ops.flash
-SOFTMAX = (A.softmax.int, A._softmax.default)
+# _safe_softmax (math SDPA's) gives 0 on a row of -inf only, as flash.attention does
+SOFTMAX = (A.softmax.int, A._softmax.default, A._safe_softmax.default)
 # A hidden score at or below this weighs nothing next to any visible score above -9900.
 MASKED = -1.0e4
 # In-place steps (`s /= c`, `s.masked_fill_(m, v)`) read as their functional forms.
 FUNCTIONAL = {A.add_.Tensor: A.add.Tensor, A.sub_.Tensor: A.sub.Tensor, A.mul_.Tensor: A.mul.Tensor,
               A.div_.Tensor: A.div.Tensor, A.masked_fill_.Scalar: A.masked_fill.Scalar,
               A.masked_fill_.Tensor: A.masked_fill.Tensor}
+# The Scalar overloads (math SDPA's `q * sqrt(scale)`) read as the Tensor ones.
+SCALAR = {A.mul.Scalar: A.mul.Tensor, A.div.Scalar: A.div.Tensor}
 VIEWS = (A.view.default, A.reshape.default, A._unsafe_view.default)
 SAME = (A.clone.default, A.contiguous.default, A.alias.default, A.detach.default)
 
@@ -66,7 +70,7 @@ def _kind(node: Any):
     """The functional op a node computes (in-place ops as their out-of-place forms)."""
     if not (isinstance(node, fx.Node) and node.op == "call_function"):
         return None
-    return FUNCTIONAL.get(node.target, node.target)
+    return FUNCTIONAL.get(node.target) or SCALAR.get(node.target, node.target)
 
 
 def _shape(node: Any) -> tuple:

@@ -371,6 +371,25 @@ def sdpa_3d(q, k, v):
     return F.scaled_dot_product_attention(*(t.flatten(0, 1) for t in (q, k, v)))
 
 
+def sdpa_math(q, k, v):  # SDPA's math decomposition: sqrt(scale) into q and k^T, _safe_softmax
+    c = math.sqrt(0.3)
+    s = torch.ops.aten.mul.Scalar(q, c) @ torch.ops.aten.mul.Scalar(k.transpose(-2, -1), c)
+    return torch.ops.aten._safe_softmax(s, -1) @ v
+
+
+def sdpa_math_mask(q, k, v, mask):  # with an additive mask, of -inf where a key is hidden
+    c = math.sqrt(D ** -0.5)
+    s = torch.ops.aten.mul.Scalar(q, c) @ torch.ops.aten.mul.Scalar(k.transpose(-2, -1), c)
+    return torch.ops.aten._safe_softmax(s + mask, -1) @ v
+
+
+def sdpa_math_bool(q, k, v, pad):  # a bool mask as the decomposition turns it into floats
+    c = math.sqrt(D ** -0.5)
+    s = torch.ops.aten.mul.Scalar(q, c) @ torch.ops.aten.mul.Scalar(k.transpose(-2, -1), c)
+    zero, hide = (torch.scalar_tensor(x, dtype=q.dtype, device=q.device) for x in (0.0, INF))
+    return torch.ops.aten._safe_softmax(s + torch.where(pad[:, None, None, :], zero, hide), -1) @ v
+
+
 def _args(*extra, **qkv_kwargs):
     return lambda: [*_qkv(**qkv_kwargs), *(e() for e in extra)]
 
@@ -427,6 +446,9 @@ SPELLINGS = [
     (sdpa_repeat_kv, _args(hkv=KV), dict(kv_heads=KV)),
     (sdpa_reference_mask, _args(), dict(causal=True, bias=False)),
     (sdpa_3d, _args(), dict(kv_heads=B * H)),
+    (sdpa_math, _args(), dict(scale=0.3, causal=False, bias=False)),
+    (sdpa_math_mask, _args(ADDITIVE), dict(scale=D ** -0.5, causal=False, bias=True)),
+    (sdpa_math_bool, _args(PADDING), dict(scale=D ** -0.5, causal=False, bias=True)),
 ]
 
 
