@@ -6,12 +6,15 @@ enable_gqa map onto the op's arguments).
 
 From a softmax the walk goes up a chain of elementwise steps to the q-k product:
 dtype casts; the scale (`* c`, `/ c`, baddbmm's alpha, or folded into q or k before the
-product, as math SDPA's sqrt(scale) into q and k^T; c a constant, or a one-value tensor read at run time, which goes into q as q * c);
+product, as math SDPA's sqrt(scale) into q and k^T; c a constant, or a one-value tensor
+read at run time, which goes into q as q * c);
 a tanh softcap `c * tanh(s / c)`; additive terms (`+ bias`, `- bias`, baddbmm's
 input); masks (`masked_fill(m, v)`, `where(m, s, v)` with v = -inf or a large negative value
 such as finfo.min). The product is `q @ k^T`, bmm/baddbmm on merged (B*H, S, D) tensors
-(run as B*H heads of one batch), or an einsum in any layout; k and v may be repeated for GQA
-(repeat_kv's expand + reshape, repeat_interleave over heads, or an expand of one head).
+(run as B*H heads of one batch, or as (B, H) where the scores or the probabilities are
+viewed so: MBart's mask added in a 4-D view, Bloom's ALiBi as baddbmm's input), or an
+einsum in any layout; k and v may be repeated for GQA (repeat_kv's expand + reshape,
+repeat_interleave over heads, or an expand of one head).
 Down from the softmax: a cast back, dropout, and the product with v.
 
 Masks built inside the graph are read by an index algebra (_Index): a tensor made from
@@ -37,6 +40,7 @@ matches the model in distribution, not bit for bit.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 import string
@@ -645,6 +649,7 @@ class Part:
     positive: bool = True
     fill: float = -math.inf
     overwrite: bool = False
+    heads: int = 0  # H when node is a (B*H, ...) term of scores the op sees as (B, H, ...)
 
 
 @dataclass
@@ -655,6 +660,7 @@ class Match:
     out: fx.Node  # the node flash.attention's result replaces
     out_ops: tuple = ()  # view ops from (B, Hq, Sq, Dv) to out's layout
     merged: bool = False  # (B*H, S, D) tensors, run as B*H heads of one batch
+    heads: int = 0  # H: (B*H, ...) tensors viewed as (B, H, ...) for the op
     scale: float | None = 1.0  # None: D ** -0.5
     sym: list = field(default_factory=list)  # (node, divides) scales computed from dynamic sizes
     runtime: list = field(default_factory=list)  # (node, divides) one-element scale tensors, folded into q
@@ -667,7 +673,8 @@ class Match:
 
 @dataclass
 class Step:
-    kind: str  # cast | scale | symscale | tensorscale | softcap | add | keep | heads ((B*H, ...) as (B, H, ...))
+    kind: str  # cast | scale | symscale | tensorscale | softcap | add | keep
+    # | heads ((B*H, ...) viewed as (B, H, ...)) | merge ((B, H, ...) viewed as (B*H, ...))
     node: fx.Node
     value: Any = None
     part: Part | None = None
@@ -856,23 +863,16 @@ def _unrepeat(op: Operand, head: int = 1) -> tuple[Operand, int] | None:
     return op, 1
 
 
-def _merged_source(x: Any, heads: tuple) -> fx.Node | None:
-    """The 4-D (B, H, X, Y) tensor a (B*H, X, Y) operand is viewed from, through casts."""
-    while isinstance(x, fx.Node) and (cast_dtype(x) is not None or is_op(x, *SAME)):
-        x = x.args[0]
-    if not (is_op(x, *VIEWS) or (is_op(x, A.flatten.using_ints) and x.args[1:3] in ((0, 1), [0, 1]))):
-        return None
-    src = x.args[0]
-    s = _shape(src)
-    if len(s) == 4 and _same_shape(s[:2], heads) and _same_shape(s[2:], _shape(x)[1:]):
-        return src
-    return None
-
-
 # -- the walk
 
 def _name(node: fx.Node) -> str:
     return getattr(node.target, "__name__", str(node.target))
+
+
+def _merges(src: Any, view: fx.Node) -> bool:
+    """view is src (B, H, X, Y) viewed as (B*H, X, Y)."""
+    a, b = _shape(src), _shape(view)
+    return len(a) == 4 and len(b) == 3 and known_equal(a[0] * a[1], b[0]) and _same_shape(a[2:], b[1:])
 
 
 def _walk(node: Any, shape: tuple, steps: list) -> fx.Node | str:
@@ -894,6 +894,10 @@ def _walk(node: Any, shape: tuple, steps: list) -> fx.Node | str:
         if (t in VIEWS and len(shape) == 4 and val(src).dim() == 3
                 and known_equal(shape[0] * shape[1], _shape(src)[0]) and _same_shape(_shape(src)[1:], shape[2:])):
             steps.append(Step("heads", cur, shape[:2]))  # (B*H, Sq, Sk) scores viewed as (B, H, Sq, Sk)
+            shape, cur = _shape(src), src
+            continue
+        if t in VIEWS and len(shape) == 3 and _merges(src, cur):
+            steps.append(Step("merge", cur, _shape(src)[:2]))  # (B, H, Sq, Sk) scores viewed as (B*H, Sq, Sk)
             shape, cur = _shape(src), src
             continue
         if not _same_shape(_shape(cur), shape):
@@ -983,10 +987,15 @@ def _softcap(node: fx.Node) -> tuple[fx.Node, float] | None:
     return inner[0], c
 
 
-def _fold(steps: list[Step], m: Match) -> str:
-    """Apply the steps in computation order onto m's scale, softcap and parts; "" or why not."""
+def _fold(steps: list[Step], m: Match, merged: bool) -> str:
+    """Apply the steps in computation order onto m's scale, softcap and parts; "" or why not.
+    merged: the product is (B*H, Sq, Sk); its terms are marked for a (B, H) op (m.heads)."""
     for st in reversed(steps):
         m.chain.append(st.node)
+        if st.kind in ("heads", "merge"):
+            merged = st.kind == "merge"
+        if st.part is not None and merged:
+            st.part.heads = m.heads
         if st.kind in ("scale", "symscale", "tensorscale"):
             if m.softcap:
                 return "the scores are scaled after the tanh softcap"
@@ -1071,20 +1080,15 @@ def _match(softmax: fx.Node, order: dict) -> Match | str:
         return qk
     q, kt, extra = qk
     steps.extend(reversed(extra))
-    heads = next((i for i, st in enumerate(steps) if st.kind == "heads"), None)
-    if heads is not None:
-        if any(st.kind in ("add", "keep") for st in steps[heads:]):
-            return "a mask or bias is applied to (batch*heads) scores that are then viewed as (batch, heads)"
-        if isinstance(q, Operand):
-            return "an einsum over merged batch*heads is viewed back into (batch, heads)"
-        q, kt = _merged_source(q, steps[heads].value), _merged_source(kt, steps[heads].value)
-        if q is None or kt is None:
-            return "the (batch*heads) q and k are not views of (batch, heads, seq, dim) tensors"
-    m = Match(None, None, None, None, merged=ndim == 3)
-    # down: casts, dropout, @ v
+    views = [st.value for st in steps if st.kind in ("heads", "merge")]
+    if views and isinstance(q, Operand):
+        return "an einsum over merged batch*heads is viewed back into (batch, heads)"
+    m = Match(None, None, None, None, merged=ndim == 3 and not views)
+    # down: casts, dropout, the probabilities viewed as (B*H, Sq, Sk), @ v
     cur, chain = softmax, [softmax]
     nxt = _single_user(cur)
-    while is_op(nxt, A.dropout.default) or (nxt is not None and cast_dtype(nxt) is not None):
+    while (is_op(nxt, A.dropout.default) or (nxt is not None and cast_dtype(nxt) is not None)
+           or (is_op(nxt, *VIEWS) and _merges(cur, nxt))):
         if is_op(nxt, A.dropout.default):
             p = number(nxt.args[1])
             if p is None:
@@ -1092,17 +1096,27 @@ def _match(softmax: fx.Node, order: dict) -> Match | str:
             if m.dropout_p:
                 return "dropout is applied twice"
             m.dropout_p = p
+        elif is_op(nxt, *VIEWS):
+            views.append(_shape(cur)[:2])
         cur = nxt
         chain.append(cur)
         nxt = _single_user(cur)
     if nxt is None:
         return "the probabilities are used more than once (e.g. also returned as attention weights)"
-    pv = _pv(nxt, cur, ndim)
+    if views:  # merged (B*H, ...) tensors viewed as (B, H, ...): the op runs on those
+        m.heads = _concrete(views[0][1])
+        if m.heads is None:
+            return "(batch*heads) tensors are viewed as (batch, heads) with a head count that is not a constant"
+    pv = _pv(nxt, cur, val(cur).dim())
     if isinstance(pv, str):
         return pv
     v, m.out_ops = pv
     m.out = nxt
-    err = _fold(steps, m)
+    if m.heads:
+        q, kt, v = (_unmerged(x, m.heads) for x in (q, _transposed(kt), v))
+        if val(nxt).dim() == 3:
+            m.out_ops += ((A.flatten.using_ints, (0, 1)),)
+    err = _fold(steps, m, val(product).dim() == 3)
     if err:
         return err
     if any(_depends_on(p.node, product, order) for p in m.parts):
@@ -1110,8 +1124,14 @@ def _match(softmax: fx.Node, order: dict) -> Match | str:
     m.chain += chain + [product]
     m = _operands(m, q, kt, v)
     if isinstance(m, Match):
-        return _masks(m, _shape(softmax)) or m
+        return _masks(m, tuple(views[0]) + _shape(softmax)[-2:] if views else _shape(softmax)) or m
     return m
+
+
+def _unmerged(x: Any, heads: int) -> Operand:
+    """A (B*H, S, D) operand as (B, H, S, D); a 4-D one as it is."""
+    x = x if isinstance(x, Operand) else Operand(x)
+    return x.then(A.unflatten.int, 0, [-1, heads]) if val(x.node).dim() == 3 else x
 
 
 def _operands(m: Match, q: Any, kt: Any, v: Any) -> Match | str:
@@ -1306,13 +1326,14 @@ class _Masks:
             if keep is None:
                 self.kept.append(part)
                 return
+            keep = [dataclasses.replace(k, heads=part.heads) for k in keep]
             for extra in keep[1:]:
                 self.add(extra)
             part = keep[0]
         if part.fill > -math.inf:
             self.finite.append(part)
         for n, p in _conjuncts(part.node, part.positive):
-            piece = Part("keep", n, positive=p, fill=part.fill, overwrite=part.overwrite)
+            piece = dataclasses.replace(part, node=n, positive=p)
             v = self.value(n)
             if v is None or v.kind != "bool":
                 keep = _constant_keep(n, p, self.shape)
@@ -1340,6 +1361,7 @@ def _masks(m: Match, shape: tuple) -> str:
     sorted_ = _Masks(shape)
     for part in m.parts:
         terms = _summands(part.node, part.mult) if part.kind == "add" else [part]
+        terms = [dataclasses.replace(t, heads=part.heads) for t in terms]
         split = _Masks(shape)
         for t in terms:
             split.add(t)
@@ -1426,13 +1448,16 @@ def _bias(graph: fx.Graph, before: fx.Node, parts: list[Part]) -> fx.Node | None
         return None
     masks, floats = [], []
     for p in parts:
+        node = p.node
+        if p.heads and val(node).dim() == 3 and not known_equal(_shape(node)[0], 1):
+            node = _emit(graph, before, A.unflatten.int, node, 0, [-1, p.heads])  # as the op's (B, H, ...)
         if p.kind == "add":
-            x = p.node
+            x = node
             if not dtype_of(x).is_floating_point:  # an added bool or int tensor adds its values
                 x = _emit(graph, before, A._to_copy.default, x, dtype=torch.float32)
             floats.append(x if p.mult == 1 else _emit(graph, before, A.mul.Tensor, x, p.mult))
         else:
-            masks.append(p.node if p.positive else _emit(graph, before, A.logical_not.default, p.node))
+            masks.append(node if p.positive else _emit(graph, before, A.logical_not.default, node))
     if floats:
         floats += [_emit(graph, before, A.where.Scalar, c, 0.0, -math.inf) for c in masks]
         terms, op = floats, A.add.Tensor

@@ -390,6 +390,24 @@ def sdpa_math_bool(q, k, v, pad):  # a bool mask as the decomposition turns it i
     return torch.ops.aten._safe_softmax(s + torch.where(pad[:, None, None, :], zero, hide), -1) @ v
 
 
+def merged_bmm_4d_mask(q, k, v, mask):  # MBart/PLBart: (B*H, S, D) bmm, the mask added in a 4-D view
+    b, h, s, d = q.shape
+    q3, k3, v3 = (t.reshape(b * h, s, d) for t in (q, k, v))
+    w = torch.bmm(q3 * d ** -0.5, k3.transpose(1, 2))
+    w = (w.view(b, h, s, s) + mask).view(b * h, s, s)
+    return torch.bmm(w.softmax(-1), v3).view(b, h, s, d)
+
+
+def bloom(q, k, v, alibi):  # ALiBi (B*H, 1, S) as baddbmm's input, finfo.min fill, fp32 softmax
+    b, h, s, d = q.shape
+    q3, v3 = q.reshape(b * h, s, d), v.reshape(b * h, s, d)
+    kt = k.reshape(b * h, s, d).transpose(-1, -2)
+    w = alibi.baddbmm(batch1=q3, batch2=kt, beta=1.0, alpha=d ** -0.5).view(b, h, s, s)
+    w = w.masked_fill(_ones(q, s, s).triu(1), torch.finfo(w.dtype).min)
+    p = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.bmm(p.view(b * h, s, s), v3).view(b, h, s, d)
+
+
 def _args(*extra, **qkv_kwargs):
     return lambda: [*_qkv(**qkv_kwargs), *(e() for e in extra)]
 
@@ -397,6 +415,8 @@ def _args(*extra, **qkv_kwargs):
 PADDING = _pad
 ADDITIVE = lambda: causal_additive_mask(B, S)  # noqa: E731
 SLOPES = lambda: torch.tensor([2.0 ** -(i + 1) for i in range(H)])  # noqa: E731
+# Bloom's: slope per head times key position, (B*H, 1, S)
+BLOOM_ALIBI = lambda: (SLOPES()[:, None] * torch.arange(S)).expand(B, H, S).reshape(B * H, 1, S)  # noqa: E731
 POSITION_BIAS = lambda: (0.5 * torch.randn(1, H, S, S)).requires_grad_()  # noqa: E731
 NONE = (-1, -1)
 
@@ -446,6 +466,8 @@ SPELLINGS = [
     (sdpa_repeat_kv, _args(hkv=KV), dict(kv_heads=KV)),
     (sdpa_reference_mask, _args(), dict(causal=True, bias=False)),
     (sdpa_3d, _args(), dict(kv_heads=B * H)),
+    (merged_bmm_4d_mask, _args(ADDITIVE), dict(scale=D ** -0.5, causal=False, bias=True)),
+    (bloom, _args(BLOOM_ALIBI), dict(scale=D ** -0.5, causal=True, bias=True)),
     (sdpa_math, _args(), dict(scale=0.3, causal=False, bias=False)),
     (sdpa_math_mask, _args(ADDITIVE), dict(scale=D ** -0.5, causal=False, bias=True)),
     (sdpa_math_bool, _args(PADDING), dict(scale=D ** -0.5, causal=False, bias=True)),
@@ -470,7 +492,8 @@ def _through_flash_backend(fn, args, ref_args, tol):
 
 
 # spellings whose rewrite inserts views, permutes or casts around the op
-INDUCTOR = ["einsum_bshd", "bmm", "baddbmm_reordered", "inplace", "gqa_bshd", "hf_causal_padding", "sdpa_3d"]
+INDUCTOR = ["einsum_bshd", "bmm", "baddbmm_reordered", "inplace", "gqa_bshd", "hf_causal_padding", "sdpa_3d",
+            "merged_bmm_4d_mask", "bloom"]
 
 
 @pytest.mark.filterwarnings("error:torch_flash")
@@ -880,3 +903,26 @@ def test_runtime_scale_after_a_mask_is_left_with_a_reason():
     report = torch_flash.explain(ScaledAfterMask("mul", False, False), torch.randn(2, 6, 16))
     assert [s.op for s in report.sites] == [None]
     assert "a mask or bias is added before a scale read from a tensor" in str(report)
+
+
+def test_transformers_bloom():
+    """HF Bloom (eager only): ALiBi through baddbmm on (B*H, S, D) tensors, the scores viewed
+    as (B, H, S, S), finfo.min mask, fp32 softmax. Every site is rewritten with ALiBi in
+    attn_bias (the mask whole: it hides with finfo.min) and the outputs equal the model's.
+    Forward only: the flash backend without any rewrite already loses the gradients of the
+    MLP below Bloom's GeLU (a retrace problem, not the attention pass)."""
+    import transformers as T
+
+    model = T.BloomForCausalLM(T.BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4)).eval()
+    ids = torch.randint(1, 64, (2, 7))
+    attention_mask = torch.ones(2, 7, dtype=torch.long)
+    attention_mask[0, :2] = 0  # left padding: rows that see no key
+    report = torch_flash.explain(model, input_ids=ids, attention_mask=attention_mask)
+    sites = [s for s in report.sites if s.family == "attention"]
+    assert len(sites) == 2 and all(s.rewritten for s in sites), str(report)
+    compiled, graphs = _compile(model)
+    with torch.no_grad():
+        out = compiled(input_ids=ids, attention_mask=attention_mask).logits
+        ref = model(input_ids=ids, attention_mask=attention_mask).logits
+    assert all(not c["causal"] and c["bias"] for c in _calls(graphs))
+    assert_rel_close(out, ref, tol=1e-5)
