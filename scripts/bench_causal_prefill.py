@@ -1,6 +1,6 @@
 """Causal attention with fewer queries than keys (a prefill after a cached prefix), which the
 Hopper kernel serves since its mask is aligned bottom-right: flash.attention on its CUDA path
-and on its Triton path (TORCH_FLASH_BACKEND), and SDPA with causal_lower_right, interleaved
+and on its Triton path (torch_flash.use_backend), and SDPA with causal_lower_right, interleaved
 rounds on the same inputs. Needs an sm_90 GPU and torch_flash._C.
 
     python scripts/bench_causal_prefill.py OUT.json
@@ -9,7 +9,6 @@ H100, 2026-11-22 (docs/perf/attention_causal_prefill.json): CUDA 1.13x-1.25x the
 560 TFLOP/s at D=128 (SDPA 0.71x-0.81x of Triton).
 """
 import json
-import os
 import statistics
 import sys
 
@@ -24,13 +23,10 @@ SHAPES = [(4, 32, 8, 2048, 8192, 128), (1, 32, 8, 4096, 16384, 128), (8, 32, 32,
 
 
 def on_backend(name: str, q, k, v):
-    """flash.attention(q, k, v, causal=True) on the backend `name` (TORCH_FLASH_BACKEND)."""
+    """flash.attention(q, k, v, causal=True) on the backend `name` (torch_flash.use_backend)."""
     def fn():
-        os.environ["TORCH_FLASH_BACKEND"] = name
-        try:
+        with torch_flash.use_backend(name):
             return torch_flash.attention(q, k, v, causal=True)
-        finally:
-            del os.environ["TORCH_FLASH_BACKEND"]
     return fn
 
 

@@ -1,14 +1,16 @@
+import contextlib
 import os
 import zlib
 
 import pytest
 import torch
 
-# The ops choose their path per call; tests that pin one set TORCH_FLASH_BACKEND themselves.
+# The ops choose their path per call (also in the processes tests start); tests that pin one
+# use the force_backend fixture. torch_flash reads the variable at import.
 os.environ.pop("TORCH_FLASH_BACKEND", None)
 # Without a GPU, Triton kernels run under the interpreter (TRITON_INTERPRET is read when a
 # kernel is decorated, i.e. at import). CPU calls still take the reference path unless a
-# test forces TORCH_FLASH_BACKEND=triton.
+# test forces the Triton backend.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # one autotune config per kernel: tests check results, the benchmarks tune
@@ -28,6 +30,15 @@ def pytest_collection_modifyitems(config, items):
 def _seed(request):
     # fresh inputs per test, reproducible per test name (crc32: str hash() is salted per process)
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def force_backend():
+    """force_backend(name): the flash ops run on backend `name` (torch_flash.use_backend; None:
+    the per-call choice) for the rest of the test."""
+    import torch_flash  # here: TRITON_INTERPRET above must come first
+    with contextlib.ExitStack() as stack:
+        yield lambda name: stack.enter_context(torch_flash.use_backend(name))
 
 
 @pytest.fixture

@@ -78,13 +78,13 @@ def test_suite_smoke_run_on_cpu(suite, tmp_path, monkeypatch):
     which every variant of ours has a time."""
     if torch.cuda.is_available():
         pytest.skip("with a GPU the suites run their full shapes")
-    monkeypatch.setenv("TORCH_FLASH_BACKEND", "unset")  # no backend forced from outside
-    monkeypatch.delenv("TORCH_FLASH_BACKEND")
     mod = importlib.import_module(f"torch_flash.bench.{suite}")
     run, forced = mod.run, []
     monkeypatch.setattr(mod, "run", lambda args: forced.append(_dispatch.forced_backend()) or run(args))
+    _dispatch.LAST.clear()
     main([suite, "--out", str(tmp_path)])
-    assert forced == ["triton"]
+    assert forced == ["triton"] and _dispatch.forced_backend() is None  # forced while the suite runs
+    assert set(_dispatch.LAST.values()) <= {"triton"}  # where a suite times the ops, not only launchers
     rows = json.loads((tmp_path / f"{suite}.json").read_text())["rows"]
     ours = [r for r in rows if r["impl"].startswith("ours")]
     assert ours and all(r["ms"] is not None and r["ms"] > 0 for r in ours), rows
@@ -99,13 +99,11 @@ def test_suites_refuse_cpu_without_the_interpreter(monkeypatch, capsys):
     assert "no CUDA GPU here" in capsys.readouterr().err
 
 
-def test_linear_cross_entropy_targets_smoke_run_on_cpu(tmp_path, monkeypatch):
+def test_linear_cross_entropy_targets_smoke_run_on_cpu(tmp_path):
     """--targets times the target point (8192 x 4096 x 128256 on a GPU) alone (tiny on CPU) and keeps each round's ratio to
     torch.compile for ours, with the sign test over the rounds."""
     if torch.cuda.is_available():
         pytest.skip("with a GPU the run times the full target shape")
-    monkeypatch.setenv("TORCH_FLASH_BACKEND", "unset")
-    monkeypatch.delenv("TORCH_FLASH_BACKEND")
     main(["linear_cross_entropy", "--targets", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "linear_cross_entropy_targets.json").read_text())["rows"]
     ours = next(r for r in rows if r["impl"] == "ours")

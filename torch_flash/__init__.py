@@ -16,6 +16,7 @@ if (_os.path.isfile(_os.path.join(_root, "meta_kernels", "__init__.py"))
 from . import ops  # noqa: E402  (registers the ops)
 from . import meta_kernels  # noqa: E402  (registers their fakes)
 from . import _inductor_fixes  # noqa: E402
+from ._dispatch import use_backend  # noqa: E402
 from ._registry import OPS  # noqa: E402
 from .compile_passes.backend import COUNTERS as counters  # noqa: E402
 from .compile_passes.backend import backend, disable, enable, explain, rewrite  # noqa: E402
@@ -31,7 +32,7 @@ from .ops.rotary import rotary, rotary_cos_sin, rotary_qk  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [
-    "OPS", "backend", "enable", "disable", "rewrite", "explain", "counters",
+    "OPS", "use_backend", "backend", "enable", "disable", "rewrite", "explain", "counters",
     "attention", "attention_with_lse", "attention_varlen", "attention_decode", "rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm",
     "cross_entropy", "linear_cross_entropy", "rotary", "rotary_cos_sin", "rotary_qk", "compat", "data", "nn",
 ]

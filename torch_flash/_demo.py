@@ -24,12 +24,10 @@ from __future__ import annotations
 import copy
 import datetime
 import json
-import os
 import platform
 import statistics
 import time
 import warnings
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
@@ -392,22 +390,6 @@ def _op_cases(dev: str, dt: torch.dtype) -> dict[str, tuple[Callable, dict]]:
     }
 
 
-@contextmanager
-def _backend(name: str | None):
-    old = os.environ.get("TORCH_FLASH_BACKEND")
-    if name is None:
-        os.environ.pop("TORCH_FLASH_BACKEND", None)
-    else:
-        os.environ["TORCH_FLASH_BACKEND"] = name
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("TORCH_FLASH_BACKEND", None)
-        else:
-            os.environ["TORCH_FLASH_BACKEND"] = old
-
-
 def _run_op(fn, tensors: dict, grad: bool):
     leaves = {k: v.detach().clone().requires_grad_(grad and v.is_floating_point()) for k, v in tensors.items()}
     out = fn(**leaves)
@@ -443,7 +425,7 @@ def check_ops(dev: str) -> tuple[dict, bool]:
         _sync(dev)
         ms = (time.perf_counter() - t0) * 1e3
         path = "/".join(sorted(set(_dispatch.LAST.values())))  # forward and backward ops
-        with _backend("reference"):
+        with torch_flash.use_backend("reference"):
             ref_outs, ref_grads = _run_op(fn, {k: v.double() if v.is_floating_point() else v
                                                for k, v in tensors.items()}, grad)
         fwd = max(_rel(a, b) for a, b in zip(outs, ref_outs))

@@ -1,19 +1,25 @@
 """Per-call choice of implementation (DESIGN.md "Dispatch").
 
-cuda: the compiled extension `torch_flash._C`, where it is built and supports the case;
+cuda: the compiled extension `torch_flash._C`, where it is built and supports the call;
 triton: the Triton kernels (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1);
 reference: plain PyTorch (CPU tensors, and anything the kernels do not cover).
-`TORCH_FLASH_BACKEND=cuda|triton|reference` forces one; a forced backend that cannot
-serve the call is an error, never a silent fallback.
+
+What can run on a device type is decided once (`available`); an op asks `select` once per
+signature of its arguments (ops/_plans.py), saying whether its kernels support the call. A
+backend is forced by `use_backend(...)`, else by TORCH_FLASH_BACKEND, read once at import; a
+forced backend that cannot serve a call is an error, never a silent fallback.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib.util
 import os
-from typing import Literal
+from typing import Callable, Iterator, Literal, Optional
 
 import torch
+import torch.fx.traceback as fx_traceback
 from torch._subclasses.fake_tensor import is_fake
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
@@ -23,14 +29,58 @@ from . import _extension
 Backend = Literal["cuda", "triton", "reference"]
 BACKENDS = ("cuda", "triton", "reference")
 
+# use_backend(None): the per-call choice, whatever TORCH_FLASH_BACKEND says
+_AUTO = "auto"
+# the process's default, read once (use_backend changes it per thread or task)
+_ENV = os.environ.get("TORCH_FLASH_BACKEND", "").strip().lower() or None
+# use_backend's choice in this thread / asyncio task
+_CHOICE: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("torch_flash_backend", default=None)
+# the same choice inside a torch.compile'd function: dynamo cannot trace ContextVar.set, but
+# carries this annotation onto the graph's nodes, where the ops' bodies read it when traced
+_TRACE_KEY = "torch_flash_backend"
 
-def forced_backend() -> Backend | None:
-    value = os.environ.get("TORCH_FLASH_BACKEND", "").strip().lower()
-    if not value:
-        return None
-    if value not in BACKENDS:
-        raise RuntimeError(f"TORCH_FLASH_BACKEND={value!r}: expected one of {', '.join(BACKENDS)}")
-    return value  # type: ignore[return-value]
+
+@contextlib.contextmanager
+def use_backend(name: Optional[Backend]) -> Iterator[None]:
+    """Run the flash ops called inside the block on backend `name` ("cuda", "triton" or
+    "reference"; None: the per-call choice, whatever TORCH_FLASH_BACKEND says).
+
+    Per thread and asyncio task; a backward() called inside the block runs its ops on `name`
+    too. Inside a torch.compile'd function the choice is traced into the graph; a graph
+    compiled inside the block keeps the backend it was traced with."""
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"use_backend({name!r}): expected one of {', '.join(BACKENDS)}, or None")
+    choice = name or _AUTO
+    if torch.compiler.is_compiling():
+        with fx_traceback.annotate({_TRACE_KEY: choice}):
+            yield
+    else:
+        token = _CHOICE.set(choice)
+        try:
+            yield
+        finally:
+            _CHOICE.reset(token)
+
+
+def forced_backend() -> Optional[str]:
+    """The backend forced on this call, or None: the innermost use_backend (as traced into a
+    graph; else of this thread or task; else of the backward() call autograd's device threads
+    run for), else TORCH_FLASH_BACKEND. select() rejects a value that names no backend."""
+    choice = _traced_choice() or _CHOICE.get() or _backward_callers_choice() or _ENV
+    return None if choice == _AUTO else choice
+
+
+def _traced_choice() -> Optional[str]:
+    custom = fx_traceback.current_meta.get("custom")
+    return custom.get(_TRACE_KEY) if custom else None
+
+
+def _backward_callers_choice() -> Optional[str]:
+    """Autograd's device threads have no context of their own; torch hands them a copy of the
+    backward() caller's (where it does: torch 2.13 does)."""
+    if torch._C._is_key_in_tls("context"):
+        return torch._C._get_obj_in_tls("context").get(_CHOICE)
+    return None
 
 
 @functools.cache
@@ -58,6 +108,23 @@ def extension_loaded() -> bool:
     return _extension.loaded()
 
 
+@functools.cache
+def available(device_type: str) -> frozenset[str]:
+    """The backends that can run on tensors of this device type in this process, decided on
+    first use (after import, which loads the extension last)."""
+    out = {"reference"}
+    if device_type == "cuda" and extension_loaded():
+        out.add("cuda")
+    if triton_installed() and (device_type == "cuda" or (device_type == "cpu" and triton_interpret())):
+        out.add("triton")
+    return frozenset(out)
+
+
+def triton_can_run(device: torch.device) -> bool:
+    """Whether Triton kernels can run on tensors of `device` in this process."""
+    return "triton" in available(device.type)
+
+
 def symbolic(t: torch.Tensor) -> bool:
     """Whether this Python runs without real values to read or buffers of its own to reuse:
     traced by torch.compile / aot_autograd / export / make_fx (fake, functional or proxied
@@ -67,47 +134,43 @@ def symbolic(t: torch.Tensor) -> bool:
             or t.device.type == "meta" or (t.is_cuda and torch.cuda.is_current_stream_capturing()))
 
 
-def triton_can_run(device: torch.device) -> bool:
-    """Whether Triton kernels can run on tensors of `device` in this process."""
-    if not triton_installed():
-        return False
-    if device.type == "cuda":
-        return True
-    return device.type == "cpu" and triton_interpret()
-
-
 # The path each op took on its latest call (`python -m torch_flash demo` reports it): a Backend,
 # or "cudnn" where flash.attention_backward hands the call to cuDNN (ops/attention.py).
 LAST: dict[str, str] = {}
 
+Serves = Optional[Callable[[], bool]]
 
-def select(op: str, device: torch.device, *, triton: bool, cuda: bool = False) -> Backend:
-    """Pick the backend for one call of `flash.<op>` on tensors of `device`.
 
-    `triton` / `cuda` say whether that kernel exists and supports this particular call
-    (shapes, dtypes, features); the op decides, the rules here stay the same for all ops.
-    """
-    LAST[op] = backend = _select(op, device, triton=triton, cuda=cuda)
+def select(op: str, t: torch.Tensor, *, triton: Serves = None, cuda: Serves = None) -> Backend:
+    """The backend for one call of `flash.<op>` whose tensors are on t's device.
+
+    `triton` / `cuda`: whether that kernel supports this call (shapes, dtypes, features),
+    asked only where it can run, so it may import its kernels; None where the op has none.
+    Unforced, a CUDA tensor gets the first of cuda, triton that serves, anything else the
+    reference (the Triton interpreter runs on CPU only when forced: it is for tests)."""
+    LAST[op] = backend = _select(op, t.device, triton, cuda)
     return backend
 
 
-def _select(op: str, device: torch.device, *, triton: bool, cuda: bool) -> Backend:
+def _select(op: str, device: torch.device, triton: Serves, cuda: Serves) -> Backend:
     forced = forced_backend()
+    can = available(device.type)
+    if forced is None:
+        if device.type == "cuda":
+            if cuda is not None and "cuda" in can and cuda():
+                return "cuda"
+            if triton is not None and "triton" in can and triton():
+                return "triton"
+        return "reference"
     if forced == "reference":
         return "reference"
-    if forced == "cuda":
-        if device.type == "cuda" and cuda and extension_loaded():
-            return "cuda"
-        raise RuntimeError(f"flash.{op}: TORCH_FLASH_BACKEND=cuda, but the CUDA extension "
-                           f"is not built or does not support this call (device {device})")
-    if forced == "triton":
-        if triton and triton_can_run(device):
-            return "triton"
-        raise RuntimeError(f"flash.{op}: TORCH_FLASH_BACKEND=triton, but no Triton kernel "
-                           f"serves this call on {device} (CPU tensors need TRITON_INTERPRET=1)")
-    if device.type == "cuda":
-        if cuda and extension_loaded():
-            return "cuda"
-        if triton and triton_can_run(device):
-            return "triton"
-    return "reference"
+    if forced not in BACKENDS:
+        raise RuntimeError(f"flash.{op}: backend {forced!r} forced (TORCH_FLASH_BACKEND): expected one of "
+                           f"{', '.join(BACKENDS)}")
+    serves = cuda if forced == "cuda" else triton
+    if serves is not None and forced in can and serves():
+        return forced  # type: ignore[return-value]
+    why = ("the CUDA extension is not built or does not support this call" if forced == "cuda"
+           else "no Triton kernel serves this call (CPU tensors need TRITON_INTERPRET=1)")
+    raise RuntimeError(f"flash.{op}: backend {forced!r} forced (use_backend or TORCH_FLASH_BACKEND), "
+                       f"but {why} (device {device})")

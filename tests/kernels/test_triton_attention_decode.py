@@ -179,11 +179,11 @@ def test_auto_num_splits():
 
 
 @pytest.fixture
-def triton_backend(monkeypatch):
-    monkeypatch.setenv("TORCH_FLASH_BACKEND", "triton")
+def triton_backend(force_backend):
+    force_backend("triton")
 
 
-def test_op_runs_the_kernels(triton_backend, monkeypatch):
+def test_op_runs_the_kernels(triton_backend, force_backend):
     """flash.attention_decode takes the Triton path and matches the reference path."""
     from torch_flash import _dispatch
     inputs = make(2, 4, 2, 2, 2, 16, 16, 32, page=8, rotary_dim=16)
@@ -192,7 +192,7 @@ def test_op_runs_the_kernels(triton_backend, monkeypatch):
     kw = dict(causal=True, window=(5, -1), softcap=3.0, rotary_cos=cos, rotary_sin=sin)
     out, lse = attention_decode(q, kc, vc, cs, kn, vn, table, num_splits=2, **kw)
     assert _dispatch.LAST["attention_decode"] == "triton"
-    monkeypatch.setenv("TORCH_FLASH_BACKEND", "reference")
+    force_backend("reference")
     want_out, want_lse = attention_decode(q, kc_ref, vc_ref, cs, kn, vn, table, **kw)
     assert _dispatch.LAST["attention_decode"] == "reference"
     assert_rel_close(out, want_out, TOL[torch.float32])

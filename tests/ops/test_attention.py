@@ -424,12 +424,12 @@ def test_inputs_untouched_and_contiguous_out():
         assert torch.equal(a, b)
 
 
-def test_forced_backend(monkeypatch):
+def test_forced_backend(force_backend):
     q, k, v = _qkv()
-    monkeypatch.setenv("TORCH_FLASH_BACKEND", "reference")
+    force_backend("reference")
     attention(q, k, v)
-    monkeypatch.setenv("TORCH_FLASH_BACKEND", "triton")
-    with pytest.raises(RuntimeError, match="flash.attention: TORCH_FLASH_BACKEND=triton"):
+    force_backend("triton")
+    with pytest.raises(RuntimeError, match="flash.attention: backend .triton. forced"):
         attention(q, k, v)
 
 
@@ -699,11 +699,11 @@ def test_cudnn_backward_shares_no_graph_with_sdpa(sdpa_first, monkeypatch):
 
 
 @pytest.mark.cuda
-def test_cudnn_backward_only_where_it_agrees(monkeypatch):
+def test_cudnn_backward_only_where_it_agrees(monkeypatch, force_backend):
     """Calls whose semantics cuDNN's backward does not share, or that ask for ours, keep the
     Triton backward: causal with Sq != Sk (cuDNN's diagonal is top-left), softcap, a window,
     a bias, an lse gradient, fp32, k and v whose strides or addresses are not 16-byte aligned,
-    TORCH_FLASH_BACKEND=triton; short causal calls, which ours runs faster on the H100; and
+    use_backend("triton"); short causal calls, which ours runs faster on the H100; and
     every call with TORCH_FLASH_CUDNN_BACKWARD=0."""
     if not _hopper():
         pytest.skip("cuDNN's backward is taken on sm_90 only")
@@ -731,10 +731,10 @@ def test_cudnn_backward_only_where_it_agrees(monkeypatch):
     run(dtype=torch.float32)
     run(kv_pad=4)
     run(kv_offset=4)
-    monkeypatch.setenv("TORCH_FLASH_BACKEND", "triton")
+    force_backend("triton")
     run()
     assert calls == []
-    monkeypatch.delenv("TORCH_FLASH_BACKEND")
+    force_backend(None)
     run()
     assert calls == [1]
     monkeypatch.setenv("TORCH_FLASH_CUDNN_BACKWARD", "0")

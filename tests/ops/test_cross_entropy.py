@@ -386,10 +386,10 @@ def _both_ways(logits_fn, t, **kw):
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("opts", [OPTIONS[0], OPTIONS[-1]], ids=["plain", "all"])
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-def test_inplace_backward_matches(monkeypatch, backend, opts, reduction):
+def test_inplace_backward_matches(force_backend, backend, opts, reduction):
     """Same loss and gradients as the out-of-place backward, on the CPU path and the Triton
     kernels (under the interpreter here), the gradient written over the logits."""
-    monkeypatch.setenv("TORCH_FLASH_BACKEND", backend)
+    force_backend(backend)
     dtype = torch.float32 if backend == "reference" else torch.bfloat16
     device = DEV if backend == "triton" else "cpu"
     t = _target((3, 4), 70, opts.get("ignore_index", -100))
@@ -459,11 +459,11 @@ def test_inplace_backward_rejects_leaves_under_compile(view):
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("inplace", [False, True])
-def test_create_graph_second_derivative_raises(monkeypatch, backend, inplace):
+def test_create_graph_second_derivative_raises(force_backend, backend, inplace):
     """create_graph=True: the gradient is right and not differentiable again, so a second
     derivative raises naming the backward op; with inplace_backward it came out silently wrong
     (autograd took the overwritten logits for the logits, history and all)."""
-    monkeypatch.setenv("TORCH_FLASH_BACKEND", backend)
+    force_backend(backend)
     leaf, logits = _producer((4,), 10, device=DEV if backend == "triton" else "cpu")
     t = _target((4,), 10).to(leaf.device)
     (got,) = torch.autograd.grad(cross_entropy(logits, t, inplace_backward=inplace), leaf, create_graph=True)
@@ -545,11 +545,11 @@ def test_inplace_backward_compiles(backend):
 # --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("opts", OPTIONS, ids=str)
-def test_shards_combine_to_whole(monkeypatch, backend, opts):
+def test_shards_combine_to_whole(force_backend, backend, opts):
     """Three shards' statistics, combined as the vocab-parallel forward does, give the loss of
     the whole vocabulary; each shard's backward with the whole row's lse gives its columns of
     the whole gradient (in place too)."""
-    monkeypatch.setenv("TORCH_FLASH_BACKEND", backend)
+    force_backend(backend)
     dtype = torch.float64 if backend == "reference" else torch.float32
     device = DEV if backend == "triton" else "cpu"
     x = _logits((3, 5, 3 * 11), dtype).to(device)

@@ -33,7 +33,7 @@ def _ce_tests():
 
 def _cases():
     """name -> (batch shape, dtype, loss options, reduction, inplace_backward, how): how is
-    "eager", "triton" (TORCH_FLASH_BACKEND=triton) or "compile" (torch.compile, aot_eager)."""
+    "eager", "triton" (use_backend("triton")) or "compile" (torch.compile, aot_eager)."""
     ce = _ce_tests()
     cases = {}
     for i, opts in enumerate(ce.OPTIONS):
@@ -90,14 +90,11 @@ def _run_case(rank, name, case):
         return cross_entropy(logits, t, reduction=reduction, inplace_backward=inplace,
                              process_group=dist.group.WORLD, **_loss_options(opts))
 
-    if how == "triton":
-        os.environ["TORCH_FLASH_BACKEND"] = "triton"
-    try:
+    from torch_flash import use_backend
+    with use_backend("triton" if how == "triton" else None):
         fn = torch.compile(loss_fn, backend="aot_eager", fullgraph=True) if how == "compile" else loss_fn
         loss = fn(logits)
         loss.backward(grad.to(loss.dtype))
-    finally:
-        os.environ.pop("TORCH_FLASH_BACKEND", None)
     return loss.detach(), leaf.grad, logits.detach()
 
 

@@ -111,7 +111,7 @@ def test_in_place_call_moves_version_counters():
     torch.testing.assert_close(k_cache[:, :, 3:4], k_new)
 
 
-def test_plans_check_once_per_signature(monkeypatch):
+def test_plans_check_once_per_signature(monkeypatch, force_backend):
     """A norm's checks and choice of path run on the first call of a signature; a later call
     with the same signature reuses them (same result), a new shape, dtype, alignment or forced
     backend makes a new plan, and bad input still raises."""
@@ -130,7 +130,7 @@ def test_plans_check_once_per_signature(monkeypatch):
     torch_flash.rms_norm(x.double(), w.double())
     torch_flash.rms_norm(torch.randn(5, 32), w)
     assert len(checks) == 4
-    monkeypatch.setenv("TORCH_FLASH_BACKEND", "reference")
+    force_backend("reference")
     torch.testing.assert_close(torch_flash.rms_norm(x, w), first)
     assert len(checks) == 5
     with pytest.raises(ValueError, match="flash.rms_norm: weight has 31 elements"):

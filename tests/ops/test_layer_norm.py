@@ -185,10 +185,10 @@ def test_add_layer_norm_numerics_and_grads(dtype):
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_out_dtype(monkeypatch, backend):
+def test_out_dtype(force_backend, backend):
     """out_dtype gives y as the op's own y cast to it (one rounding on the Triton path: within
     one bf16 ulp, the interpreter truncating); gradients as the cast's."""
-    monkeypatch.setenv("TORCH_FLASH_BACKEND", backend)
+    force_backend(backend)
     dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"  # else the interpreter
     x = torch.randn(3, 5, 64, device=dev, requires_grad=True)
     r = torch.randn(3, 5, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
@@ -234,8 +234,8 @@ def test_bad_inputs(bad, match):
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_empty_batch(monkeypatch, backend):
-    monkeypatch.setenv("TORCH_FLASH_BACKEND", backend)
+def test_empty_batch(force_backend, backend):
+    force_backend(backend)
     x = torch.randn(0, 5, 32, device=DEV, requires_grad=True)
     w = torch.ones(32, device=DEV, requires_grad=True)
     b = torch.zeros(32, device=DEV, requires_grad=True)
@@ -284,11 +284,11 @@ def test_compile_fullgraph():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("add", [False, True], ids=["ln", "add-ln"])
 @pytest.mark.parametrize("block", [None, 16], ids=["one-block", "column-loop"])
-def test_saved_stats_triton(monkeypatch, block, add, dtype):
+def test_saved_stats_triton(monkeypatch, force_backend, block, add, dtype):
     """Triton kernels: the _with_stats ops' mean/rstd are each row's statistics, the ones the
     kernel normalised with; the backward ops from them match float64 and the recomputing
     backward (same fp32 arithmetic). block 16: rows of three column blocks, a partial one."""
-    monkeypatch.setenv("TORCH_FLASH_BACKEND", "triton")
+    force_backend("triton")
     if block:
         monkeypatch.setattr(K, "FWD_MAX_BLOCK", block)
         monkeypatch.setattr(K, "BWD_MAX_BLOCK", block)
@@ -326,11 +326,11 @@ def test_saved_stats_triton(monkeypatch, block, add, dtype):
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_autograd_saves_stats(monkeypatch, backend):
+def test_autograd_saves_stats(monkeypatch, force_backend, backend):
     """With a gradient needed, the forward runs the _with_stats op and the backward op gets its
     mean and rstd (the Triton backward then skips recomputing them); without, neither. The
     gradients of a pre-norm block (add_layer_norm, then layer_norm of the sum) match float64."""
-    monkeypatch.setenv("TORCH_FLASH_BACKEND", backend)
+    force_backend(backend)
     calls = []
     for cls, flag in ((K.NormFwd, "stats"), (K.NormBwd, "has_stats")):
         def spy(self, *args, run=cls.__call__, flag=flag):

@@ -240,9 +240,9 @@ def test_empty_batch(reduction):
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_zero_hidden_size(monkeypatch, backend):
+def test_zero_hidden_size(force_backend, backend):
     """H = 0 (logits = bias, as F.linear gives): it crashed in a reshape of the empty hidden."""
-    monkeypatch.setenv("TORCH_FLASH_BACKEND", backend)
+    force_backend(backend)
     dev = DEV if backend == "triton" else "cpu"
     h, w, t, b = (x.detach().to(dev).requires_grad_(x.requires_grad)  # leaves on dev
                   for x in _inputs((2, 3), 0, 10, rg=(True, True, True)))
@@ -307,9 +307,9 @@ class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_backward_scales_by_grad_loss(monkeypatch, backend, reduction):
+def test_backward_scales_by_grad_loss(force_backend, backend, reduction):
     """An upstream gradient other than 1, as (loss * c).backward() gives."""
-    monkeypatch.setenv("TORCH_FLASH_BACKEND", backend)
+    force_backend(backend)
     h, w, t, b = _leaves(backend)
     (linear_cross_entropy(h, w, t, b, reduction=reduction, chunk_size=5, **LCE_OPTS) * 0.37).backward()
     _check_grads((h.grad, w.grad, b.grad), h, w, t, b, 0.37, reduction, **LCE_OPTS)
@@ -317,13 +317,13 @@ def test_backward_scales_by_grad_loss(monkeypatch, backend, reduction):
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("scale", [1.0, 0.37])
-def test_backward_hands_out_forward_grads_in_place(monkeypatch, backend, scale):
+def test_backward_hands_out_forward_grads_in_place(force_backend, backend, scale):
     """Eager: the backward returns the very tensors the forward computed (no second
     dweight-sized buffer), drops them from the graph, and multiplies in place only when the
     upstream gradient is not 1; loss.backward() leaves them as the leaves' .grad. The Triton
     path decides that on the device (a kernel, no aten multiply and no host read of the
     upstream gradient); the reference path reads it."""
-    monkeypatch.setenv("TORCH_FLASH_BACKEND", backend)
+    force_backend(backend)
     h, w, t, b = _leaves(backend)
     loss = linear_cross_entropy(h, w, t, b, chunk_size=5, **LCE_OPTS)
     ptrs = [g.data_ptr() for g in loss.grad_fn.grads]
@@ -347,10 +347,10 @@ def test_backward_hands_out_forward_grads_in_place(monkeypatch, backend, scale):
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("first", [1.0, 0.37])
-def test_retain_graph_backward_twice(monkeypatch, backend, first):
+def test_retain_graph_backward_twice(force_backend, backend, first):
     """A second backward through a retained graph recomputes: both results right, and the
     first one's tensors (already the caller's) bitwise unchanged by the later calls."""
-    monkeypatch.setenv("TORCH_FLASH_BACKEND", backend)
+    force_backend(backend)
     h, w, t, b = _leaves(backend)
     loss = linear_cross_entropy(h, w, t, b, chunk_size=5, **LCE_OPTS)
     one = torch.autograd.grad(loss, (h, w, b), torch.tensor(first, device=h.device), retain_graph=True)
@@ -371,11 +371,11 @@ def test_retain_graph_backward_twice(monkeypatch, backend, first):
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_create_graph_second_derivative_raises(monkeypatch, backend, reduction):
+def test_create_graph_second_derivative_raises(force_backend, backend, reduction):
     """create_graph=True: the gradients are not differentiable again, so a second derivative
     through them raises naming the backward op (as flash.cross_entropy's), never comes out
     silently without its Hessian term; the first derivative is still right."""
-    monkeypatch.setenv("TORCH_FLASH_BACKEND", backend)
+    force_backend(backend)
     h, w, t, b = _leaves(backend)
     loss = linear_cross_entropy(h, w, t, b, reduction=reduction, chunk_size=5, **LCE_OPTS)
     grad_loss = torch.rand_like(loss)
@@ -391,11 +391,11 @@ def test_create_graph_second_derivative_raises(monkeypatch, backend, reduction):
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("frozen", [("weight", "bias"), ("hidden",), ("bias",)], ids="+".join)
-def test_frozen_inputs_get_no_gradient_computed(monkeypatch, backend, reduction, frozen):
+def test_frozen_inputs_get_no_gradient_computed(force_backend, backend, reduction, frozen):
     """A frozen lm-head (LoRA) or frozen hidden states: the gradient ops are asked only for
     the gradients needed (the others, a dweight GEMM and buffer among them, are not computed
     and come back empty); the needed ones are right and the frozen inputs get none."""
-    monkeypatch.setenv("TORCH_FLASH_BACKEND", backend)
+    force_backend(backend)
     h, w, t, b = _leaves(backend)
     leaves = {"hidden": h, "weight": w, "bias": b}
     for name, x in leaves.items():
@@ -455,10 +455,10 @@ def test_gradient_flags_return_empty():
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_scale_op(monkeypatch, backend):
+def test_scale_op(force_backend, backend):
     """flash.linear_cross_entropy_scale_ scales in place, leaves the tensor bitwise as it was
     for 1, names itself on bad input, and raises inside a backward that keeps its graph."""
-    monkeypatch.setenv("TORCH_FLASH_BACKEND", backend)
+    force_backend(backend)
     device = DEV if backend == "triton" else "cpu"
     grad = torch.randn(4, 7, device=device)
     before = grad.clone()

@@ -139,10 +139,10 @@ def test_add_rms_norm_numerics_and_grads(dtype):
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_out_dtype(monkeypatch, backend):
+def test_out_dtype(force_backend, backend):
     """out_dtype gives y as the op's own y cast to it (the Triton path writes it so in one
     rounding: within one bf16 ulp, the interpreter truncating); gradients as the cast's."""
-    monkeypatch.setenv("TORCH_FLASH_BACKEND", backend)
+    force_backend(backend)
     dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"  # else the interpreter
     x = torch.randn(3, 5, 64, device=dev, requires_grad=True)
     r = torch.randn(3, 5, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)

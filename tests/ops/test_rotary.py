@@ -1,12 +1,11 @@
 """flash.rotary, flash.rotary_qk and their in-place forms: opcheck, gradcheck, numerics
 against the model code, varlen, one kernel launch, in place under autograd and torch.compile,
 bad inputs."""
-import os
 
 import pytest
 import torch
 
-import torch_flash  # noqa: F401  (registers the ops)
+from torch_flash import _dispatch
 from torch_flash.ops.rotary import rotary, rotary_cos_sin, rotary_qk
 from _utils import TOL, assert_rel_close, rel_err
 
@@ -343,10 +342,10 @@ def test_inputs_untouched():
 # ---------------------------------------------------------------- q and k in one launch, in place
 
 @pytest.fixture(params=["reference", "triton"])
-def backend(request, monkeypatch):
+def backend(request, force_backend):
     """Both paths of the ops: the reference, and the Triton kernel (interpreted on CPU, tiny
     shapes); yields the device to put tensors on."""
-    monkeypatch.setenv("TORCH_FLASH_BACKEND", request.param)
+    force_backend(request.param)
     return "cuda" if request.param == "triton" and torch.cuda.is_available() else "cpu"
 
 
@@ -388,7 +387,7 @@ def test_qk_matches_model_code(backend, dtype, interleaved, inplace):
     for out, x in zip(outs, (q, k)):
         exact = rope_model(x.double(), c.double(), s.double(), pos, interleaved)
         err = assert_rel_close(out, exact, TOL[dtype])
-        if not (backend == "cpu" and os.environ["TORCH_FLASH_BACKEND"] == "triton"):
+        if not (backend == "cpu" and _dispatch.forced_backend() == "triton"):
             # the Triton interpreter truncates fp32 to bf16 where a GPU rounds to nearest
             assert err <= rel_err(rope_model(x, c.to(dtype), s.to(dtype), pos, interleaved), exact) + 1e-6
         assert out.dtype == dtype and out.stride() == x.stride()
@@ -420,10 +419,10 @@ def test_qk_agrees_with_rotary(backend, interleaved):
                 torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
-def test_one_launch(launches, monkeypatch):
+def test_one_launch(launches, force_backend):
     """rotary_qk: one kernel launch forward and one backward, whatever the head counts; the
     in-place ops one launch too, and one each way under autograd."""
-    monkeypatch.setenv("TORCH_FLASH_BACKEND", "triton")
+    force_backend("triton")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     qk = "_rotary_qk_kernel"
     c, s = (t.to(dev) for t in _tables(8, 8))

@@ -4,6 +4,7 @@ python -m torch_flash.bench plot RESULTS.json [...]   (PNG beside each JSON, e.g
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -85,18 +86,21 @@ def main(argv=None) -> None:
     if args.files:
         p.error(f"unexpected arguments after {args.suite}: {' '.join(args.files)}")
     import torch
+    from torch_flash import _dispatch
+    backend = contextlib.nullcontext()
     if not torch.cuda.is_available():
         if os.environ.get("TRITON_INTERPRET") != "1":
             p.error("no CUDA GPU here: the benchmarks time GPU kernels. For a smoke run of the code "
                     "on CPU (tiny shapes, meaningless times), set TRITON_INTERPRET=1")
-        # on CPU the ops would take the plain-PyTorch reference path: run the Triton kernels
-        os.environ.setdefault("TORCH_FLASH_BACKEND", "triton")
+        if _dispatch.forced_backend() is None:
+            # on CPU the ops would take the plain-PyTorch reference path: run the Triton kernels
+            backend = _dispatch.use_backend("triton")
     mod = importlib.import_module(f"torch_flash.bench.{args.suite}")
     # Launchers called outside a torch.library.triton_op go through wrap_triton's tracing
     # hook (a Python cost per launch that hid the kernels' own time); the ops themselves
     # already launch directly, so time the launchers the same way.
     from torch._library.triton import set_wrap_triton_enabled
-    with set_wrap_triton_enabled(False):
+    with set_wrap_triton_enabled(False), backend:
         rows = mod.run(args)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"{args.suite}{'_targets' if args.targets else ''}.json")

@@ -46,11 +46,10 @@ def laid_out_like(like: Tensor, values: Tensor, dtype: Optional[torch.dtype] = N
 
 
 def _use_triton(op: str, x: Tensor, weight) -> bool:
-    triton = _dispatch.triton_can_run(x.device)
-    if triton:
+    def serves():
         from ..kernels.triton.norm import norm_supports
-        triton = norm_supports(x, weight)
-    return _dispatch.select(op, x.device, triton=triton) == "triton"
+        return norm_supports(x, weight)
+    return _dispatch.select(op, x, triton=serves) == "triton"
 
 
 # signature -> NormFwd / NormBwd plan (None: the reference path), for all four norm ops

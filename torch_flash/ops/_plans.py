@@ -11,7 +11,6 @@ signature and decide every time, as before.
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 import torch
@@ -50,7 +49,7 @@ class Plans:
         sig = signature(values)
         if sig is None:
             return make()
-        key = (op, os.environ.get("TORCH_FLASH_BACKEND"), sig)
+        key = (op, _dispatch.forced_backend(), sig)
         plan = self._plans.get(key, _MISSING)
         if plan is _MISSING:
             plan = make()

@@ -10,7 +10,7 @@ autograd runs `attention_with_lse` underneath so that it never recomputes it.
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -108,14 +108,15 @@ def spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p,
 def use_triton(op: str, q: Tensor, k: Tensor, v: Tensor, attn_bias, dropout_p: float) -> bool:
     """Whether this call runs the Triton kernels (torch_flash/kernels/triton/attention.py):
     select() decides, told whether they support these inputs."""
-    return _dispatch.select(op, q.device, triton=_triton_serves(q, k, v, attn_bias, dropout_p)) == "triton"
+    return _dispatch.select(op, q, triton=_triton_serves(q, k, v, attn_bias, dropout_p)) == "triton"
 
 
-def _triton_serves(q: Tensor, k: Tensor, v: Tensor, attn_bias, dropout_p: float) -> bool:
-    if not _dispatch.triton_can_run(q.device):
-        return False
-    from ..kernels.triton.attention import supports
-    return supports(q, k, v, attn_bias, dropout_p)
+def _triton_serves(q: Tensor, k: Tensor, v: Tensor, attn_bias, dropout_p: float) -> Callable[[], bool]:
+    """Whether the Triton kernels support these inputs, asked by select() where they can run."""
+    def serves():
+        from ..kernels.triton.attention import supports
+        return supports(q, k, v, attn_bias, dropout_p)
+    return serves
 
 
 def sm90_unsupported(q, k, v, causal: bool) -> str | None:
@@ -165,7 +166,7 @@ def _sm90_serves(q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: ref.Spec) -> 
 
 def _sm90_bwd_serves(grad_lse, q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: ref.Spec) -> bool:
     """Whether the Hopper backward of csrc/attention (flash.attention_bwd_sm90) serves this call:
-    on request only (TORCH_FLASH_BACKEND=cuda), as it runs at 0.46-0.65x FlashAttention 4's
+    on request only (use_backend("cuda")), as it runs at 0.46-0.65x FlashAttention 4's
     speed, below cuDNN's backward and, causal, below the Triton one (H200, 2026-11-27,
     docs/perf/README.md); where the forward's kernel would (_sm90_serves), for a head dim it
     has (backward_hdims), no lse gradient, and not under torch.use_deterministic_algorithms(True)
@@ -205,8 +206,8 @@ def _forward(op: str, q, k, v, attn_bias, scale, causal, window_left, window_rig
     def make():
         check_args(op, q, k, v, attn_bias, softcap, dropout_p, dropout_seed, window_left, window_right)
         spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
-        backend = _dispatch.select(op, q.device, triton=_triton_serves(q, k, v, attn_bias, dropout_p),
-                                   cuda=_sm90_serves(q, k, v, attn_bias, spec))
+        backend = _dispatch.select(op, q, triton=_triton_serves(q, k, v, attn_bias, dropout_p),
+                                   cuda=lambda: _sm90_serves(q, k, v, attn_bias, spec))
         if backend == "cuda":
             return _Sm90Plan(spec)
         if backend == "triton":
@@ -355,9 +356,9 @@ def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
         if cudnn_backward_serves(grad_lse, q, k, v, attn_bias, spec):
             _dispatch.LAST["attention_backward"] = "cudnn"
             return _CUDNN
-        backend = _dispatch.select("attention_backward", q.device,
+        backend = _dispatch.select("attention_backward", q,
                                    triton=_triton_serves(q, k, v, attn_bias, dropout_p),
-                                   cuda=_sm90_bwd_serves(grad_lse, q, k, v, attn_bias, spec))
+                                   cuda=lambda: _sm90_bwd_serves(grad_lse, q, k, v, attn_bias, spec))
         if backend == "cuda":
             return _Sm90BwdPlan(spec)
         if backend != "triton":

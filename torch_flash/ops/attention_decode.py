@@ -116,11 +116,10 @@ PLANS = Plans()
 
 
 def _use_triton(q, k_cache, v_cache, rotary_cos) -> bool:
-    triton = _dispatch.triton_can_run(q.device)
-    if triton:
+    def serves():
         from ..kernels.triton.attention_decode import supports
-        triton = supports(q, k_cache, v_cache, rotary_cos)
-    return _dispatch.select(OP, q.device, triton=triton) == "triton"
+        return supports(q, k_cache, v_cache, rotary_cos)
+    return _dispatch.select(OP, q, triton=serves) == "triton"
 
 
 @triton_op("flash::attention_decode", mutates_args=("k_cache", "v_cache"))

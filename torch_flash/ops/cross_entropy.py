@@ -174,11 +174,10 @@ def loss_shape(target, reduction: str) -> tuple:
 
 
 def _backend(op: str, logits: Tensor, target: Tensor) -> str:
-    triton = _dispatch.triton_can_run(logits.device)
-    if triton:
+    def serves():
         from ..kernels.triton.cross_entropy import ce_supports
-        triton = ce_supports(logits, target)
-    return _dispatch.select(op, logits.device, triton=triton)
+        return ce_supports(logits, target)
+    return _dispatch.select(op, logits, triton=serves)
 
 
 # signature -> the Triton launcher (ce_fwd / ce_bwd), or None (the reference path)

@@ -50,11 +50,10 @@ def check_args(op: str, hidden, weight, target, bias, opts: LossOptions, reducti
 
 
 def _backend(op: str, hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor]) -> str:
-    triton = _dispatch.triton_can_run(hidden.device)
-    if triton:
+    def serves():
         from ..kernels.triton.linear_cross_entropy import lce_supports
-        triton = lce_supports(hidden, weight, target, bias)
-    return _dispatch.select(op, hidden.device, triton=triton)
+        return lce_supports(hidden, weight, target, bias)
+    return _dispatch.select(op, hidden, triton=serves)
 
 
 def _grads_or_empty(hidden: Tensor, dh, dw, db) -> tuple[Tensor, Tensor, Tensor]:
@@ -181,7 +180,7 @@ def _scale_unless_one_(grads, grad_loss: Tensor) -> None:
     on the device: a host read (Liger-Kernel's .item()) would stall the host until the forward
     has run, leaving the GPU idle while the next launches are prepared (about 1 ms a step at
     8192 x 4096 x 128256 on an H100)."""
-    if _dispatch.select("linear_cross_entropy_backward", grad_loss.device, triton=True) == "triton":
+    if _dispatch.select("linear_cross_entropy_backward", grad_loss, triton=lambda: True) == "triton":  # any gradient
         from ..kernels.triton.linear_cross_entropy import scale_unless_one_
         scale_unless_one_(grads, grad_loss)
     elif grad_loss.item() != 1:

@@ -193,11 +193,10 @@ def _rotate(op: str, check: Callable[[], None], xs: tuple[Tensor, ...], inplace:
 
     def make():
         check()
-        triton = _dispatch.triton_can_run(xs[0].device)
-        if triton:
+        def serves():
             from ..kernels.triton.rotary import rotary_supports
-            triton = all(rotary_supports(x, cos, sin) for x in xs)
-        if _dispatch.select(op, xs[0].device, triton=triton) != "triton":
+            return all(rotary_supports(x, cos, sin) for x in xs)
+        if _dispatch.select(op, xs[0], triton=serves) != "triton":
             return None
         from ..kernels.triton.rotary import Rotate
         like = xs if inplace else tuple(torch.empty_like(x, device="meta") for x in xs)  # outs' layouts
