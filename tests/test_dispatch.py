@@ -1,5 +1,5 @@
 """torch_flash._dispatch: the rules of select(), use_backend (per thread, through backward, in
-compiled graphs), and TORCH_FLASH_BACKEND read once at import."""
+compiled graphs), TORCH_FLASH_BACKEND read once at import, and an import without side effects."""
 import os
 import subprocess
 import sys
@@ -148,3 +148,22 @@ print(_dispatch.LAST["rms_norm"])
            "except RuntimeError as e:\n    print(e)")
     assert "backend 'gpu' forced (TORCH_FLASH_BACKEND): expected one of" in _python(bad, TORCH_FLASH_BACKEND="gpu")
 
+
+def test_import_registers_and_changes_nothing_else():
+    """No Inductor patch at import (it comes with the first compiled trace of an op), and
+    meta_kernels/ and compile_passes/ mapped by the install, not by extending __path__."""
+    code = """
+import os, torch
+from torch.torch_version import TorchVersion
+from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
+before = CppWrapperCpu.codegen_int_array_var
+import torch_flash, torch_flash.meta_kernels as m, torch_flash.compile_passes as c
+assert torch_flash.__path__ == [os.path.dirname(torch_flash.__file__)], torch_flash.__path__
+assert os.path.basename(os.path.dirname(m.__file__)) == "meta_kernels"
+assert os.path.basename(os.path.dirname(c.__file__)) == "compile_passes"
+assert CppWrapperCpu.codegen_int_array_var is before
+torch.compile(torch_flash.rms_norm, backend="aot_eager")(torch.randn(2, 8))
+patched = CppWrapperCpu.codegen_int_array_var is not before
+print(patched == (TorchVersion(torch.__version__) < (2, 15)))
+"""
+    assert _python(code).split()[-1] == "True"

@@ -11,7 +11,12 @@ declared in this scope". Upstream fixes that by not caching for such buffers
 (pytorch/pytorch#193621, #193628; not in 2.14.1 either, checked). Here every request declares
 its own array, as those fixes do for the transient buffers: one more line of generated C++ per
 request, never a missing declaration.
+
+Applied when a compiler first traces a flash op into its kernels (ops/_autograd.py), not at
+import: a plain `import torch_flash` leaves Inductor as it is.
 """
+import functools
+
 import torch
 from torch.torch_version import TorchVersion
 
@@ -20,8 +25,9 @@ def _declare_each(self, int_array, writeline, known_statically=False, graph=None
     return self._codegen_int_array_var_impl(int_array, writeline, known_statically)
 
 
+@functools.cache
 def apply() -> None:
-    """Install the fix on the torch releases known to need it (idempotent)."""
+    """Install the fix on the torch releases known to need it (once)."""
     if TorchVersion(torch.__version__) >= (2, 15):
         return
     try:

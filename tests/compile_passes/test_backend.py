@@ -242,8 +242,10 @@ def _plain_package_loads(tmp_path, device) -> bool:
 def test_aot_inductor_int_array_declared_per_buffer():
     """torch_flash._inductor_fixes: every buffer that asks the C++ wrapper for a size/stride
     array gets that array's declaration, also when an earlier short-lived buffer asked for the
-    same values (the cache hit that left AOTInductor packages with undeclared int_array_N)."""
+    same values (the cache hit that left AOTInductor packages with undeclared int_array_N).
+    Applied where a compiler first traces a flash op; here by hand."""
     from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
+    torch_flash._inductor_fixes.apply()
     from torch._inductor.utils import IndentedBuffer
     wrapper = CppWrapperCpu.__new__(CppWrapperCpu)  # only the array-naming state is needed
     wrapper.int_array_id, wrapper.declared_int_array_vars = itertools.count(), set()

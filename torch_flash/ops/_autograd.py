@@ -36,6 +36,8 @@ from torch._library import triton as _library_triton
 from torch._library.autograd import make_autograd_impl
 from torch._library.custom_ops import CustomOpDef
 
+from .. import _inductor_fixes
+
 # Autograd rules registered through register_autograd_via or by hand, by op name (the registry
 # test reads it).
 REGISTERED: dict[str, Callable] = {}
@@ -83,7 +85,7 @@ def launching_directly(fn: Callable) -> Callable:
 def triton_op(name: str, *, mutates_args) -> Callable[[Callable], CustomOpDef]:
     """torch.library.triton_op, with the eager fast path (module docstring)."""
     def dec(fn: Callable) -> CustomOpDef:
-        opdef = torch.library.triton_op(name, mutates_args=mutates_args)(fn)
+        opdef = torch.library.triton_op(name, mutates_args=mutates_args)(_fixing_inductor(fn))
         body = launching_directly(fn)
         for key in ("CPU", "CUDA"):
             opdef._lib.impl(opdef._name, body, key)
@@ -94,6 +96,17 @@ def triton_op(name: str, *, mutates_args) -> Callable[[Callable], CustomOpDef]:
         _register_autograd_kernel(opdef, make_autograd_impl(opdef._opoverload, opdef))
         return opdef
     return dec
+
+
+def _fixing_inductor(fn: Callable) -> Callable:
+    """fn as torch's triton_op runs it: where a compiler traces the op into its kernels (eager
+    calls run `body`), after installing the fix AOTInductor needs (torch_flash/_inductor_fixes.py)."""
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        _inductor_fixes.apply()
+        return fn(*args, **kwargs)
+    traced.__signature__ = inspect.signature(fn, eval_str=True)
+    return traced
 
 
 def _register_autograd_kernel(opdef: CustomOpDef, rule: Callable) -> None:
