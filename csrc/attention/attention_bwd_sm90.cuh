@@ -10,6 +10,7 @@
 #pragma once
 
 #include <algorithm>
+#include <type_traits>
 
 #include "cutlass/cutlass.h"
 #include "cutlass/device_kernel.h"
@@ -25,6 +26,7 @@
 #include "88_hopper_fmha/kernel/fmha_tile_scheduler.hpp"
 
 #include "attention/attention_bwd_sm90.h"
+#include "attention/attention_bwd_sm90_mainloop.cuh"
 #include "attention/attention_sm90.cuh"
 
 namespace torch_flash::sm90 {
@@ -77,8 +79,11 @@ struct CausalBottomRightBwd : NoMaskBwd {
 // TileShape: (query rows per step, keys per CTA, head dim).
 template <class Element, class Fusion, class TileShape>
 struct BwdKernel {
-  using Mainloop = MainloopWithScale<
-      cutlass::fmha::collective::FmhaBwdMainloopTmaWarpSpecialized<Element, float, TileShape, Fusion>>;
+  // Head dim 128 splits dQ over both consumer warpgroups (attention_bwd_sm90_mainloop.cuh); at 64
+  // half the head dim is narrower than a swizzle atom, and the example's mainloop runs.
+  using Mainloop = MainloopWithScale<std::conditional_t<
+      (get<2>(TileShape{}) >= 128), BwdMainloopSplitDQ<Element, TileShape, Fusion>,
+      cutlass::fmha::collective::FmhaBwdMainloopTmaWarpSpecialized<Element, float, TileShape, Fusion>>>;
   using Epilogue = cutlass::fmha::collective::FmhaBwdEpilogueKV<Element, float, typename Mainloop::TileShapePV>;
   using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
       Mainloop, Epilogue,

@@ -100,8 +100,8 @@ def test_ragged_lengths(sq, sk):
             check_backward(q, k, v, d ** -0.5, True)
 
 
-def test_flash_attention_backward_dispatch(monkeypatch):
-    """flash.attention's backward runs this kernel on request (TORCH_FLASH_BACKEND=cuda), cuDNN's
+def test_flash_attention_backward_dispatch():
+    """flash.attention's backward runs this kernel on request (use_backend("cuda")), cuDNN's
     by default, Triton's under torch.use_deterministic_algorithms(True); the gradients agree
     with float64 every way."""
     d = HDIMS[0]
@@ -116,13 +116,10 @@ def test_flash_attention_backward_dispatch(monkeypatch):
         return torch.autograd.grad(out, leaves, dout)
 
     for forced, deterministic, path in (("cuda", False, "cuda"), (None, False, "cudnn"), (None, True, "triton")):
-        if forced:
-            monkeypatch.setenv("TORCH_FLASH_BACKEND", forced)
-        else:
-            monkeypatch.delenv("TORCH_FLASH_BACKEND", raising=False)
         torch.use_deterministic_algorithms(deterministic)
         try:
-            got = grads()
+            with torch_flash.use_backend(forced):
+                got = grads()
         finally:
             torch.use_deterministic_algorithms(False)
         assert _dispatch.LAST["attention_backward"] == path

@@ -1,0 +1,304 @@
+// The Hopper backward's mainloop: consumers sharing dQ, and the dQ reducer warp.
+//
+// 88_hopper_fmha's backward gives each consumer warpgroup half of the CTA's key block: both
+// compute S, dP, dV and dK of their half (four 64 x 64 x D GEMMs a query tile), and the second
+// warpgroup alone computes the query tile's whole dQ = dS K over the block's keys (two more), so
+// it runs six GEMMs to the first's four. Here each warpgroup computes dQ for half of the head dim
+// over all keys of the block (five each). The dS halves are exchanged through shared memory as
+// in the example; named barriers order the exchange:
+//   kDsReady         both warpgroups' dS of this query tile are in shared memory
+//   kDsFree + w      warpgroup w may overwrite its dS: the other one's dQ GEMM has read it
+// The reducer warp returns a dQ stage to the consumers only once its TMA reduction has read it
+// (the example's returned it one reduction early). Producer and epilogue are the example's.
+#pragma once
+
+#include <cmath>
+
+#include "cutlass/arch/barrier.h"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cute/tensor.hpp"
+
+#include "88_hopper_fmha/collective/fmha_collective_bwd_tma_warpspecialized.hpp"
+
+namespace torch_flash::sm90 {
+
+using namespace cute;
+
+template <class Element, class TileShape, class Fusion>
+struct BwdMainloopSplitDQ
+    : cutlass::fmha::collective::FmhaBwdMainloopTmaWarpSpecialized<Element, float, TileShape, Fusion> {
+  using Base = cutlass::fmha::collective::FmhaBwdMainloopTmaWarpSpecialized<Element, float, TileShape, Fusion>;
+  using typename Base::MainloopPipeline;
+  using typename Base::MainloopPipelineQ;
+  using typename Base::Params;
+  using typename Base::PipelineState;
+  using typename Base::PipelineStateQ;
+  using typename Base::SharedStorage;
+  using typename Base::TiledMmaND;
+  using typename Base::TiledMmaND_SS;
+  using typename Base::TiledMmaNM;
+  using typename Base::TileShapeMD;
+  using typename Base::TileShapeND;
+  using typename Base::TileShapeNM;
+
+  static constexpr int kHeadDim = get<2>(TileShape{});
+  static_assert(Base::NumMmaWarpGroups == 2);
+  // A GMMA operand slice of half the head dim must span whole 128-byte swizzle atoms.
+  static_assert(kHeadDim / 2 * sizeof(Element) % 128 == 0, "dQ split needs head dim >= 128");
+
+  // (query rows, half the head dim, keys of one warpgroup): each warpgroup's dQ GEMM per dS half.
+  using TileShapeDQ = Shape<tuple_element_t<0, TileShapeMD>, Int<kHeadDim / 2>, tuple_element_t<2, TileShapeMD>>;
+  using TiledMmaDQ = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
+      Element, cute::tuple<_1, int, cute::tuple<int, int>>, Base::Alignment,
+      Element, cute::tuple<_1, int, cute::tuple<int, int>>, Base::Alignment,
+      float, TileShapeDQ, typename Base::ClusterShape, typename Base::Stages,
+      cutlass::gemm::KernelTmaWarpSpecialized>::CollectiveOp::TiledMma;
+
+  static constexpr int kConsumerThreads = 2 * cutlass::NumThreadsPerWarpGroup;
+  static constexpr int kDsReady = 0;  // user named-barrier ids (CUTLASS reserves the ones below)
+  static constexpr int kDsFree = 1;
+
+  // The reducer warp: each dQ tile the consumers leave in a stage is added into the fp32 dQ
+  // buffer by a TMA reduction; a stage goes back once its reduction has read it.
+  template <class BlkCoord, class ProblemShape, class PipelineReducer, class PipelineStateReducer>
+  CUTLASS_DEVICE void reduce(BlkCoord const& blk_coord, Params const& params, ProblemShape const& problem_size,
+                             PipelineReducer& pipeline, PipelineStateReducer& read, SharedStorage& storage) {
+    const bool leader = cute::elect_one_sync();
+    Tensor mDQ = params.tma_red_dq.get_tma_tensor(select<2, 4, 0, 1>(problem_size));
+    Tensor gDQ = local_tile(mDQ, TileShapeMD{}, make_coord(_, _, _), Step<_1, _1, Underscore>{})(
+        _, _, _, _0{}, get<2, 0>(blk_coord), get<2, 1>(blk_coord));  // (rows, D, query tile)
+    Tensor sDQ = make_tensor(make_smem_ptr(storage.smem_dq.data()), typename Base::SmemLayoutDQ{});
+    auto tma = params.tma_red_dq.get_slice(_0{});
+    Tensor tDQsDQ = tma.partition_S(sDQ);
+    Tensor tDQgDQ = tma.partition_D(gDQ);
+
+    PipelineStateReducer previous = read;
+    bool any = false;
+    const int tiles = this->get_inner_tile_count(blk_coord, problem_size);
+    for (int q_tile = 0; q_tile < tiles; ++q_tile) {
+      if (!Fusion{}.is_contributing(make_coord(q_tile, get<1>(blk_coord)), TileShape{}, problem_size)) continue;
+      pipeline.consumer_wait(read);
+      if (leader) {
+        copy(params.tma_red_dq, tDQsDQ(_, _, _, read.index()), tDQgDQ(_, _, _, q_tile));
+        tma_store_arrive();
+        tma_store_wait<1>();  // the previous tile's reduction has read its stage
+      }
+      __syncwarp();
+      if (any) pipeline.consumer_release(previous);
+      any = true;
+      previous = read;
+      ++read;
+    }
+    if (leader) tma_store_wait<0>();
+    __syncwarp();
+    if (any) pipeline.consumer_release(previous);
+  }
+
+  template <class BlkCoord, class ProblemShape, class PipelineReducer, class PipelineStateReducer, class OrderBarrier>
+  CUTLASS_DEVICE auto compute(BlkCoord const& blk_coord, BlkCoord const& wg_coord, Params const& params,
+                              ProblemShape const& problem_size, MainloopPipeline& pipeline_inner,
+                              PipelineState& smem_pipe_read_inner, MainloopPipelineQ& pipeline_outer,
+                              PipelineStateQ& smem_pipe_read_outer, PipelineReducer& pipeline_reducer,
+                              PipelineStateReducer& smem_pipe_write_reducer, SharedStorage& storage,
+                              OrderBarrier& order_barrier) {
+    const int thread_idx = int(threadIdx.x) % cutlass::NumThreadsPerWarpGroup;
+    const int wg_idx = __shfl_sync(0xffffffff, get<1>(wg_coord) % 2, 0);
+    constexpr auto kRows = get<1>(TileShapeNM{});  // query rows a step
+    constexpr auto kKeys = get<0>(TileShapeNM{});  // keys of one warpgroup
+
+    TiledMmaND mma_nd;
+    Tensor acc_DV = partition_fragment_C(mma_nd, take<0, 2>(TileShapeND{}));
+    Tensor acc_DK = partition_fragment_C(mma_nd, take<0, 2>(TileShapeND{}));
+    clear(acc_DV);
+    clear(acc_DK);
+
+    // This warpgroup's K and V sit in outer stages 2w and 2w + 1; the other's K two stages on.
+    pipeline_outer.consumer_wait(smem_pipe_read_outer);
+    PipelineStateQ read_k = smem_pipe_read_outer;
+    ++smem_pipe_read_outer;
+    pipeline_outer.consumer_wait(smem_pipe_read_outer);
+    PipelineStateQ read_v = smem_pipe_read_outer;
+    PipelineStateQ read_k_other = read_k;
+    read_k_other.advance(2);
+
+    // S = K Q^T and dP = V dO^T, (keys, rows), both operands in shared memory.
+    TiledMmaNM mma_nm;
+    auto thr_nm = mma_nm.get_thread_slice(thread_idx);
+    Tensor tSrK = thr_nm.make_fragment_A(thr_nm.partition_A(
+        make_tensor(make_smem_ptr(storage.smem_k.data()), typename Base::SmemLayoutK{})));
+    Tensor tSrQ = thr_nm.make_fragment_B(thr_nm.partition_B(
+        make_tensor(make_smem_ptr(storage.smem_q.data()), typename Base::SmemLayoutQ{})));
+    Tensor tDPrV = thr_nm.make_fragment_A(thr_nm.partition_A(
+        make_tensor(make_smem_ptr(storage.smem_v.data()), typename Base::SmemLayoutV{})));
+    Tensor tDPrDO = thr_nm.make_fragment_B(thr_nm.partition_B(
+        make_tensor(make_smem_ptr(storage.smem_do.data()), typename Base::SmemLayoutDO{})));
+
+    // dV += P dO with P from registers; dK += dS Q with dS from shared memory.
+    auto thr_nd = mma_nd.get_thread_slice(thread_idx);
+    Tensor tDVrDO = thr_nd.make_fragment_B(thr_nd.partition_B(
+        make_tensor(make_smem_ptr(storage.smem_dop.data()), typename Base::SmemLayoutDOp{})));
+    Tensor tDKrQ = thr_nd.make_fragment_B(thr_nd.partition_B(
+        make_tensor(make_smem_ptr(storage.smem_qp.data()), typename Base::SmemLayoutQp{})));
+
+    // dS: (rows, keys, warpgroup) as the dQ GEMM reads it; (keys, rows, warpgroup) as written.
+    Tensor sDS = make_tensor(make_smem_ptr(storage.smem_ds.data()), typename Base::SmemLayoutDS{});
+    Tensor sDSt = sDS.compose(make_layout(make_shape(size<1>(sDS), size<0>(sDS), size<2>(sDS)),
+                                          make_stride(size<0>(sDS), _1{}, size<1>(sDS) * size<0>(sDS))));
+    Tensor tDPsDS = thr_nm.partition_C(sDSt);
+    auto thr_nd_ss = TiledMmaND_SS{}.get_thread_slice(thread_idx);
+    Tensor tDKrDS = thr_nd_ss.make_fragment_A(thr_nd_ss.partition_A(sDSt));
+
+    // dQ[:, this warpgroup's half of D] = dS K: K (D, keys, stage) sliced to the half.
+    TiledMmaDQ mma_dq;
+    auto thr_dq = mma_dq.get_thread_slice(thread_idx);
+    Tensor tDQrDS = thr_dq.make_fragment_A(thr_dq.partition_A(sDS));
+    Tensor sKp = make_tensor(make_smem_ptr(storage.smem_kp.data()), typename Base::SmemLayoutKp{});
+    Tensor sKpHalf = local_tile(sKp, make_shape(Int<kHeadDim / 2>{}, size<1>(sKp), size<2>(sKp)),
+                                make_coord(wg_idx, _0{}, _0{}));
+    Tensor tDQrK = thr_dq.make_fragment_B(thr_dq.partition_B(sKpHalf));
+    Tensor sDQ = make_tensor(make_smem_ptr(storage.smem_dq.data()), typename Base::SmemLayoutDQ{});
+    Tensor tDQsDQ = thr_dq.partition_C(local_tile(
+        sDQ, make_shape(size<0>(sDQ), Int<kHeadDim / 2>{}, size<2>(sDQ)), make_coord(_0{}, wg_idx, _0{})));
+    const int k_stage[2] = {wg_idx == 0 ? read_k.index() : read_k_other.index(),
+                            wg_idx == 1 ? read_k.index() : read_k_other.index()};
+
+    // lse and sum(dO * O) per query row, broadcast over keys.
+    constexpr int kStages = Base::StageCount;
+    Tensor tSsLSE = thr_nm.partition_C(make_tensor(make_smem_ptr(storage.smem_lse.data()),
+                                                   make_shape(kKeys, kRows, Int<kStages>{}),
+                                                   make_stride(_0{}, _1{}, kRows)));
+    Tensor tDPsODO = thr_nm.partition_C(make_tensor(make_smem_ptr(storage.smem_sumOdO.data()),
+                                                    make_shape(kKeys, kRows, Int<kStages>{}),
+                                                    make_stride(_0{}, _1{}, kRows)));
+    Tensor cS = make_identity_tensor(take<0, 2>(TileShapeNM{}));
+    Tensor tScS = thr_nm.partition_C(cS);
+    const int key_block = get<1>(wg_coord);
+    tScS.data() = tScS.data() + E<0>{} * key_block * get<0>(TileShapeNM{});
+
+    cutlass::arch::NamedBarrier ds_ready(kConsumerThreads, kDsReady);
+    cutlass::arch::NamedBarrier my_ds_free(kConsumerThreads, kDsFree + wg_idx);
+    cutlass::arch::NamedBarrier other_ds_free(kConsumerThreads, kDsFree + 1 - wg_idx);
+    other_ds_free.arrive();  // nothing of the other's dS read yet; balanced by the sync after the loop
+
+    int tiles = this->get_inner_tile_count(wg_coord, problem_size);
+    int q_tile = 0;
+    while (tiles > 0) {
+      while (tiles > 0 && !Fusion{}.is_contributing(make_coord(q_tile, get<1>(blk_coord)), TileShape{}, problem_size)) {
+        --tiles;
+        ++q_tile;
+        tScS.data() = tScS.data() + E<1>{} * get<1>(TileShapeNM{});
+      }
+      if (tiles == 0) break;
+
+      pipeline_inner.consumer_wait(smem_pipe_read_inner);
+      PipelineState read_q = smem_pipe_read_inner;
+      ++smem_pipe_read_inner;
+      PipelineState read_do = smem_pipe_read_inner;
+      ++smem_pipe_read_inner;
+
+      Tensor acc_S = partition_fragment_C(mma_nm, take<0, 2>(TileShapeNM{}));
+      warpgroup_fence_operand(acc_S);
+      warpgroup_arrive();
+      cutlass::fmha::collective::gemm_zero_acc(mma_nm, tSrK(_, _, _, read_k.index()), tSrQ(_, _, _, read_q.index()), acc_S);
+      warpgroup_commit_batch();
+
+      pipeline_inner.consumer_wait(read_do);
+      Tensor acc_DP = partition_fragment_C(mma_nm, take<0, 2>(TileShapeNM{}));
+      warpgroup_fence_operand(acc_DP);
+      warpgroup_arrive();
+      cutlass::fmha::collective::gemm_zero_acc(mma_nm, tDPrV(_, _, _, read_v.index()), tDPrDO(_, _, _, read_do.index()), acc_DP);
+      warpgroup_commit_batch();
+
+      Tensor lse = make_fragment_like<float>(acc_S);
+      Tensor odo = make_fragment_like<float>(acc_S);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(lse); i++) {
+        lse(i) = float(M_LOG2E) * tSsLSE(_, _, _, read_q.index())(i);
+        odo(i) = tDPsODO(_, _, _, read_do.index())(i);
+      }
+
+      // P from S, the warpgroups' exponentials taking turns so one's overlaps the other's GEMMs.
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(acc_S);
+      order_barrier.wait();
+      Fusion{}.before_softmax(acc_S, tScS, problem_size);
+      Tensor acc_P = make_fragment_like<float>(acc_S);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(acc_P); i++) acc_P(i) = ::exp2f(params.scale_softmax_log2 * acc_S(i) - lse(i));
+      order_barrier.arrive();
+
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_DP);
+      Tensor acc_DS = make_fragment_like<Element>(acc_DP);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(acc_DS); i++) acc_DS(i) = Element(acc_P(i) * params.scale_softmax * (acc_DP(i) - odo(i)));
+
+      auto op_P = cutlass::fmha::collective::make_acc_into_op<Element>(acc_P, typename TiledMmaND::LayoutA_TV{});
+      warpgroup_fence_operand(acc_DV);
+      warpgroup_fence_operand(op_P);
+      warpgroup_arrive();
+      cute::gemm(mma_nd, op_P, tDVrDO(_, _, _, read_do.index()), acc_DV);
+      warpgroup_commit_batch();
+
+      // Publish this warpgroup's dS once the other's dQ GEMM of the previous tile has read it.
+      my_ds_free.sync();
+      using Pair = uint_bit_t<2 * sizeof_bits_v<Element>>;
+      auto ds_dst = recast<Pair>(tDPsDS(_, _, _, wg_idx));
+      auto ds_src = recast<Pair>(acc_DS);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(ds_src); i++) ds_dst(i) = ds_src(i);
+      cutlass::arch::fence_view_async_shared();
+      ds_ready.sync();
+
+      Tensor acc_DQ = partition_fragment_C(mma_dq, take<0, 2>(TileShapeDQ{}));
+      warpgroup_fence_operand(acc_DQ);
+      warpgroup_arrive();
+      cutlass::fmha::collective::gemm_zero_acc(mma_dq, tDQrDS(_, _, _, 0), tDQrK(_, _, _, k_stage[0]), acc_DQ);
+      cute::gemm(mma_dq, tDQrDS(_, _, _, 1), tDQrK(_, _, _, k_stage[1]), acc_DQ);
+      warpgroup_commit_batch();
+
+      warpgroup_fence_operand(acc_DK);
+      warpgroup_arrive();
+      cute::gemm(TiledMmaND_SS{}, tDKrDS(_, _, _, wg_idx), tDKrQ(_, _, _, read_q.index()), acc_DK);
+      warpgroup_commit_batch();
+
+      warpgroup_wait<1>();  // dV and dQ done, dK may still run
+      warpgroup_fence_operand(acc_DQ);
+      other_ds_free.arrive();
+
+      // This half of the dQ tile into the reducer's stage; the reducer warp adds the whole tile
+      // into the fp32 dQ buffer once both halves are in.
+      pipeline_reducer.producer_acquire(smem_pipe_write_reducer);
+      using Vec = uint_bit_t<2 * sizeof_bits_v<float>>;
+      auto dq_dst = recast<Vec>(tDQsDQ(_, _, _, smem_pipe_write_reducer.index()));
+      auto dq_src = recast<Vec>(acc_DQ);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(dq_src); i++) dq_dst(i) = dq_src(i);
+      cutlass::arch::fence_view_async_shared();
+      pipeline_reducer.producer_commit(smem_pipe_write_reducer);
+      ++smem_pipe_write_reducer;
+
+      // dK has read Q: release Q and dO (and this warpgroup's dS, for the next tile).
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_DK);
+      pipeline_inner.consumer_release(read_q);
+      pipeline_inner.consumer_release(read_do);
+
+      --tiles;
+      ++q_tile;
+      tScS.data() = tScS.data() + E<1>{} * get<1>(TileShapeNM{});
+    }
+    my_ds_free.sync();
+
+    pipeline_outer.consumer_release(read_k);
+    pipeline_outer.consumer_release(read_v);
+    ++smem_pipe_read_outer;
+    pipeline_reducer.producer_tail(smem_pipe_write_reducer);
+    warpgroup_fence_operand(acc_DK);
+    warpgroup_fence_operand(acc_DV);
+    return make_tuple(acc_DK, acc_DV);
+  }
+};
+
+}  // namespace torch_flash::sm90
