@@ -12,7 +12,6 @@ forced backend that cannot serve a call is an error, never a silent fallback.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import importlib.util
 import os
@@ -31,13 +30,14 @@ BACKENDS = ("cuda", "triton", "reference")
 
 # use_backend(None): the per-call choice, whatever TORCH_FLASH_BACKEND says
 _AUTO = "auto"
-# the process's default, read once (use_backend changes it per thread or task)
+# the process's default, read once (use_backend changes it per thread)
 _ENV = os.environ.get("TORCH_FLASH_BACKEND", "").strip().lower() or None
-# use_backend's choice in this thread / asyncio task
-_CHOICE: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("torch_flash_backend", default=None)
-# the same choice inside a torch.compile'd function: dynamo cannot trace ContextVar.set, but
-# carries this annotation onto the graph's nodes, where the ops' bodies read it when traced
-_TRACE_KEY = "torch_flash_backend"
+# use_backend's choice goes under this key into torch's thread-local state (autograd hands it
+# to the device threads that run a backward() called in the block) or, in a compiled function,
+# into the annotations of the graph's nodes
+_KEY = "torch_flash_backend"
+# torch >= 2.13; before, an exit leaves None behind
+_tls_remove = getattr(torch._C, "_remove_obj_from_tls", None)
 
 
 @contextlib.contextmanager
@@ -45,42 +45,43 @@ def use_backend(name: Optional[Backend]) -> Iterator[None]:
     """Run the flash ops called inside the block on backend `name` ("cuda", "triton" or
     "reference"; None: the per-call choice, whatever TORCH_FLASH_BACKEND says).
 
-    Per thread and asyncio task; a backward() called inside the block runs its ops on `name`
-    too. Inside a torch.compile'd function the choice is traced into the graph; a graph
-    compiled inside the block keeps the backend it was traced with."""
+    Per thread; a backward() called inside the block runs its ops on `name` too. Inside a
+    torch.compile'd function the choice is traced into the graph (dynamo cannot trace the
+    thread-local state, so it becomes an annotation of the graph's nodes that the ops read
+    when traced); a graph compiled inside the block keeps the backend it was traced with."""
     if name is not None and name not in BACKENDS:
         raise ValueError(f"use_backend({name!r}): expected one of {', '.join(BACKENDS)}, or None")
     choice = name or _AUTO
     if torch.compiler.is_compiling():
-        with fx_traceback.annotate({_TRACE_KEY: choice}):
+        with fx_traceback.annotate({_KEY: choice}):
             yield
     else:
-        token = _CHOICE.set(choice)
+        prev = _thread_choice()
+        torch._C._stash_obj_in_tls(_KEY, choice)
         try:
             yield
         finally:
-            _CHOICE.reset(token)
+            if prev is None and _tls_remove is not None:
+                _tls_remove(_KEY)  # nothing of ours left for the thread's exit to free
+            else:
+                torch._C._stash_obj_in_tls(_KEY, prev)
 
 
 def forced_backend() -> Optional[str]:
     """The backend forced on this call, or None: the innermost use_backend (as traced into a
-    graph; else of this thread or task; else of the backward() call autograd's device threads
-    run for), else TORCH_FLASH_BACKEND. select() rejects a value that names no backend."""
-    choice = _traced_choice() or _CHOICE.get() or _backward_callers_choice() or _ENV
+    graph, else of this thread), else TORCH_FLASH_BACKEND. select() rejects a value that
+    names no backend."""
+    choice = _traced_choice() or _thread_choice() or _ENV
     return None if choice == _AUTO else choice
 
 
 def _traced_choice() -> Optional[str]:
     custom = fx_traceback.current_meta.get("custom")
-    return custom.get(_TRACE_KEY) if custom else None
+    return custom.get(_KEY) if custom else None
 
 
-def _backward_callers_choice() -> Optional[str]:
-    """Autograd's device threads have no context of their own; torch hands them a copy of the
-    backward() caller's (where it does: torch 2.13 does)."""
-    if torch._C._is_key_in_tls("context"):
-        return torch._C._get_obj_in_tls("context").get(_CHOICE)
-    return None
+def _thread_choice() -> Optional[str]:
+    return torch._C._get_obj_in_tls(_KEY) if torch._C._is_key_in_tls(_KEY) else None
 
 
 @functools.cache
