@@ -199,7 +199,7 @@ def check_against_eager(model: nn.Module, variants: dict[str, Callable], ids, ta
                         ref_dtype: torch.dtype, tol: float) -> tuple[dict, bool]:
     """Loss and gradient errors of each variant against eager in ref_dtype. The flash
     variant passes within tol, or within twice the error of eager in the model's own dtype
-    (the bar DESIGN.md sets: no worse than PyTorch's own low-precision path)."""
+    (the bar docs/design.md sets: no worse than PyTorch's own low-precision path)."""
     ref_model = copy.deepcopy(model).to(ref_dtype)
     ref_loss = _step(ref_model, ref_model, ids, targets)
     ref_grads = _flat_grads(ref_model)

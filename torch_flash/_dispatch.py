@@ -1,4 +1,4 @@
-"""Per-call choice of implementation (DESIGN.md "Dispatch").
+"""Per-call choice of implementation (docs/design.md, "Dispatch").
 
 cuda: the compiled extension `torch_flash._C`, where it is built and supports the call;
 triton: the Triton kernels (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1);

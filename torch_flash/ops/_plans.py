@@ -1,5 +1,5 @@
 """Decided once per signature: an op's argument checks, its choice of path and its kernels'
-launch plan, kept per signature of a real call (DESIGN.md "Dispatch").
+launch plan, kept per signature of a real call (docs/design.md, "Dispatch").
 
 An eager call re-ran all of that in Python every time, 30-60 us of host time for a norm whose
 kernel takes a few (docs/perf, "Host cost of an eager call"). Everything the checks and the

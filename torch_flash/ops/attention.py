@@ -168,7 +168,7 @@ def _sm90_bwd_serves(grad_lse, q: Tensor, k: Tensor, v: Tensor, attn_bias, spec:
     """Whether the Hopper backward of csrc/attention (flash.attention_bwd_sm90) serves this call:
     on request only (use_backend("cuda")), as it runs at 0.46-0.65x FlashAttention 4's
     speed, below cuDNN's backward and, causal, below the Triton one (H200, 2026-11-27,
-    docs/perf/README.md); where the forward's kernel would (_sm90_serves), for a head dim it
+    docs/perf.md); where the forward's kernel would (_sm90_serves), for a head dim it
     has (backward_hdims), no lse gradient, and not under torch.use_deterministic_algorithms(True)
     (it sums dq over key blocks with atomic adds)."""
     if (_dispatch.forced_backend() != "cuda" or grad_lse is not None
@@ -251,7 +251,7 @@ def cudnn_backward_serves(grad_lse, q: Tensor, k: Tensor, v: Tensor, attn_bias, 
     """Whether flash.attention_backward hands this call to cuDNN's SDPA backward, which reads
     the lse of our forward as its own (equal to 1e-6 on the H100) and was checked there against
     float64 (tests/ops/test_attention.py): 1.1x-1.55x our Triton backward on the H200, 0.82x-0.90x
-    FlashAttention 4's (docs/perf/README.md), but not bitwise reproducible. That is: unless
+    FlashAttention 4's (docs/perf.md), but not bitwise reproducible. That is: unless
     TORCH_FLASH_CUDNN_BACKWARD=0, not under torch.use_deterministic_algorithms(True), no forced
     backend, cuDNN's SDPA enabled, an sm_90
     GPU, fp16/bf16, one head dim <= 128 (a multiple of 8), Sq == Sk (cuDNN aligns the causal
