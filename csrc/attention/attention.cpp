@@ -201,8 +201,9 @@ at::Tensor tma_ready(const at::Tensor& t) {
 }
 
 // The gradients of attention_fwd_sm90: grad_out and out (B, Hq, Sq, D), lse (B, Hq, Sq) fp32 as
-// the forward returned them -> dq, dk, dv contiguous. Not deterministic: dq is summed over the
-// key blocks by atomic (TMA) reductions.
+// the forward returned them -> dq, dk, dv contiguous. dq is summed over the key blocks by TMA
+// reductions: in any order by default, in key-block order (bitwise reproducible) under
+// torch.use_deterministic_algorithms(True).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_sm90(const at::Tensor& grad_out, const at::Tensor& q,
                                                                   const at::Tensor& k, const at::Tensor& v,
                                                                   const at::Tensor& out, const at::Tensor& lse,
@@ -227,6 +228,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_sm90(const at::Tens
   auto dv = at::empty_like(dk);
   auto dq_acc = at::zeros({batch, heads_q, seqlen_q, head_dim}, q.options().dtype(at::kFloat));
   auto sum_odo = at::empty({batch, heads_q, seqlen_q}, q.options().dtype(at::kFloat));
+  at::Tensor dq_semaphore;
+  if (at::globalContext().deterministicAlgorithms()) {
+    dq_semaphore = at::zeros({batch, heads_q, (seqlen_q + kBwdQueryRows - 1) / kBwdQueryRows},
+                             q.options().dtype(at::kInt));
+  }
 
   AttentionBwdSm90Params p{};
   p.q = q.data_ptr();
@@ -240,6 +246,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_sm90(const at::Tens
   p.dv = dv.data_ptr();
   p.dq_acc = dq_acc.data_ptr<float>();
   p.sum_odo = sum_odo.data_ptr<float>();
+  p.dq_semaphore = dq_semaphore.defined() ? dq_semaphore.data_ptr<int>() : nullptr;
   p.batch = to_int(batch, "batch", kBwdOp);
   p.heads_q = to_int(heads_q, "heads_q", kBwdOp);
   p.heads_kv = to_int(heads_kv, "heads_kv", kBwdOp);

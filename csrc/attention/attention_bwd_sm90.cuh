@@ -6,11 +6,12 @@
 // softmax scale as an argument and the causal mask aligned bottom-right. Around it, the
 // example's own small kernels: sum(dO * O) per row before, the dQ buffer's conversion to dq's
 // dtype after. GQA runs one launch per query head of a group (as the forward does), each
-// into its own slice of dk and dv.
+// into its own slice of dk and dv. The mainloop (attention_bwd_sm90_mainloop.cuh) splits dQ over
+// both warpgroups at head dim 128 and, under torch.use_deterministic_algorithms, adds each dQ
+// tile's contributions in key-block order.
 #pragma once
 
 #include <algorithm>
-#include <type_traits>
 
 #include "cutlass/cutlass.h"
 #include "cutlass/device_kernel.h"
@@ -79,11 +80,7 @@ struct CausalBottomRightBwd : NoMaskBwd {
 // TileShape: (query rows per step, keys per CTA, head dim).
 template <class Element, class Fusion, class TileShape>
 struct BwdKernel {
-  // Head dim 128 splits dQ over both consumer warpgroups (attention_bwd_sm90_mainloop.cuh); at 64
-  // half the head dim is narrower than a swizzle atom, and the example's mainloop runs.
-  using Mainloop = MainloopWithScale<std::conditional_t<
-      (get<2>(TileShape{}) >= 128), BwdMainloopSplitDQ<Element, TileShape, Fusion>,
-      cutlass::fmha::collective::FmhaBwdMainloopTmaWarpSpecialized<Element, float, TileShape, Fusion>>>;
+  using Mainloop = MainloopWithScale<BwdMainloop<Element, TileShape, Fusion>>;
   using Epilogue = cutlass::fmha::collective::FmhaBwdEpilogueKV<Element, float, typename Mainloop::TileShapePV>;
   using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
       Mainloop, Epilogue,
@@ -104,7 +101,7 @@ void run_bwd(const AttentionBwdSm90Params& p, cudaStream_t stream) {
   using Kernel = typename K::Kernel;
   using Mainloop = typename K::Mainloop;
   const int group = p.heads_q / p.heads_kv;
-  const int sq = p.seqlen_q, d = p.head_dim;
+  const int sq = p.seqlen_q, d = p.head_dim, q_tiles = ceil_div(sq, kBwdQueryRows);
   const cute::tuple<int, int, int, int, int> all_heads{p.batch, p.heads_q, sq, p.seqlen_k, d};
   const BwdStrideRow row_stride{p.heads_q * sq, sq, _1{}};  // sum_odo (B, Hq, Sq)
   const BwdStride acc_stride{p.heads_q * sq * d, sq * d, d, _1{}};  // dq_acc (B, Hq, Sq, D)
@@ -129,15 +126,17 @@ void run_bwd(const AttentionBwdSm90Params& p, cudaStream_t stream) {
     typename Kernel::Arguments args{
         {p.batch, p.heads_kv, sq, p.seqlen_k, d},
         typename Mainloop::Arguments{
-            {reinterpret_cast<const Element*>(at(p.q, p.q_head_stride, sizeof(Element))),
-             {p.q_batch_stride, p.q_head_stride * group, p.q_row_stride, _1{}},
-             static_cast<const Element*>(p.k), {p.k_batch_stride, p.k_head_stride, p.k_row_stride, _1{}},
-             static_cast<const Element*>(p.v), {p.v_batch_stride, p.v_head_stride, p.v_row_stride, _1{}},
-             reinterpret_cast<const Element*>(at(p.grad_out, p.grad_out_head_stride, sizeof(Element))),
-             {p.grad_out_batch_stride, p.grad_out_head_stride * group, p.grad_out_row_stride, _1{}},
-             p.lse + long(g) * p.lse_head_stride, {p.lse_batch_stride, p.lse_head_stride * group, _1{}},
-             p.sum_odo + long(g) * sq, {p.heads_q * sq, sq * group, _1{}},
-             p.dq_acc + long(g) * sq * d, {p.heads_q * sq * d, sq * d * group, d, _1{}}},
+            {{reinterpret_cast<const Element*>(at(p.q, p.q_head_stride, sizeof(Element))),
+              {p.q_batch_stride, p.q_head_stride * group, p.q_row_stride, _1{}},
+              static_cast<const Element*>(p.k), {p.k_batch_stride, p.k_head_stride, p.k_row_stride, _1{}},
+              static_cast<const Element*>(p.v), {p.v_batch_stride, p.v_head_stride, p.v_row_stride, _1{}},
+              reinterpret_cast<const Element*>(at(p.grad_out, p.grad_out_head_stride, sizeof(Element))),
+              {p.grad_out_batch_stride, p.grad_out_head_stride * group, p.grad_out_row_stride, _1{}},
+              p.lse + long(g) * p.lse_head_stride, {p.lse_batch_stride, p.lse_head_stride * group, _1{}},
+              p.sum_odo + long(g) * sq, {p.heads_q * sq, sq * group, _1{}},
+              p.dq_acc + long(g) * sq * d, {p.heads_q * sq * d, sq * d * group, d, _1{}}},
+             p.dq_semaphore == nullptr ? nullptr : p.dq_semaphore + long(g) * q_tiles,
+             p.heads_q * q_tiles, q_tiles * group},
             p.scale},
         {static_cast<Element*>(p.dk) + dkv_at, {p.heads_kv * p.seqlen_k * d, p.seqlen_k * d, d, _1{}},
          static_cast<Element*>(p.dv) + dkv_at, {p.heads_kv * p.seqlen_k * d, p.seqlen_k * d, d, _1{}}},

@@ -12,6 +12,9 @@ namespace torch_flash {
 // head of a group (member g holds the gradients of heads g, g + G, ...), summed by the caller
 // where G > 1. The workspace: dq_acc (B, Hq, Sq, D) fp32 zeroed, sum_odo (B, Hq, Sq) fp32, both
 // contiguous.
+// Query rows of the backward's tiles (every head dim): dQ is reduced one such tile at a time.
+constexpr int kBwdQueryRows = 64;
+
 struct AttentionBwdSm90Params {
   const void* q;
   const void* k;
@@ -24,6 +27,9 @@ struct AttentionBwdSm90Params {
   void* dv;
   float* dq_acc;
   float* sum_odo;
+  // (B, Hq, ceil(Sq / kBwdQueryRows)) int32 zeros: the key blocks add into each dQ tile in a
+  // fixed order (bitwise reproducible dq); null: in any order, by atomic reductions.
+  int* dq_semaphore;
   int batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim;
   int q_batch_stride, q_head_stride, q_row_stride;
   int k_batch_stride, k_head_stride, k_row_stride;

@@ -20,17 +20,18 @@
 
 #include "88_hopper_fmha/collective/fmha_collective_bwd_tma_warpspecialized.hpp"
 
+#include "attention/attention_bwd_sm90.h"
+
 namespace torch_flash::sm90 {
 
 using namespace cute;
 
 template <class Element, class TileShape, class Fusion>
-struct BwdMainloopSplitDQ
+struct BwdMainloop
     : cutlass::fmha::collective::FmhaBwdMainloopTmaWarpSpecialized<Element, float, TileShape, Fusion> {
   using Base = cutlass::fmha::collective::FmhaBwdMainloopTmaWarpSpecialized<Element, float, TileShape, Fusion>;
   using typename Base::MainloopPipeline;
   using typename Base::MainloopPipelineQ;
-  using typename Base::Params;
   using typename Base::PipelineState;
   using typename Base::PipelineStateQ;
   using typename Base::SharedStorage;
@@ -43,8 +44,10 @@ struct BwdMainloopSplitDQ
 
   static constexpr int kHeadDim = get<2>(TileShape{});
   static_assert(Base::NumMmaWarpGroups == 2);
-  // A GMMA operand slice of half the head dim must span whole 128-byte swizzle atoms.
-  static_assert(kHeadDim / 2 * sizeof(Element) % 128 == 0, "dQ split needs head dim >= 128");
+  static_assert(get<0>(TileShape{}) == kBwdQueryRows);
+  // A GMMA operand slice of half the head dim must span whole 128-byte swizzle atoms; where it
+  // cannot (D = 64), the example's consumers run.
+  static constexpr bool kSplitDQ = kHeadDim / 2 * sizeof(Element) % 128 == 0;
 
   // (query rows, half the head dim, keys of one warpgroup): each warpgroup's dQ GEMM per dS half.
   using TileShapeDQ = Shape<tuple_element_t<0, TileShapeMD>, Int<kHeadDim / 2>, tuple_element_t<2, TileShapeMD>>;
@@ -58,6 +61,24 @@ struct BwdMainloopSplitDQ
   static constexpr int kConsumerThreads = 2 * cutlass::NumThreadsPerWarpGroup;
   static constexpr int kDsReady = 0;  // user named-barrier ids (CUTLASS reserves the ones below)
   static constexpr int kDsFree = 1;
+
+  // dq_semaphore (B, H, query tiles) int32 zeros, or null: each dQ tile then takes the key
+  // blocks' reductions in key-block order (torch.use_deterministic_algorithms), each CTA waiting
+  // until its predecessors have added theirs. Strides in elements.
+  struct Arguments : Base::Arguments {
+    int* dq_semaphore;
+    int semaphore_batch_stride, semaphore_head_stride;
+  };
+  struct Params : Base::Params {
+    int* dq_semaphore;
+    int semaphore_batch_stride, semaphore_head_stride;
+  };
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& problem, Arguments const& args, void* workspace) {
+    return {Base::to_underlying_arguments(problem, args, workspace), args.dq_semaphore,
+            args.semaphore_batch_stride, args.semaphore_head_stride};
+  }
 
   // The reducer warp: each dQ tile the consumers leave in a stage is added into the fp32 dQ
   // buffer by a TMA reduction; a stage goes back once its reduction has read it.
@@ -73,6 +94,13 @@ struct BwdMainloopSplitDQ
     Tensor tDQsDQ = tma.partition_S(sDQ);
     Tensor tDQgDQ = tma.partition_D(gDQ);
 
+    // Every key block before this one adds into each query tile this one adds into (the causal
+    // mask sees a prefix of the key blocks), so this block's turn at each tile is its index.
+    const int key_block = get<1>(blk_coord);
+    int* const locks = params.dq_semaphore == nullptr ? nullptr
+        : params.dq_semaphore + get<2, 0>(blk_coord) * params.semaphore_batch_stride +
+              get<2, 1>(blk_coord) * params.semaphore_head_stride;
+
     PipelineStateReducer previous = read;
     bool any = false;
     const int tiles = this->get_inner_tile_count(blk_coord, problem_size);
@@ -80,9 +108,14 @@ struct BwdMainloopSplitDQ
       if (!Fusion{}.is_contributing(make_coord(q_tile, get<1>(blk_coord)), TileShape{}, problem_size)) continue;
       pipeline.consumer_wait(read);
       if (leader) {
+        if (locks) wait_for_turn(locks + q_tile, key_block);
         copy(params.tma_red_dq, tDQsDQ(_, _, _, read.index()), tDQgDQ(_, _, _, q_tile));
         tma_store_arrive();
-        tma_store_wait<1>();  // the previous tile's reduction has read its stage
+        if (locks) {
+          pass_turn(locks + q_tile);
+        } else {
+          tma_store_wait<1>();  // the previous tile's reduction has read its stage
+        }
       }
       __syncwarp();
       if (any) pipeline.consumer_release(previous);
@@ -95,6 +128,21 @@ struct BwdMainloopSplitDQ
     if (any) pipeline.consumer_release(previous);
   }
 
+  static CUTLASS_DEVICE void wait_for_turn(int const* lock, int turn) {
+    int seen;
+    do {
+      asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(lock) : "memory");
+    } while (seen != turn);
+    asm volatile("fence.proxy.async.global;" ::: "memory");  // before the TMA reduction
+  }
+
+  // Once this thread's TMA reductions have completed (not only read shared memory).
+  static CUTLASS_DEVICE void pass_turn(int* lock) {
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+    asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(lock) : "memory");
+  }
+
   template <class BlkCoord, class ProblemShape, class PipelineReducer, class PipelineStateReducer, class OrderBarrier>
   CUTLASS_DEVICE auto compute(BlkCoord const& blk_coord, BlkCoord const& wg_coord, Params const& params,
                               ProblemShape const& problem_size, MainloopPipeline& pipeline_inner,
@@ -102,6 +150,11 @@ struct BwdMainloopSplitDQ
                               PipelineStateQ& smem_pipe_read_outer, PipelineReducer& pipeline_reducer,
                               PipelineStateReducer& smem_pipe_write_reducer, SharedStorage& storage,
                               OrderBarrier& order_barrier) {
+    if constexpr (!kSplitDQ) {
+      return Base::compute(blk_coord, wg_coord, params, problem_size, pipeline_inner, smem_pipe_read_inner,
+                           pipeline_outer, smem_pipe_read_outer, pipeline_reducer, smem_pipe_write_reducer,
+                           storage, order_barrier);
+    } else {
     const int thread_idx = int(threadIdx.x) % cutlass::NumThreadsPerWarpGroup;
     const int wg_idx = __shfl_sync(0xffffffff, get<1>(wg_coord) % 2, 0);
     constexpr auto kRows = get<1>(TileShapeNM{});  // query rows a step
@@ -298,6 +351,7 @@ struct BwdMainloopSplitDQ
     warpgroup_fence_operand(acc_DK);
     warpgroup_fence_operand(acc_DV);
     return make_tuple(acc_DK, acc_DV);
+    }
   }
 };
 

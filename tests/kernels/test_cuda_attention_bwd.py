@@ -100,10 +100,35 @@ def test_ragged_lengths(sq, sk):
             check_backward(q, k, v, d ** -0.5, True)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk,hq,hkv", [(1000, 4097, 4, 4), (2048, 2048, 8, 2), (8, 300, 2, 2)])
+def test_deterministic_mode_is_bitwise_reproducible(sq, sk, hq, hkv, causal):
+    """Under torch.use_deterministic_algorithms(True) the key blocks add into each dq tile in
+    key-block order: repeated calls give the same bits, as accurate as the default mode."""
+    for d in HDIMS:
+        q = rand(2, hq, sq, d)
+        k, v = (rand(2, hkv, sk, d) for _ in range(2))
+        out, lse = torch.ops.flash.attention_fwd_sm90(q, k, v, d ** -0.5, causal)
+        grad_out = torch.randn_like(out)
+        torch.use_deterministic_algorithms(True)
+        try:
+            runs = [torch.ops.flash.attention_bwd_sm90(grad_out, q, k, v, out, lse, d ** -0.5, causal)
+                    for _ in range(4)]
+        finally:
+            torch.use_deterministic_algorithms(False)
+        default = torch.ops.flash.attention_bwd_sm90(grad_out, q, k, v, out, lse, d ** -0.5, causal)
+        expected = reference_grads(q, k, v, grad_out, d ** -0.5, causal)
+        for run in runs[1:]:
+            for name, a, b in zip("qkv", runs[0], run):
+                assert torch.equal(a, b), f"d={d} d{name} differs between deterministic runs"
+        for name, g, g_default, r in zip("qkv", runs[0], default, expected):
+            assert rel_err(g, r) <= 1.05 * rel_err(g_default, r) + 1e-5, f"d={d} d{name}"
+
+
 def test_flash_attention_backward_dispatch():
-    """flash.attention's backward runs this kernel on request (use_backend("cuda")), cuDNN's
-    by default, Triton's under torch.use_deterministic_algorithms(True); the gradients agree
-    with float64 every way."""
+    """flash.attention's backward runs this kernel on request (use_backend("cuda"), in either
+    mode), cuDNN's by default, Triton's under torch.use_deterministic_algorithms(True); the
+    gradients agree with float64 every way."""
     d = HDIMS[0]
     s = 2048  # cuDNN's backward takes causal calls from CUDNN_CAUSAL_MIN_SEQLEN keys
     q, k, v = (rand(1, 4, s, d) for _ in range(3))
@@ -115,7 +140,8 @@ def test_flash_attention_backward_dispatch():
         out = torch_flash.attention(*leaves, causal=True)
         return torch.autograd.grad(out, leaves, dout)
 
-    for forced, deterministic, path in (("cuda", False, "cuda"), (None, False, "cudnn"), (None, True, "triton")):
+    for forced, deterministic, path in (("cuda", False, "cuda"), ("cuda", True, "cuda"), (None, False, "cudnn"),
+                                        (None, True, "triton")):
         torch.use_deterministic_algorithms(deterministic)
         try:
             with torch_flash.use_backend(forced):

@@ -166,13 +166,11 @@ def _sm90_serves(q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: ref.Spec) -> 
 
 def _sm90_bwd_serves(grad_lse, q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: ref.Spec) -> bool:
     """Whether the Hopper backward of csrc/attention (flash.attention_bwd_sm90) serves this call:
-    on request only (use_backend("cuda")), as it runs at 0.46-0.65x FlashAttention 4's
-    speed, below cuDNN's backward and, causal, below the Triton one (H200, 2026-11-27,
-    docs/perf.md); where the forward's kernel would (_sm90_serves), for a head dim it
-    has (backward_hdims), no lse gradient, and not under torch.use_deterministic_algorithms(True)
-    (it sums dq over key blocks with atomic adds)."""
-    if (_dispatch.forced_backend() != "cuda" or grad_lse is not None
-            or torch.are_deterministic_algorithms_enabled()):
+    on request only (use_backend("cuda")), as it runs below cuDNN's backward (H200,
+    2026-11-27, docs/perf.md); where the forward's kernel would (_sm90_serves), for a head
+    dim it has (backward_hdims), no lse gradient. Under torch.use_deterministic_algorithms(True)
+    the kernel adds dq in key-block order, bitwise reproducible."""
+    if _dispatch.forced_backend() != "cuda" or grad_lse is not None:
         return False
     info = _extension.build_info()
     return (info is not None and "flash::attention_bwd_sm90" in info["ops"]
@@ -346,9 +344,10 @@ def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
                         bias_requires_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dbias); dbias has attn_bias's shape, or is empty unless bias_requires_grad.
     cuDNN's backward where it serves (cudnn_backward_serves), else the Hopper kernel where it
-    serves (_sm90_bwd_serves: on request), else the Triton kernels. The first two sum dq with
-    atomic adds and are not bitwise reproducible, so torch.use_deterministic_algorithms(True)
-    turns both off; the Triton path computes dq in its own pass, deterministic."""
+    serves (_sm90_bwd_serves: on request), else the Triton kernels. cuDNN sums dq with atomic
+    adds, not bitwise reproducible, so torch.use_deterministic_algorithms(True) turns it off;
+    the Hopper kernel then adds dq in a fixed order, and the Triton path computes dq in its own
+    pass."""
     def make():
         check_backward_args("attention_backward", grad_out, grad_lse, q, k, v, attn_bias, out, lse, softcap,
                             dropout_p, dropout_seed, window_left, window_right)
