@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import operator
 import sys
 import time
 import warnings
@@ -34,12 +35,58 @@ def _predispatch(gm: fx.GraphModule) -> fx.GraphModule:
     # running through an Interpreter under preserve_node_meta carries each node's stack
     # trace onto the ATen nodes it becomes (explain() reports source lines from it)
     with mode, torch.fx.traceback.preserve_node_meta():
-        pgm = make_fx(lambda *args: fx.Interpreter(gm).run(*args), pre_dispatch=True)(*fake_args)
+        pgm = make_fx(lambda *args: _Retracer(gm).run(*args), pre_dispatch=True)(*fake_args)
     # the patterns read requires_grad off Dynamo's values (make_fx's own drop it): a table
     # that needs a gradient must not be folded into an op that gives it none
     for old, new in zip(gm.graph.find_nodes(op="placeholder"), pgm.graph.find_nodes(op="placeholder")):
         new.meta.setdefault("example_value", old.meta["example_value"])
     return pgm
+
+
+# Higher-order ops of a Dynamo graph that _predispatch keeps whole instead of tracing into.
+# autograd_function_apply is a custom torch.autograd.Function (its forward and backward as
+# subgraphs): traced into, only its forward is left, under the _set_grad_enabled(False)
+# Dynamo wraps it in, so AOTAutograd differentiates nothing through it (and never runs the
+# user's backward): every parameter below the Function got no gradient (HF Bloom's GeLU).
+_OPAQUE_HOPS = (torch.ops.higher_order.autograd_function_apply,)
+
+
+class _Retracer(fx.Interpreter):
+    """Runs a Dynamo graph under make_fx, recording each node in ATen ops, except the
+    higher-order ops of _OPAQUE_HOPS: each is recorded as one node, with the same subgraphs,
+    which AOTAutograd later traces as Dynamo's own graphs have it (forward and the user's
+    backward)."""
+
+    def run_node(self, n: fx.Node):
+        if n.op == "call_function" and n.target in _OPAQUE_HOPS:
+            with self._set_current_node(n):
+                args, kwargs = self.fetch_args_kwargs_from_env(n)
+                return _record_whole(n, args, kwargs)
+        return super().run_node(n)
+
+
+def _record_whole(n: fx.Node, args: tuple, kwargs: dict):
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, track_tensor_tree
+    from torch.utils._pytree import tree_map
+
+    mode = get_proxy_mode()
+    if mode is None:
+        return n.target(*args, **kwargs)
+    # the values, on the fake inputs, with nothing recorded: no proxy mode and no pre-dispatch
+    # function mode (it would record the subgraph's _set_grad_enabled calls)
+    with disable_proxy_modes_tracing(), torch._C.DisableTorchFunction():
+        out = n.target(*args, **kwargs)
+    tracer = mode.tracer
+    for arg_node, arg in zip(n.args, args):
+        if isinstance(arg, torch.nn.Module):  # a subgraph: an attribute of the traced module
+            name = arg_node.target if isinstance(arg_node, fx.Node) and arg_node.op == "get_attr" else "subgraph"
+            base, i = name, 0
+            while getattr(tracer.root, name, arg) is not arg:
+                name, i = f"{base}_{i}", i + 1
+            tracer.root.register_module(name, arg)
+    proxy_args, proxy_kwargs = tree_map(tracer.unwrap_proxy, (args, kwargs))
+    proxy = tracer.create_proxy("call_function", n.target, proxy_args, proxy_kwargs)
+    return track_tensor_tree(out, proxy, constant=None, tracer=tracer)
 
 
 # A graph whose rewrite takes longer says so on stderr (sites found, time).
@@ -96,10 +143,25 @@ def _compile_fx_predispatch(gm: fx.GraphModule, example_inputs):
     is_predispatch selects the passes written for this IR."""
     import torch._inductor.config as config
     from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.fx_passes.pre_grad import pre_grad_passes
 
     # config_patches, not config.patch alone: they also hold when the backward is compiled
-    return compile_fx(gm, example_inputs, config_patches={
-        "is_predispatch": True, "post_grad_custom_post_pass": _post_grad_pass(config.post_grad_custom_post_pass)})
+    patches = {"is_predispatch": True, "post_grad_custom_post_pass": _post_grad_pass(config.post_grad_custom_post_pass)}
+    if _has_subgraphs(gm):
+        # a higher-order op kept whole (a custom autograd.Function: _OPAQUE_HOPS). Inductor
+        # runs its pre-grad passes on each subgraph first, without inputs, which in this mode
+        # fails (ShapeProp of a graph with placeholders): run them here on this graph alone
+        # (the subgraphs are Dynamo's Torch IR, not what these passes are written for)
+        if config.use_pre_grad_passes:
+            with config.patch(is_predispatch=True):
+                gm = pre_grad_passes(gm, example_inputs, config.add_pre_grad_passes, config.remove_pre_grad_passes)
+        patches["use_pre_grad_passes"] = False
+    return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def _has_subgraphs(gm: fx.GraphModule) -> bool:
+    attrs = {n.target for n in gm.graph.find_nodes(op="get_attr")}
+    return any(isinstance(m, fx.GraphModule) and name in attrs for name, m in gm.named_children())
 
 
 def _post_grad_pass(current):
@@ -129,8 +191,20 @@ class _PreGradPass:
             if hasattr(old, "_dynamo_source"):
                 new._dynamo_source = old._dynamo_source
             new.meta = {**old.meta, **new.meta}
+        # what the new graph reads off its module (a kept subgraph, a constant) must be on gm
+        for node in pgm.graph.find_nodes(op="get_attr"):
+            if not _has_attr(gm, node.target):
+                fx.graph_module._copy_attr(pgm, gm, node.target)
         gm.graph = pgm.graph
         gm.recompile()
+
+
+def _has_attr(module: torch.nn.Module, target: str) -> bool:
+    try:
+        operator.attrgetter(target)(module)
+    except AttributeError:
+        return False
+    return True
 
 
 def enable() -> None:

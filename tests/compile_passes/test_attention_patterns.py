@@ -909,8 +909,8 @@ def test_transformers_bloom():
     """HF Bloom (eager only): ALiBi through baddbmm on (B*H, S, D) tensors, the scores viewed
     as (B, H, S, S), finfo.min mask, fp32 softmax. Every site is rewritten with ALiBi in
     attn_bias (the mask whole: it hides with finfo.min) and the outputs equal the model's.
-    Forward only: the flash backend without any rewrite already loses the gradients of the
-    MLP below Bloom's GeLU (a retrace problem, not the attention pass)."""
+    Forward only here: the loss and every gradient (through Bloom's GeLU, a custom
+    autograd.Function) are test_backend.py::test_bloom_gradients' and test_hf_models.py's."""
     import transformers as T
 
     model = T.BloomForCausalLM(T.BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4)).eval()

@@ -80,6 +80,14 @@ def _parallel(c, norms_per_layer: int):
             "linear_cross_entropy": 1, "rotary": 2 * n}
 
 
+def _bloom(c):
+    """LayerNorm on the embeddings, then one that reads it (neither fuses an add), then the
+    post-attention norm of each layer, the input norm of every later layer and the final norm
+    read residual sums."""
+    n = c.num_hidden_layers
+    return {"attention": n, "layer_norm": 2, "add_layer_norm": 2 * n, "linear_cross_entropy": 1}
+
+
 def _t5(c):
     """Encoder: 2 norms a layer, decoder: 3 (self, cross, MLP), each stack a final norm; the
     first of each stack reads embeddings, the rest residual sums. Attention: self per layer,
@@ -121,6 +129,11 @@ MODELS = {
     # patches + (1, S, D) positions: the first norm stays unfused
     "vit": Spec("ViTConfig", dict(ENCODER, image_size=16, patch_size=8, num_labels=LABELS),
                 "ViTForImageClassification", "image", lambda c: _layer_norms(c, first_fused=False)),
+    # its GeLU is a custom autograd.Function (GeLUFunction): the gradients of the MLP below it
+    # come only through that Function's backward; ALiBi through baddbmm
+    "bloom": Spec("BloomConfig", dict(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4, hidden_dropout=0.0,
+                                      attention_dropout=0.0, use_cache=False, initializer_range=0.2),
+                  "BloomForCausalLM", "causal", _bloom),
     "t5": Spec("T5Config", dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
                                 num_heads=4, relative_attention_num_buckets=8, dropout_rate=0.0, use_cache=False,
                                 decoder_start_token_id=0, pad_token_id=0),
