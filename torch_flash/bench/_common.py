@@ -76,7 +76,7 @@ def median_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100, graph:
     import time
     fn()
     times = []
-    for _ in range(max(3, rep // 20)):
+    for _ in range(3):  # CPU: a smoke run under the Triton interpreter, not a measurement
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
@@ -103,7 +103,7 @@ def try_time(name: str, fn: Callable[[], object], **kw) -> float | None:
 ROUNDS = 3
 
 
-def time_rounds(fns: dict, rounds: int = ROUNDS, **kw) -> dict:
+def time_rounds(fns: dict, rounds: int | None = None, **kw) -> dict:
     """{key: fn} -> {key: [ms per round]} (None: fn failed, try_time says why). Every round
     times all fns back to back: the GPU's speed drifts by several percent over minutes (4-10%
     between runs on the H100), and interleaving puts the same drift under every alternative.
@@ -113,6 +113,8 @@ def time_rounds(fns: dict, rounds: int = ROUNDS, **kw) -> dict:
     forwards and backwards apart)."""
     times: dict = {key: [] for key in fns}
     keys = list(fns)
+    if rounds is None:
+        rounds = ROUNDS if torch.cuda.is_available() else 1  # CPU: a smoke run (median_ms)
     for r in range(rounds if keys else 0):
         order = keys[r % len(keys):] + keys[:r % len(keys)]
         for key in order[::-1] if r % 2 else order:
