@@ -173,7 +173,7 @@ def _rotary_qk_kernel(Q, QOUT, K, KOUT, COS, SIN, CU_SEQLENS, OFFSETS,
 
 def rotary_supports(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether the kernel serves this x (B, H, S, D) or (total, H, D) with these tables."""
-    return (_dispatch.triton_can_run(x.device) and x.dtype in DTYPES and x.dim() in (3, 4)
+    return (x.dtype in DTYPES and x.dim() in (3, 4)
             and (x.stride(-1) == 1 or x.shape[-1] == 1) and cos.dtype in DTYPES and sin.dtype in DTYPES
             and cos.dim() in (2, 3) and cos.shape == sin.shape and 0 < 2 * cos.shape[-1] <= x.shape[-1]
             and (cos.dim() == 2 or (x.dim() == 4 and cos.shape[0] in (1, x.shape[0]))))
