@@ -26,7 +26,7 @@ if DEVICE == "cpu" and not A._INTERPRET:
 
 TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 NO_FLAGS = dict(scale=None, causal=False, window_left=-1, window_right=-1, softcap=0.0,
-                dropout_p=0.0, dropout_seed=None)
+                dropout_p=0.0, dropout_seed=None, alibi_slopes=None)
 
 
 def flags(**kw):
@@ -34,14 +34,19 @@ def flags(**kw):
 
 
 def reference(q, k, v, bias=None, *, scale=None, causal=False, window_left=-1, window_right=-1,
-              softcap=0.0, dropout_p=0.0, keep=None, **_):
-    """(out, lse) in float64, differentiable. keep: dropout keep mask (B, Hq, Sq, Sk)."""
+              softcap=0.0, dropout_p=0.0, keep=None, alibi_slopes=None, **_):
+    """(out, lse) in float64, differentiable. keep: dropout keep mask (B, Hq, Sq, Sk);
+    alibi_slopes (Hq,) or (B, Hq): -slope * |i + Sk - Sq - j| added as a dense bias."""
     q, k, v = q.double(), k.double(), v.double()
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     s = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
+    if alibi_slopes is not None:
+        sq, sk = s.shape[-2:]
+        dist = (torch.arange(sq, device=q.device)[:, None] + sk - sq - torch.arange(sk, device=q.device)).abs()
+        s = s - alibi_slopes.double().reshape(-1, s.shape[1], 1, 1) * dist
     if bias is not None and bias.dtype == torch.bool:
         s = s.masked_fill(~bias, float("-inf"))
     elif bias is not None:  # the op's contract for finite mask fills (reference/attention.py)
@@ -194,6 +199,19 @@ def test_bool_bias_with_empty_rows():
     assert torch.all(dq[0, :, 3] == 0)
 
 
+@pytest.mark.parametrize("per_batch,deterministic,kw,sq,sk", [
+    (False, False, dict(), 9, 23),
+    (True, False, dict(causal=True), 33, 20),
+    (True, True, dict(causal=True, window_left=5, softcap=2.0), 17, 30),
+])
+def test_alibi(per_batch, deterministic, kw, sq, sk):
+    """ALiBi slopes (Hq,) or (B, Hq) under GQA, with a float bias too: dQ by atomics and by its
+    own pass."""
+    slopes = torch.rand((2, 4) if per_batch else (4,), device=DEVICE)
+    run_case(rand(2, 4, sq, 16), rand(2, 2, sk, 16), rand(2, 2, sk, 16), rand(2, 1, 1, sk), alibi_slopes=slopes,
+             deterministic=deterministic, **kw)
+
+
 def test_empty_rows_grad_lse_no_nan():
     """causal with Sq > Sk leaves the first rows without keys; grad_lse there must not NaN."""
     run_case(rand(1, 2, 20, 16), rand(1, 2, 7, 16), rand(1, 2, 7, 16), causal=True, grad_lse=True)
@@ -244,15 +262,18 @@ def _pack(lengths, h, d, dtype):
 
 
 @pytest.mark.parametrize("dtype,kw", [(torch.float32, dict(causal=True)),
-                                      (torch.bfloat16, dict(window_left=4, softcap=3.0))])
+                                      (torch.bfloat16, dict(window_left=4, softcap=3.0)),
+                                      (torch.float32, dict(alibi=True))])
 def test_varlen(dtype, kw):
     """Packed sequences (one empty), GQA, max_seqlen hints above the true maxima; each sequence
-    must match the dense reference on its own slice."""
+    must match the dense reference on its own slice (ALiBi: slopes (batch, Hq), a row each)."""
     lq, lk = [5, 17, 0, 1], [9, 17, 3, 20]
     q, cu_q = _pack(lq, 4, 32, dtype)
     k, cu_k = _pack(lk, 2, 32, dtype)
     v, _ = _pack(lk, 2, 16, dtype)
-    f = flags(**kw)
+    kw = dict(kw)
+    slopes = torch.rand(len(lq), 4, device=DEVICE) if kw.pop("alibi", False) else None
+    f = flags(**kw, alibi_slopes=slopes)
     out, lse = A.attention_varlen_fwd(q, k, v, cu_q, cu_k, max(lq) + 7, max(lk) + 3, **f)
     assert out.shape == (sum(lq), 4, 16) and lse.shape == (4, sum(lq))
     dout = torch.randn_like(out)
@@ -262,7 +283,8 @@ def test_varlen(dtype, kw):
     outs, lses = [], []
     for b in range(len(lq)):
         sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        o, l = reference(*(t[s].transpose(0, 1)[None] for t, s in zip(leaves, (sq, sk, sk))), **f)
+        o, l = reference(*(t[s].transpose(0, 1)[None] for t, s in zip(leaves, (sq, sk, sk))),
+                         **{**f, "alibi_slopes": None if slopes is None else slopes[b]})
         outs.append(o[0].transpose(0, 1))
         lses.append(l[0])
     ref_out, ref_lse = torch.cat(outs), torch.cat(lses, 1)

@@ -1,9 +1,10 @@
 """flash.attention and flash.attention_with_lse: schemas, dispatch, autograd, public functions.
 
 Shapes (SDPA layout): q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv), Hq % Hkv == 0,
-any strides with a contiguous last dim; out (B, Hq, Sq, Dv) contiguous in q's dtype, lse
-(B, Hq, Sq) fp32 (fp64 for fp64 inputs). Semantics (causal bottom-right, window, softcap,
-bias, dropout mask) are spelled out in torch_flash/reference/attention.py.
+any strides with a contiguous last dim; alibi_slopes fp32 (Hq,) or (B, Hq); out (B, Hq, Sq, Dv)
+contiguous in q's dtype, lse (B, Hq, Sq) fp32 (fp64 for fp64 inputs). Semantics (causal
+bottom-right, window, softcap, ALiBi, bias, dropout mask) are spelled out in
+torch_flash/reference/attention.py. Only the Triton kernels and the reference take ALiBi.
 Both ops share one backward op, fed the lse that the forward computed: `attention`'s
 autograd runs `attention_with_lse` underneath so that it never recomputes it.
 """
@@ -55,13 +56,26 @@ def check_common(op: str, q, k, v, seq_dim: int, softcap, dropout_p, dropout_see
           "dropout_seed is required when dropout_p > 0 (the public function draws one)")
 
 
+def check_alibi(op: str, alibi_slopes, q, batch: int) -> None:
+    """alibi_slopes (or None): fp32 (Hq,) or (batch, Hq) on q's device (heads at q's dim 1)."""
+    if alibi_slopes is None:
+        return
+    check_tensor(op, "alibi_slopes", alibi_slopes, ndim=(1, 2), dtypes=(torch.float32,))
+    hq = q.shape[1]
+    check(tuple(alibi_slopes.shape) in ((hq,), (batch, hq)), op,
+          f"alibi_slopes has shape {tuple(alibi_slopes.shape)}; expected (Hq,) = ({hq},) or "
+          f"(B, Hq) = ({batch}, {hq})")
+    check_same_device(op, q=q, alibi_slopes=alibi_slopes)
+
+
 def check_args(op: str, q, k, v, attn_bias, softcap, dropout_p, dropout_seed,
-               window_left, window_right) -> None:
+               window_left, window_right, alibi_slopes=None) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(op, name, t, ndim=4)
     check_common(op, q, k, v, 2, softcap, dropout_p, dropout_seed, window_left, window_right)
     check(k.shape[0] == q.shape[0] and v.shape[0] == q.shape[0], op,
           f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
+    check_alibi(op, alibi_slopes, q, q.shape[0])
     if attn_bias is not None:
         check_tensor(op, "attn_bias", attn_bias, dtypes=FLOAT_DTYPES + (torch.bool,))
         check_same_device(op, q=q, attn_bias=attn_bias)
@@ -78,8 +92,9 @@ def out_shapes(q, v) -> tuple[tuple, tuple, torch.dtype]:
 
 
 def check_backward_args(op: str, grad_out, grad_lse, q, k, v, attn_bias, out, lse, softcap, dropout_p,
-                        dropout_seed, window_left, window_right) -> None:
-    check_args(op, q, k, v, attn_bias, softcap, dropout_p, dropout_seed, window_left, window_right)
+                        dropout_seed, window_left, window_right, alibi_slopes=None) -> None:
+    check_args(op, q, k, v, attn_bias, softcap, dropout_p, dropout_seed, window_left, window_right,
+               alibi_slopes)
     check_saved_and_grads(op, q, v, out, lse, grad_out, grad_lse, out_shapes(q, v))
 
 
@@ -100,9 +115,9 @@ def check_saved_and_grads(op: str, q, v, out, lse, grad_out, grad_lse, shapes) -
 
 
 def spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p,
-            dropout_seed) -> ref.Spec:
+            dropout_seed, alibi_slopes=None) -> ref.Spec:
     return ref.Spec(ref.resolve_scale(scale, q.shape[-1]), causal, window_left, window_right,
-                    softcap, dropout_p, dropout_seed if dropout_p > 0 else None)
+                    softcap, dropout_p, dropout_seed if dropout_p > 0 else None, alibi_slopes)
 
 
 def use_triton(op: str, q: Tensor, k: Tensor, v: Tensor, attn_bias, dropout_p: float) -> bool:
@@ -145,15 +160,15 @@ def check_sm90_args(op: str, q, k, v, causal: bool) -> None:
 
 def _sm90_serves(q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: ref.Spec) -> bool:
     """Whether the Hopper kernel of csrc/attention (flash.attention_fwd_sm90) serves this call:
-    built for this head dim, an sm_90 GPU, within the op's contract, no bias/window/softcap/
+    built for this head dim, an sm_90 GPU, within the op's contract, no bias/ALiBi/window/softcap/
     dropout, and the layout its TMA descriptors need (16-byte aligned, strides within 32 bits)."""
     info = _extension.build_info()
     if (info is None or "flash::attention_fwd_sm90" not in info["ops"] or q.device.type != "cuda"
             or torch.cuda.get_device_capability(q.device) != (9, 0)):
         return False
     if (q.shape[-1] not in info["hdims"] or sm90_unsupported(q, k, v, spec.causal) is not None
-            or attn_bias is not None or spec.dropout_p > 0 or spec.softcap > 0
-            or spec.window_left >= 0 or spec.window_right >= 0):
+            or attn_bias is not None or spec.alibi_slopes is not None or spec.dropout_p > 0
+            or spec.softcap > 0 or spec.window_left >= 0 or spec.window_right >= 0):
         return False
     group = q.shape[1] // k.shape[1]
     # in elements: a multiple of 8 is 16 bytes; tensors come from 512-byte aligned allocations
@@ -181,7 +196,7 @@ def kernel_flags(spec: ref.Spec) -> dict:
     """The Triton launchers' keyword arguments for one call."""
     return dict(scale=spec.scale, causal=spec.causal, window_left=spec.window_left,
                 window_right=spec.window_right, softcap=spec.softcap, dropout_p=spec.dropout_p,
-                dropout_seed=spec.seed)
+                dropout_seed=spec.seed, alibi_slopes=spec.alibi_slopes)
 
 
 class _Sm90Plan:
@@ -191,7 +206,7 @@ class _Sm90Plan:
     def __init__(self, spec: ref.Spec):
         self.scale, self.causal = spec.scale, spec.causal
 
-    def __call__(self, q, k, v, attn_bias, cu_q, cu_k, dropout_seed):
+    def __call__(self, q, k, v, attn_bias, cu_q, cu_k, dropout_seed, alibi_slopes):
         return torch.ops.flash.attention_fwd_sm90(q, k, v, self.scale, self.causal)
 
 
@@ -199,11 +214,13 @@ class _Sm90Plan:
 FORWARD_PLANS = Plans()
 
 
-def _forward(op: str, q, k, v, attn_bias, scale, causal, window_left, window_right, softcap,
+def _forward(op: str, q, k, v, attn_bias, alibi_slopes, scale, causal, window_left, window_right, softcap,
              dropout_p, dropout_seed) -> tuple[Tensor, Tensor]:
     def make():
-        check_args(op, q, k, v, attn_bias, softcap, dropout_p, dropout_seed, window_left, window_right)
-        spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
+        check_args(op, q, k, v, attn_bias, softcap, dropout_p, dropout_seed, window_left, window_right,
+                   alibi_slopes)
+        spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed,
+                       alibi_slopes)
         backend = _dispatch.select(op, q, triton=_triton_serves(q, k, v, attn_bias, dropout_p),
                                    cuda=lambda: _sm90_serves(q, k, v, attn_bias, spec))
         if backend == "cuda":
@@ -213,29 +230,32 @@ def _forward(op: str, q, k, v, attn_bias, scale, causal, window_left, window_rig
             return AttentionFwd(q, k, v, attn_bias, None, None, q.shape[0], q.shape[2], k.shape[2],
                                 kernel_flags(spec))
         return None
-    values = (q, k, v, attn_bias, dropout_seed, scale, causal, window_left, window_right, softcap, dropout_p)
+    values = (q, k, v, attn_bias, dropout_seed, alibi_slopes, scale, causal, window_left, window_right, softcap,
+              dropout_p)
     plan = FORWARD_PLANS.get(op, values, make)
     if plan is None:
-        spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
+        spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed,
+                       alibi_slopes)
         return ref.forward(q, k, v, attn_bias, spec)
-    return plan(q, k, v, attn_bias, None, None, dropout_seed)
+    return plan(q, k, v, attn_bias, None, None, dropout_seed, alibi_slopes)
 
 
 @triton_op("flash::attention", mutates_args=())
 def _attention(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor] = None,
-               dropout_seed: Optional[Tensor] = None, *, scale: Optional[float] = None,
-               causal: bool = False, window_left: int = -1, window_right: int = -1,
-               softcap: float = 0.0, dropout_p: float = 0.0) -> Tensor:
-    return _forward("attention", q, k, v, attn_bias, scale, causal, window_left, window_right,
+               dropout_seed: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None, *,
+               scale: Optional[float] = None, causal: bool = False, window_left: int = -1,
+               window_right: int = -1, softcap: float = 0.0, dropout_p: float = 0.0) -> Tensor:
+    return _forward("attention", q, k, v, attn_bias, alibi_slopes, scale, causal, window_left, window_right,
                     softcap, dropout_p, dropout_seed)[0]
 
 
 @triton_op("flash::attention_with_lse", mutates_args=())
 def _attention_with_lse(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor] = None,
-                        dropout_seed: Optional[Tensor] = None, *, scale: Optional[float] = None,
-                        causal: bool = False, window_left: int = -1, window_right: int = -1,
-                        softcap: float = 0.0, dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
-    return _forward("attention_with_lse", q, k, v, attn_bias, scale, causal, window_left,
+                        dropout_seed: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None, *,
+                        scale: Optional[float] = None, causal: bool = False, window_left: int = -1,
+                        window_right: int = -1, softcap: float = 0.0,
+                        dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
+    return _forward("attention_with_lse", q, k, v, attn_bias, alibi_slopes, scale, causal, window_left,
                     window_right, softcap, dropout_p, dropout_seed)
 
 
@@ -254,7 +274,7 @@ def cudnn_backward_serves(grad_lse, q: Tensor, k: Tensor, v: Tensor, attn_bias, 
     backend, cuDNN's SDPA enabled, an sm_90
     GPU, fp16/bf16, one head dim <= 128 (a multiple of 8), Sq == Sk (cuDNN aligns the causal
     diagonal top-left, ours bottom-right), causal only from CUDNN_CAUSAL_MIN_SEQLEN keys, no
-    bias, dropout, softcap, window or lse gradient, and k and v laid out as cuDNN reads them
+    bias, ALiBi, dropout, softcap, window or lse gradient, and k and v laid out as cuDNN reads them
     (strides and, where real, addresses 16-byte aligned; q is copied anyway)."""
     d, s = q.shape[-1], q.shape[2]
     return (os.environ.get("TORCH_FLASH_CUDNN_BACKWARD") != "0" and q.device.type == "cuda"
@@ -264,7 +284,7 @@ def cudnn_backward_serves(grad_lse, q: Tensor, k: Tensor, v: Tensor, attn_bias, 
             and q.dtype in (torch.float16, torch.bfloat16) and v.shape[-1] == d and d <= 128 and d % 8 == 0
             and k.shape[2] == s and q.numel() > 0 and k.numel() > 0 and grad_lse is None
             and (not spec.causal or s >= CUDNN_CAUSAL_MIN_SEQLEN)
-            and attn_bias is None and spec.dropout_p == 0 and spec.softcap == 0
+            and attn_bias is None and spec.alibi_slopes is None and spec.dropout_p == 0 and spec.softcap == 0
             and spec.window_left < 0 and spec.window_right < 0
             and all(_cudnn_aligned(t) for t in (k, v)))
 
@@ -321,7 +341,7 @@ class _Sm90BwdPlan:
     def __init__(self, spec: ref.Spec):
         self.scale, self.causal = spec.scale, spec.causal
 
-    def __call__(self, grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, dropout_seed):
+    def __call__(self, grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, dropout_seed, alibi_slopes):
         return (*torch.ops.flash.attention_bwd_sm90(grad_out, q, k, v, out, lse, self.scale, self.causal), None)
 
 
@@ -341,8 +361,10 @@ def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
                         v: Tensor, attn_bias: Optional[Tensor], out: Tensor, lse: Tensor,
                         scale: float, causal: bool, window_left: int, window_right: int,
                         softcap: float, dropout_p: float, dropout_seed: Optional[Tensor],
-                        bias_requires_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                        bias_requires_grad: bool,
+                        alibi_slopes: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dbias); dbias has attn_bias's shape, or is empty unless bias_requires_grad.
+    The ALiBi slopes get no gradient.
     cuDNN's backward where it serves (cudnn_backward_serves), else the Hopper kernel where it
     serves (_sm90_bwd_serves: on request), else the Triton kernels. cuDNN sums dq with atomic
     adds, not bitwise reproducible, so torch.use_deterministic_algorithms(True) turns it off;
@@ -350,8 +372,9 @@ def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
     pass."""
     def make():
         check_backward_args("attention_backward", grad_out, grad_lse, q, k, v, attn_bias, out, lse, softcap,
-                            dropout_p, dropout_seed, window_left, window_right)
-        spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
+                            dropout_p, dropout_seed, window_left, window_right, alibi_slopes)
+        spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed,
+                       alibi_slopes)
         if cudnn_backward_serves(grad_lse, q, k, v, attn_bias, spec):
             _dispatch.LAST["attention_backward"] = "cudnn"
             return _CUDNN
@@ -367,13 +390,14 @@ def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
                             k.shape[2], kernel_flags(spec), bias_requires_grad, deterministic=True)
     # with the global state cudnn_backward_serves reads
     values = (grad_out, grad_lse, q, k, v, attn_bias, out, lse, scale, causal, window_left, window_right, softcap,
-              dropout_p, dropout_seed, bias_requires_grad, os.environ.get("TORCH_FLASH_CUDNN_BACKWARD"),
+              dropout_p, dropout_seed, bias_requires_grad, alibi_slopes, os.environ.get("TORCH_FLASH_CUDNN_BACKWARD"),
               torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.cudnn_sdp_enabled())
     plan = BACKWARD_PLANS.get("attention_backward", values, make)
     if plan is not None and plan is not _CUDNN:
-        dq, dk, dv, dbias = plan(grad_out, grad_lse, q, k, v, attn_bias, out, lse, None, None, dropout_seed)
+        dq, dk, dv, dbias = plan(grad_out, grad_lse, q, k, v, attn_bias, out, lse, None, None, dropout_seed,
+                                 alibi_slopes)
         return dq, dk, dv, grad_or_empty(dbias, q)
-    spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
+    spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed, alibi_slopes)
     if plan is _CUDNN:
         return (*_cudnn_backward(grad_out, q, k, v, out, lse, spec), grad_or_empty(None, q))
     dq, dk, dv, dbias = ref.backward(grad_out, grad_lse, q, k, v, attn_bias, out, lse, spec, bias_requires_grad)
@@ -410,7 +434,8 @@ _SCALARS = ("causal", "window_left", "window_right", "softcap", "dropout_p")
 
 def _save(ctx, args: dict, out: Tensor, lse: Tensor) -> None:
     q = args["q"]
-    ctx.save_for_backward(q, args["k"], args["v"], args["attn_bias"], out, lse, args["dropout_seed"])
+    ctx.save_for_backward(q, args["k"], args["v"], args["attn_bias"], out, lse, args["dropout_seed"],
+                          args["alibi_slopes"])
     ctx.scale = ref.resolve_scale(args["scale"], q.shape[-1])
     ctx.scalars = [args[n] for n in _SCALARS]
     # not ctx.needs_input_grad: the dispatcher drops trailing default arguments (bias None)
@@ -419,21 +444,21 @@ def _save(ctx, args: dict, out: Tensor, lse: Tensor) -> None:
 
 def _grads(ctx, grad_out: Tensor, grad_lse: Optional[Tensor]) -> tuple:
     """Gradients of (q, k, v, attn_bias)."""
-    q, k, v, attn_bias, out, lse, dropout_seed = ctx.saved_tensors
+    q, k, v, attn_bias, out, lse, dropout_seed, alibi_slopes = ctx.saved_tensors
     dq, dk, dv, dbias = call("attention_backward",
                              grad_out, grad_lse, q, k, v, attn_bias, out, lse, ctx.scale, *ctx.scalars,
-                             dropout_seed, ctx.bias_grad)
+                             dropout_seed, ctx.bias_grad, alibi_slopes)
     return dq, dk, dv, dbias if ctx.bias_grad else None
 
 
 def _setup_with_lse(ctx, inputs, keyword_only_inputs, output):
-    q, k, v, attn_bias, dropout_seed = inputs
-    _save(ctx, dict(q=q, k=k, v=v, attn_bias=attn_bias, dropout_seed=dropout_seed,
+    q, k, v, attn_bias, dropout_seed, alibi_slopes = inputs
+    _save(ctx, dict(q=q, k=k, v=v, attn_bias=attn_bias, dropout_seed=dropout_seed, alibi_slopes=alibi_slopes,
                     **keyword_only_inputs), *output)
 
 
 _attention_with_lse.register_autograd(
-    lambda ctx, grad_out, grad_lse: (*_grads(ctx, grad_out, grad_lse), None),
+    lambda ctx, grad_out, grad_lse: (*_grads(ctx, grad_out, grad_lse), None, None),
     setup_context=_setup_with_lse)
 register_autograd_via(
     _attention,
@@ -455,7 +480,7 @@ def op_kwargs(op: str, scale, causal, window, softcap, dropout_p) -> dict:
 
 def attention(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor] = None, *,
               scale: Optional[float] = None, causal: bool = False, window: tuple[int, int] = (-1, -1),
-              softcap: float = 0.0, dropout_p: float = 0.0) -> Tensor:
+              softcap: float = 0.0, dropout_p: float = 0.0, alibi_slopes: Optional[Tensor] = None) -> Tensor:
     """Exact softmax attention, FlashAttention-style (no Sq x Sk matrix in memory).
 
     q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv) with Hq % Hkv == 0 (GQA/MQA);
@@ -467,7 +492,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor] = Non
     window = (left, right) (-1 = unbounded) align the diagonal bottom-right when Sq != Sk
     (query i sees key j iff i + Sk - Sq - left <= j <= i + Sk - Sq + right; causal sets
     right = 0). softcap > 0 applies softcap * tanh(s / softcap) to the scaled scores
-    before bias and mask (Gemma 2). dropout_p drops attention probabilities with a seed
+    before bias and mask (Gemma 2). alibi_slopes: fp32 (Hq,) or (B, Hq), ALiBi as FlashAttention 2
+    adds it, -slope * |i + Sk - Sq - j| on the scaled (capped) scores, computed inside the kernels
+    (no gradient for the slopes). dropout_p drops attention probabilities with a seed
     drawn from torch's default generator. A query that sees no key gets zeros.
     The backward of plain fp16/bf16 self-attention on a Hopper GPU runs cuDNN's
     (ops.attention.cudnn_backward_serves; TORCH_FLASH_CUDNN_BACKWARD=0 turns it off), which
@@ -475,17 +502,17 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor] = Non
     torch.use_deterministic_algorithms(True) the Triton backward runs instead, which is (as it
     is everywhere else).
     """
-    return call("attention", q, k, v, attn_bias,
+    return call("attention", q, k, v, attn_bias, alibi_slopes=alibi_slopes,
                 **op_kwargs("attention", scale, causal, window, softcap, dropout_p))
 
 
 def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor] = None, *,
                        scale: Optional[float] = None, causal: bool = False,
                        window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                       dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
+                       dropout_p: float = 0.0, alibi_slopes: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """`attention`, also returning lse (B, Hq, Sq): the log-sum-exp of each query's
     scores over its visible keys, fp32 (fp64 for fp64 inputs), -inf where none is
     visible. Differentiable in both outputs (merging partial attentions, ring attention).
     """
-    return call("attention_with_lse", q, k, v, attn_bias,
+    return call("attention_with_lse", q, k, v, attn_bias, alibi_slopes=alibi_slopes,
                 **op_kwargs("attention_with_lse", scale, causal, window, softcap, dropout_p))

@@ -5,12 +5,16 @@ query head h reads key/value head h // (Hq // Hkv).
 
     s = scale * q k^T                     scale defaults to D ** -0.5
     s = softcap * tanh(s / softcap)       when softcap > 0 (Gemma 2), before bias and mask
+    s = s - slope * |i + Sk - Sq - j|     ALiBi, when alibi_slopes (fp32 (Hq,) or (B, Hq)) is given
     s = s + attn_bias                     float bias; a bool bias keeps where True
     key j is visible to query i iff i + Sk - Sq - left <= j <= i + Sk - Sq + right
                                           (window (left, right), -1 = unbounded, causal
                                           means right = 0: aligned bottom-right as FlashAttention)
     lse = logsumexp_j s,  p = exp(s - lse),  out = dropout(p) v
 
+ALiBi is FlashAttention 2's: the distance to the bottom-right diagonal, per sequence for
+varlen (FlashAttention's causal kernels add slope * (j - Sk + 1) instead, which differs by a
+constant per row: the same out, an lse that differs by slope * (Sq - 1 - i)).
 A row with no visible key gets out 0 and lse -inf. lse is fp32 (fp64 for fp64 inputs).
 Dropout keeps p[b, h, i, j] iff u >= dropout_p and scales kept entries by 1 / (1 - dropout_p),
 where u = tl.uint_to_uniform_float(first word of tl.philox(seed, j, i, b*Hq + h, 0)), i.e.
@@ -40,7 +44,8 @@ CHUNK_ELEMENTS = 1 << 22
 @dataclass(frozen=True)
 class Spec:
     """The scalar arguments of one attention call, with scale resolved; seed is the
-    dropout seed (an int, or an int64 tensor of one element so tracing needs no .item())."""
+    dropout seed (an int, or an int64 tensor of one element so tracing needs no .item());
+    alibi_slopes the fp32 ALiBi slopes, (Hq,) or (B, Hq), or None."""
     scale: float
     causal: bool = False
     window_left: int = -1
@@ -48,6 +53,7 @@ class Spec:
     softcap: float = 0.0
     dropout_p: float = 0.0
     seed: Tensor | int | None = None
+    alibi_slopes: Tensor | None = None
 
     @property
     def right(self) -> int:
@@ -152,7 +158,23 @@ MASK_FILL = -1e9
 MASK_SCORE = -1e4
 
 
-def _mask_scores(s: Tensor, bias: Tensor | None, vis: Tensor | None) -> Tensor:
+def alibi_bias(slopes: Tensor, pos: Positions, r0: int, r1: int, dtype: torch.dtype) -> Tensor:
+    """(B or 1, Hq, r1 - r0, Sk) ALiBi bias -slope * |diag_i - j| of query rows [r0, r1);
+    (B, Hq) slopes of packed sequences are picked per row by its sequence."""
+    dist = (pos.q_diag[r0:r1, None] - pos.k_pos).abs().to(dtype)
+    slopes = slopes.to(dtype)
+    if slopes.dim() == 1:
+        per_row = slopes[None, :, None, None]
+    elif pos.q_seq is None:
+        per_row = slopes[:, :, None, None]
+    else:
+        per_row = slopes[pos.q_seq[r0:r1]].T[None, :, :, None]
+    return -per_row * dist
+
+
+def _mask_scores(s: Tensor, bias: Tensor | None, vis: Tensor | None, alibi: Tensor | None = None) -> Tensor:
+    if alibi is not None:
+        s = s + alibi
     if bias is not None and bias.dtype == torch.bool:
         s = s.masked_fill(~bias, -math.inf)
     elif bias is not None:
@@ -171,12 +193,12 @@ def _probs(s: Tensor, lse: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------- naive formula
 
 def attention_with_lse(q, k, v, attn_bias=None, *, scale=None, causal=False, window=(-1, -1),
-                       softcap=0.0, dropout_p=0.0, dropout_seed=None, positions=None):
+                       softcap=0.0, dropout_p=0.0, dropout_seed=None, alibi_slopes=None, positions=None):
     """(out (B, Hq, Sq, Dv) in q's dtype, lse (B, Hq, Sq)) by the formula, O(Sq*Sk) memory.
     Differentiable; computes in fp32 (fp64 for fp64 inputs). dropout_seed: int or tensor;
     positions: packed sequences (varlen), None for one sequence per batch row."""
     spec = Spec(resolve_scale(scale, q.shape[-1]), causal, window[0], window[1], softcap,
-                dropout_p, dropout_seed)
+                dropout_p, dropout_seed, alibi_slopes)
     cdt = compute_dtype(q.dtype)
     group = q.shape[1] // k.shape[1]
     k, v = (t.to(cdt).repeat_interleave(group, dim=1) for t in (k, v))
@@ -186,7 +208,8 @@ def attention_with_lse(q, k, v, attn_bias=None, *, scale=None, causal=False, win
     sq, sk = s.shape[-2:]
     bias = None if attn_bias is None else bias_4d(attn_bias)
     pos = positions or dense_positions(sq, sk, q.device)
-    s = _mask_scores(s, bias, visible(pos, 0, sq, spec))
+    alibi = None if alibi_slopes is None else alibi_bias(alibi_slopes, pos, 0, sq, cdt)
+    s = _mask_scores(s, bias, visible(pos, 0, sq, spec), alibi)
     lse = torch.logsumexp(s, -1)
     p = _probs(s, lse)
     if dropout_p > 0:
@@ -221,6 +244,7 @@ def _cpu_flash_applies(q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: Spec, p
     """PyTorch's flash CPU kernel: plain softmax attention, causal only top-left (so Sq == Sk)."""
     sq, sk = q.shape[2], k.shape[2]
     return (q.device.type == "cpu" and q.dtype in _CPU_FLASH_DTYPES and attn_bias is None
+            and spec.alibi_slopes is None
             and positions is None and q.numel() > 0 and k.numel() > 0
             and q.shape[-1] == v.shape[-1] and spec.softcap == 0 and spec.dropout_p == 0
             and spec.window_left < 0 and (spec.right < 0 or (spec.right == 0 and sq == sk)))
@@ -272,7 +296,9 @@ class _Chunks:
             tanh = torch.tanh(s / spec.softcap)
             s = spec.softcap * tanh
         bias = None if self.bias is None else _rows(self.bias, r0, r1)
-        return _mask_scores(s, bias, visible(self.pos, r0, r1, spec)), tanh
+        alibi = (None if spec.alibi_slopes is None
+                 else _grouped(alibi_bias(spec.alibi_slopes, self.pos, r0, r1, self.cdt), self.hkv))
+        return _mask_scores(s, bias, visible(self.pos, r0, r1, spec), alibi), tanh
 
     def dropout(self, r0: int, r1: int) -> Tensor | None:
         """Keep-mask divided by the keep probability, grouped (B, Hkv, g, rows, Sk)."""

@@ -8,6 +8,8 @@ first when rotary tables are given; q is rotated at cache_seqlens[b] + i too), t
 sequence attends over its L = cache_seqlens[b] + Snew keys. Query i sits at position
 L - Sq + i (causal aligned bottom-right, as FlashAttention). A query with no visible key
 gets out = 0 and lse = -inf (it carries no weight when partial attentions are merged).
+alibi_slopes (fp32 (Hq,) or (B, Hq)) add -slope * |query position - key position| to the
+scaled (and capped) scores, as FlashAttention 2.
 
 The masked softmax here is local to decoding (Sq is small, so the (Sq, L) scores are too).
 """
@@ -53,7 +55,8 @@ def gather(cache, lengths, block_table):
     return cache[blk.where(valid, 0), :, off].transpose(1, 2)
 
 
-def attend(q, k, v, lengths, scale, causal=True, window_left=-1, window_right=-1, softcap=0.0):
+def attend(q, k, v, lengths, scale, causal=True, window_left=-1, window_right=-1, softcap=0.0,
+           alibi_slopes=None):
     """Masked attention of q (B, Hq, Sq, D) over k/v (B, Hkv, L, D|Dv) whose first lengths[b]
     keys exist. Returns out (B, Hq, Sq, Dv) in q's dtype and lse (B, Hq, Sq) fp32."""
     B, Hq, Sq, D = q.shape
@@ -67,6 +70,9 @@ def attend(q, k, v, lengths, scale, causal=True, window_left=-1, window_right=-1
     key = torch.arange(L, device=q.device)
     query = lengths[:, None] - Sq + torch.arange(Sq, device=q.device)  # (B, Sq) positions
     rel = key - query[:, :, None]  # (B, Sq, L): key position minus query position
+    if alibi_slopes is not None:  # (B or 1, Hkv, group, 1, 1) slopes times (B, 1, 1, Sq, L) distances
+        slopes = alibi_slopes.to(cdt).reshape(-1, Hkv, Hq // Hkv, 1, 1)
+        s = s - slopes * rel.abs().to(cdt)[:, None, None]
     visible = key < lengths[:, None, None]
     if causal:
         visible = visible & (rel <= 0)
@@ -83,7 +89,7 @@ def attend(q, k, v, lengths, scale, causal=True, window_left=-1, window_right=-1
 
 def attention_decode(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, block_table=None,
                      rotary_cos=None, rotary_sin=None, scale=None, causal=True, window_left=-1,
-                     window_right=-1, softcap=0.0, rotary_interleaved=False):
+                     window_right=-1, softcap=0.0, rotary_interleaved=False, alibi_slopes=None):
     """Append k_new/v_new to the caches (in place), then attend; returns (out, lse)."""
     table = block_table_of(k_cache, block_table)
     lengths = cache_seqlens.long()
@@ -96,4 +102,4 @@ def attention_decode(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None,
         lengths = lengths + k_new.shape[2]
     k, v = gather(k_cache, lengths, table), gather(v_cache, lengths, table)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return attend(q, k, v, lengths, scale, causal, window_left, window_right, softcap)
+    return attend(q, k, v, lengths, scale, causal, window_left, window_right, softcap, alibi_slopes)

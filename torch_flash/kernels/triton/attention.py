@@ -8,8 +8,9 @@ first row and length from cu_seqlens (varlen) or takes row 0 and the dense lengt
 
 Visibility of key j from query i (diag = Sk - Sq, bottom-right aligned):
     i + diag - window_left <= j <= i + diag + window_right,  causal => window_right = 0,
-then the bias / boolean mask. Scores are kept in log2 units (log2(e) folded into the scale)
-so the softmax uses exp2; lse is returned in natural log. Each loop over the other sequence
+then ALiBi (-slope * |i + diag - j|, slope of the program's (batch, head) read from a (H,) or
+(B, H) tensor: no bias matrix) and the bias / boolean mask. Scores are kept in log2 units
+(log2(e) folded into the scale) so the softmax uses exp2; lse is returned in natural log. Each loop over the other sequence
 is split into block ranges that need the visibility mask (edges of the band, sequence ends)
 and a middle range that does not; blocks outside the band are never visited.
 
@@ -89,7 +90,7 @@ _AUTOTUNE = os.environ.get("TORCH_FLASH_AUTOTUNE", "1") != "0"
 _DELTA_TILE = 256 if _INTERPRET else 8192  # rows x padded Dv of one delta program
 
 # SEQ_BUCKET (a power of two of the longer sequence) keeps one tuning per size class.
-_KEY = ["SEQ_BUCKET", "HEAD_DIM", "HEAD_DIM_V", "IS_CAUSAL", "BIAS_KIND", "DROPOUT"]
+_KEY = ["SEQ_BUCKET", "HEAD_DIM", "HEAD_DIM_V", "IS_CAUSAL", "BIAS_KIND", "DROPOUT", "ALIBI"]
 
 
 # --------------------------------------------------------------------------------------
@@ -144,17 +145,37 @@ def _tanh(x):
 
 
 @triton.jit
+def _alibi(s, slope, dist):
+    """s - slope * |dist|: ALiBi for query/key pairs dist positions from the diagonal (slope in
+    the units of s). Shared with the decoding kernel."""
+    return s - slope * tl.abs(dist.to(tl.float32))
+
+
+@triton.jit
+def _alibi_slope(alibi_base, ALIBI: tl.constexpr):
+    """The ALiBi slope of one (batch, head) in log2 units, 0 without ALiBi."""
+    if ALIBI:
+        return tl.load(alibi_base) * _LOG2E
+    else:
+        return 0.0
+
+
+@triton.jit
 def _scores(qk, i, j, seq_q, seq_k, diag, window_left, window_right, bias_base, stride_bm, stride_bn,
-            qk_scale, softcap, BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
+            qk_scale, softcap, slope, BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+            MASKED: tl.constexpr):
     """Scores in log2 units for a tile of q.k products; i, j broadcast to the tile (either
     orientation). Returns (scores, tanh of the capped logits; the softcap gradient needs it).
-    With SOFTCAP, qk_scale = scale / softcap and softcap is pre-multiplied by log2(e)."""
+    With SOFTCAP, qk_scale = scale / softcap and softcap is pre-multiplied by log2(e); slope
+    (ALiBi) is in log2 units too."""
     if SOFTCAP:
         t = _tanh(qk * qk_scale)
         s = t * softcap
     else:
         t = qk
         s = qk * qk_scale
+    if ALIBI:
+        s = _alibi(s, slope, i + diag - j)
     if BIAS_KIND != 0:
         ptrs = bias_base + i.to(tl.int64) * stride_bm + j * stride_bn
         inside = (i < seq_q) & (j < seq_k)
@@ -250,10 +271,10 @@ def _lse_log2(lse):
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bm,
                stride_bn, seed, bh, offs_m, seq_q, seq_k, diag, window_left, window_right,
-               qk_scale, softcap, dropout_p, first, n_first, second, n_blocks,
+               qk_scale, softcap, slope, dropout_p, first, n_first, second, n_blocks,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr,
-               DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr,
+               ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr,
                MASKED: tl.constexpr):
     """Online softmax over the key blocks of one loop (see _loop_plan)."""
     offs_d = tl.arange(0, BLOCK_D)
@@ -263,8 +284,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base
         k = _load_tile(k_base, offs_n, stride_kn, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
         qk = _dot(q, tl.trans(k), None, DOT_PREC)
         s, _ = _scores(qk, offs_m[:, None], offs_n[None, :], seq_q, seq_k, diag, window_left,
-                       window_right, bias_base, stride_bm, stride_bn, qk_scale, softcap,
-                       BIAS_KIND, SOFTCAP, MASKED)
+                       window_right, bias_base, stride_bm, stride_bn, qk_scale, softcap, slope,
+                       BIAS_KIND, SOFTCAP, ALIBI, MASKED)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s - m_use[:, None])
@@ -279,15 +300,15 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, Out, Lse, Bias, Seed, CuQ, CuK,
+def _attn_fwd(Q, K, V, Out, Lse, Bias, Seed, CuQ, CuK, Alibi,
               stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
-              stride_lb, stride_lh, stride_bb, stride_bh, stride_bm, stride_bn,
+              stride_lb, stride_lh, stride_bb, stride_bh, stride_bm, stride_bn, stride_ab, stride_ah,
               H, GROUP, SEQ_Q, SEQ_K, SEQ_BUCKET, qk_scale, softcap, dropout_p,
               window_left, window_right,
               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
               BLOCK_DV: tl.constexpr, IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr,
-              SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
+              SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
               DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: BLOCK_M query rows of one (batch, q head). Writes out and lse."""
     qk_scale, softcap, dropout_p = fp32(qk_scale), fp32(softcap), fp32(dropout_p)
@@ -308,6 +329,7 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias, Seed, CuQ, CuK,
     o_base = Out + b64 * stride_ob + h64 * stride_oh + q_start * stride_om
     lse_base = Lse + b64 * stride_lb + h64 * stride_lh + q_start
     bias_base = Bias + b64 * stride_bb + h64 * stride_bh
+    slope = _alibi_slope(Alibi + b64 * stride_ab + h64 * stride_ah, ALIBI)
     seed = tl.load(Seed) if DROPOUT else 0
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -321,9 +343,9 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias, Seed, CuQ, CuK,
         first, n_first, second, n_blocks = _loop_plan(phase == 0, a, b_, c, hi, BLOCK_N)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
                                    bias_base, stride_bm, stride_bn, seed, bh, offs_m, seq_q, seq_k,
-                                   diag, window_left, window_right, qk_scale, softcap, dropout_p,
+                                   diag, window_left, window_right, qk_scale, softcap, slope, dropout_p,
                                    first, n_first, second, n_blocks, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
-                                   BLOCK_DV, BIAS_KIND, SOFTCAP, DROPOUT, DOT_PREC, BLOCK_N,
+                                   BLOCK_DV, BIAS_KIND, SOFTCAP, ALIBI, DROPOUT, DOT_PREC, BLOCK_N,
                                    phase == 0)
     seen = l_i > 0.0
     acc = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -369,13 +391,13 @@ def _attn_bwd_delta(Out, DO, GradLse, Delta, CuQ,
 
 @triton.jit
 def _bwd_kv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, bias_base,
-                  dbias_base, stride_qh, stride_qm, stride_doh, stride_dom, stride_dqh, stride_dqm,
-                  stride_lh, stride_bh, stride_bm, stride_bn, stride_dbh, stride_dbm, stride_dbn,
+                  dbias_base, alibi_base, stride_qh, stride_qm, stride_doh, stride_dom, stride_dqh, stride_dqm,
+                  stride_lh, stride_bh, stride_bm, stride_bn, stride_dbh, stride_dbm, stride_dbn, stride_ah,
                   seed, bh0, group, offs_n, seq_q, seq_k, diag, window_left, window_right,
                   sm_scale, qk_scale, softcap, dropout_p, first, n_first, second, n_blocks,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, BIAS_KIND: tl.constexpr, BIAS_GRAD: tl.constexpr,
-                  SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                  SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr,
                   DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr):
     """Accumulates dK, dV of one key block over the query blocks of one loop (see _loop_plan)
     of each of the `group` q heads sharing it (bases point at the group's first head). Heads
@@ -400,9 +422,10 @@ def _bwd_kv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, 
             lse = tl.load(lse_base + rows)
             delta = tl.load(delta_base + rows)
         qk_t = _dot(k, tl.trans(q), None, DOT_PREC)
+        slope = _alibi_slope(alibi_base + g * stride_ah, ALIBI)
         s_t, t_t = _scores(qk_t, offs_m[None, :], offs_n[:, None], seq_q, seq_k, diag, window_left,
                            window_right, bias_base + g * stride_bh, stride_bm, stride_bn, qk_scale,
-                           softcap, BIAS_KIND, SOFTCAP, MASKED)
+                           softcap, slope, BIAS_KIND, SOFTCAP, ALIBI, MASKED)
         p_t = tl.math.exp2(s_t - _lse_log2(lse)[None, :])
         dp_t = _dot(v, tl.trans(do), None, DOT_PREC)
         if DROPOUT:
@@ -430,18 +453,18 @@ def _bwd_kv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, 
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, DQ, DK, DV, Lse, Delta, Bias, DBias, Seed, CuQ, CuK,
+def _attn_bwd_dkdv(Q, K, V, DO, DQ, DK, DV, Lse, Delta, Bias, DBias, Seed, CuQ, CuK, Alibi,
                    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                    stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                    stride_dqb, stride_dqh, stride_dqm, stride_dkb, stride_dkh, stride_dkn,
                    stride_dvb, stride_dvh, stride_dvn, stride_lb, stride_lh,
                    stride_bb, stride_bh, stride_bm, stride_bn,
-                   stride_dbb, stride_dbh, stride_dbm, stride_dbn,
+                   stride_dbb, stride_dbh, stride_dbm, stride_dbn, stride_ab, stride_ah,
                    H, GROUP, SEQ_Q, SEQ_K, SEQ_BUCKET, sm_scale, qk_scale, softcap, dropout_p,
                    window_left, window_right,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr,
-                   BIAS_GRAD: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
+                   BIAS_GRAD: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                    ATOMIC_DQ: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: BLOCK_N key rows of one (batch, kv head); loops over the q heads of its
@@ -478,16 +501,17 @@ def _attn_bwd_dkdv(Q, K, V, DO, DQ, DK, DV, Lse, Delta, Bias, DBias, Seed, CuQ, 
     row = b64 * stride_lb + h64 * stride_lh + q_start
     bias_base = Bias + b64 * stride_bb + h64 * stride_bh
     dbias_base = DBias + b64 * stride_dbb + h64 * stride_dbh
+    alibi_base = Alibi + b64 * stride_ab + h64 * stride_ah
     bh0 = (b * H + h64).to(tl.int32)
     for phase in tl.static_range(2):
         first, n_first, second, n_blocks = _loop_plan(phase == 0, a, b_, c, hi, BLOCK_M)
         dk, dv = _bwd_kv_inner(dk, dv, k, v, q_base, do_base, dq_base, Lse + row, Delta + row,
-                               bias_base, dbias_base, stride_qh, stride_qm, stride_doh, stride_dom,
+                               bias_base, dbias_base, alibi_base, stride_qh, stride_qm, stride_doh, stride_dom,
                                stride_dqh, stride_dqm, stride_lh, stride_bh, stride_bm, stride_bn,
-                               stride_dbh, stride_dbm, stride_dbn, seed, bh0, GROUP, offs_n, seq_q,
+                               stride_dbh, stride_dbm, stride_dbn, stride_ah, seed, bh0, GROUP, offs_n, seq_q,
                                seq_k, diag, window_left, window_right, sm_scale, qk_scale, softcap,
                                dropout_p, first, n_first, second, n_blocks, HEAD_DIM, HEAD_DIM_V,
-                               BLOCK_D, BLOCK_DV, BIAS_KIND, BIAS_GRAD, SOFTCAP, DROPOUT, ATOMIC_DQ,
+                               BLOCK_D, BLOCK_DV, BIAS_KIND, BIAS_GRAD, SOFTCAP, ALIBI, DROPOUT, ATOMIC_DQ,
                                DOT_PREC, BLOCK_M, phase == 0)
     _store_tile(DK + b64 * stride_dkb + hk64 * stride_dkh + k_start * stride_dkn, offs_n, stride_dkn,
                 seq_k, offs_d, HEAD_DIM, (dk * sm_scale).to(DK.dtype.element_ty))
@@ -498,10 +522,10 @@ def _attn_bwd_dkdv(Q, K, V, DO, DQ, DK, DV, Lse, Delta, Bias, DBias, Seed, CuQ, 
 @triton.jit
 def _bwd_q_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, bias_base,
                  stride_bm, stride_bn, seed, bh, offs_m, seq_q, seq_k, diag, window_left,
-                 window_right, qk_scale, softcap, dropout_p, first, n_first, second, n_blocks,
+                 window_right, qk_scale, softcap, slope, dropout_p, first, n_first, second, n_blocks,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_DV: tl.constexpr, BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr,
-                 DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr,
+                 ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr,
                  MASKED: tl.constexpr):
     """Accumulates dQ (unscaled) of one query block over the key blocks of one loop."""
     offs_d = tl.arange(0, BLOCK_D)
@@ -512,8 +536,8 @@ def _bwd_q_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, b
         v = _load_tile(v_base, offs_n, stride_vn, seq_k, offs_dv, HEAD_DIM_V, BLOCK_DV, MASKED)
         qk = _dot(q, tl.trans(k), None, DOT_PREC)
         s, t = _scores(qk, offs_m[:, None], offs_n[None, :], seq_q, seq_k, diag, window_left,
-                       window_right, bias_base, stride_bm, stride_bn, qk_scale, softcap,
-                       BIAS_KIND, SOFTCAP, MASKED)
+                       window_right, bias_base, stride_bm, stride_bn, qk_scale, softcap, slope,
+                       BIAS_KIND, SOFTCAP, ALIBI, MASKED)
         p = tl.math.exp2(s - lse2[:, None])
         dp = _dot(do, tl.trans(v), None, DOT_PREC)
         if DROPOUT:
@@ -527,16 +551,16 @@ def _bwd_q_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, b
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Bias, Seed, CuQ, CuK,
+def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Bias, Seed, CuQ, CuK, Alibi,
                  stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                  stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                  stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh,
-                 stride_bb, stride_bh, stride_bm, stride_bn,
+                 stride_bb, stride_bh, stride_bm, stride_bn, stride_ab, stride_ah,
                  H, GROUP, SEQ_Q, SEQ_K, SEQ_BUCKET, sm_scale, qk_scale, softcap, dropout_p,
                  window_left, window_right,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_DV: tl.constexpr, IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr,
-                 SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
+                 SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
                  DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: dQ of BLOCK_M query rows of one (batch, q head), no atomics."""
     sm_scale, qk_scale = fp32(sm_scale), fp32(qk_scale)
@@ -564,6 +588,7 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Bias, Seed, CuQ, CuK,
     k_base = K + b64 * stride_kb + hk64 * stride_kh + k_start * stride_kn
     v_base = V + b64 * stride_vb + hk64 * stride_vh + k_start * stride_vn
     bias_base = Bias + b64 * stride_bb + h64 * stride_bh
+    slope = _alibi_slope(Alibi + b64 * stride_ab + h64 * stride_ah, ALIBI)
     seed = tl.load(Seed) if DROPOUT else 0
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     diag = seq_k - seq_q
@@ -572,9 +597,9 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Bias, Seed, CuQ, CuK,
         first, n_first, second, n_blocks = _loop_plan(phase == 0, a, b_, c, hi, BLOCK_N)
         dq = _bwd_q_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, bias_base,
                           stride_bm, stride_bn, seed, bh, offs_m, seq_q, seq_k, diag, window_left,
-                          window_right, qk_scale, softcap, dropout_p, first, n_first, second,
+                          window_right, qk_scale, softcap, slope, dropout_p, first, n_first, second,
                           n_blocks, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BIAS_KIND, SOFTCAP,
-                          DROPOUT, DOT_PREC, BLOCK_N, phase == 0)
+                          ALIBI, DROPOUT, DOT_PREC, BLOCK_N, phase == 0)
     _store_tile(DQ + b64 * stride_dqb + h64 * stride_dqh + q_start * stride_dqm, offs_m, stride_dqm,
                 seq_q, offs_d, HEAD_DIM, (dq * sm_scale).to(DQ.dtype.element_ty))
 
@@ -665,11 +690,17 @@ def _scale(q, scale):
     return q.shape[-1] ** -0.5 if scale is None else scale
 
 
-def _mask_args(q, *, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed) -> dict:
-    """Scalar arguments of the score / mask / dropout path, in the kernels' units."""
+def _mask_args(q, *, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed,
+               alibi_slopes) -> dict:
+    """Scalar arguments of the score / mask / dropout path, in the kernels' units. ALiBi slopes
+    (H,) or (B, H) are read with a batch stride of 0 or theirs."""
     scale = _scale(q, scale)
     dropout = dropout_p > 0.0
-    return dict(qk_scale=scale / softcap if softcap > 0 else scale * _LOG2E.value,
+    alibi = alibi_slopes is not None
+    stride_ab, stride_ah = ((0, *alibi_slopes.stride()) if alibi and alibi_slopes.dim() == 1
+                            else alibi_slopes.stride() if alibi else (0, 0))
+    return dict(stride_ab=stride_ab, stride_ah=stride_ah, ALIBI=alibi,
+                qk_scale=scale / softcap if softcap > 0 else scale * _LOG2E.value,
                 softcap=softcap * _LOG2E.value, dropout_p=float(dropout_p),
                 window_left=window_left if window_left >= 0 else _UNBOUNDED,
                 window_right=0 if causal else (window_right if window_right >= 0 else _UNBOUNDED),
@@ -707,14 +738,15 @@ def _absent(q) -> dict:
     launchers always had them."""
     no_index = q.new_empty(0, dtype=torch.int32)
     return dict(Bias=q.new_empty(0), Seed=q.new_empty(0, dtype=torch.int64), CuQ=no_index, CuK=no_index,
-                DBias=q.new_empty(0, dtype=torch.float32))
+                DBias=q.new_empty(0, dtype=torch.float32), Alibi=q.new_empty(0, dtype=torch.float32))
 
 
-def _inputs(absent: dict, dropout: bool, q, k, v, attn_bias, cu_q, cu_k, dropout_seed) -> dict:
+def _inputs(absent: dict, dropout: bool, q, k, v, attn_bias, cu_q, cu_k, dropout_seed, alibi_slopes) -> dict:
     """The input tensors the forward and backward kernels share, absent ones stood in for."""
     seed = dropout_seed.to(device=q.device, dtype=torch.int64).reshape(1) if dropout else absent["Seed"]
     return dict(Q=q, K=k, V=v, Bias=absent["Bias"] if attn_bias is None else attn_bias, Seed=seed,
-                CuQ=absent["CuQ"] if cu_q is None else cu_q, CuK=absent["CuK"] if cu_k is None else cu_k)
+                CuQ=absent["CuQ"] if cu_q is None else cu_q, CuK=absent["CuK"] if cu_k is None else cu_k,
+                Alibi=absent["Alibi"] if alibi_slopes is None else alibi_slopes)
 
 
 class AttentionFwd:
@@ -744,12 +776,12 @@ class AttentionFwd:
                         if name not in tensors}
         self.launcher = None
 
-    def __call__(self, q, k, v, attn_bias, cu_q, cu_k, dropout_seed):
+    def __call__(self, q, k, v, attn_bias, cu_q, cu_k, dropout_seed, alibi_slopes):
         out = q.new_empty(self.out_shape)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         if self.empty:
             return out, lse
-        tensors = _inputs(self.absent, self.dropout, q, k, v, attn_bias, cu_q, cu_k, dropout_seed)
+        tensors = _inputs(self.absent, self.dropout, q, k, v, attn_bias, cu_q, cu_k, dropout_seed, alibi_slopes)
         self.launcher = launch_as(self.launcher, self.kernel, self.grid, (),
                                   dict(Out=out, Lse=lse, **tensors, **self.scalars))
         return out, lse
@@ -757,7 +789,7 @@ class AttentionFwd:
 
 def _forward(q, k, v, attn_bias, cu_q, cu_k, n_batch, seq_q, seq_k, flags):
     return AttentionFwd(q, k, v, attn_bias, cu_q, cu_k, n_batch, seq_q, seq_k, flags)(
-        q, k, v, attn_bias, cu_q, cu_k, flags["dropout_seed"])
+        q, k, v, attn_bias, cu_q, cu_k, flags["dropout_seed"], flags["alibi_slopes"])
 
 
 class AttentionBwd:
@@ -800,7 +832,7 @@ class AttentionBwd:
         self.absent = _absent(q)
         self.launchers = [None, None, None]
 
-    def __call__(self, grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, dropout_seed):
+    def __call__(self, grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, dropout_seed, alibi_slopes):
         dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
         dbias_full = (torch.zeros(self.dbias_shape, dtype=torch.float32, device=q.device) if self.bias_grad
                       else None)
@@ -810,7 +842,7 @@ class AttentionBwd:
         absent, launchers = self.absent, self.launchers
         grad_out, out = _rows(grad_out), _rows(out)
         delta = torch.empty_like(lse)
-        tensors = _inputs(absent, self.dropout, q, k, v, attn_bias, cu_q, cu_k, dropout_seed)
+        tensors = _inputs(absent, self.dropout, q, k, v, attn_bias, cu_q, cu_k, dropout_seed, alibi_slopes)
         grad_lse = lse if grad_lse is None else grad_lse.to(torch.float32).expand_as(lse).contiguous()
         launchers[0] = launch_as(launchers[0], _attn_bwd_delta, self.delta_grid, (),
                                  dict(Out=out, DO=grad_out, GradLse=grad_lse, Delta=delta, CuQ=tensors["CuQ"],
@@ -832,7 +864,8 @@ def _backward(grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, n_ba
               flags, bias_requires_grad, deterministic):
     plan = AttentionBwd(grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, n_batch, seq_q, seq_k,
                         flags, bias_requires_grad, deterministic)
-    return plan(grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, flags["dropout_seed"])
+    return plan(grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, flags["dropout_seed"],
+                flags["alibi_slopes"])
 
 
 def _db_strides(dbias_full) -> dict:
@@ -846,46 +879,48 @@ def _sum_to_bias(dbias_full, attn_bias):
     return dbias_full.sum_to_size(attn_bias.shape).to(attn_bias.dtype)
 
 
-def _flags(scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed) -> dict:
+def _flags(scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed, alibi_slopes) -> dict:
     return dict(scale=scale, causal=causal, window_left=window_left, window_right=window_right,
-                softcap=softcap, dropout_p=dropout_p, dropout_seed=dropout_seed)
+                softcap=softcap, dropout_p=dropout_p, dropout_seed=dropout_seed, alibi_slopes=alibi_slopes)
 
 
 def attention_fwd(q, k, v, attn_bias, *, scale, causal, window_left, window_right, softcap,
-                  dropout_p, dropout_seed):
+                  dropout_p, dropout_seed, alibi_slopes=None):
     """Dense attention forward: q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv), attn_bias
-    None / float / bool broadcastable to (B, Hq, Sq, Sk). Returns out (B, Hq, Sq, Dv) contiguous
-    in q's dtype and lse (B, Hq, Sq) fp32 (-inf, with out 0, for rows that see no key)."""
-    flags = _flags(scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
+    None / float / bool broadcastable to (B, Hq, Sq, Sk), alibi_slopes None or fp32 (Hq,) / (B, Hq).
+    Returns out (B, Hq, Sq, Dv) contiguous in q's dtype and lse (B, Hq, Sq) fp32 (-inf, with out
+    0, for rows that see no key)."""
+    flags = _flags(scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed, alibi_slopes)
     return _forward(q, k, v, attn_bias, None, None, q.shape[0], q.shape[2], k.shape[2], flags)
 
 
 def attention_bwd(grad_out, grad_lse, q, k, v, attn_bias, out, lse, *, scale, causal, window_left,
                   window_right, softcap, dropout_p, dropout_seed, bias_requires_grad,
-                  deterministic=False):
+                  deterministic=False, alibi_slopes=None):
     """Gradients of attention_fwd: (dq, dk, dv, dbias or None); grad_lse may be None; dbias has
     attn_bias's shape and dtype. deterministic=True computes dQ without atomics (bitwise
     reproducible, one more pass over K and V)."""
-    flags = _flags(scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
+    flags = _flags(scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed, alibi_slopes)
     return _backward(grad_out, grad_lse, q, k, v, attn_bias, out, lse, None, None, q.shape[0],
                      q.shape[2], k.shape[2], flags, bias_requires_grad, deterministic)
 
 
 def attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale,
-                         causal, window_left, window_right, softcap, dropout_p, dropout_seed):
+                         causal, window_left, window_right, softcap, dropout_p, dropout_seed, alibi_slopes=None):
     """Packed sequences: q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv), int32
-    cu_seqlens (batch + 1,). max_seqlen_* only size the grid (an upper bound is fine; no host
-    sync). Returns out (total_q, Hq, Dv) and lse (Hq, total_q) fp32."""
-    flags = _flags(scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
+    cu_seqlens (batch + 1,), alibi_slopes None or fp32 (Hq,) / (batch, Hq). max_seqlen_* only
+    size the grid (an upper bound is fine; no host sync). Returns out (total_q, Hq, Dv) and lse
+    (Hq, total_q) fp32."""
+    flags = _flags(scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed, alibi_slopes)
     return _forward(q, k, v, None, cu_seqlens_q, cu_seqlens_k, cu_seqlens_q.shape[0] - 1,
                     max_seqlen_q, max_seqlen_k, flags)
 
 
 def attention_varlen_bwd(grad_out, grad_lse, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                          max_seqlen_k, out, lse, *, scale, causal, window_left, window_right, softcap,
-                         dropout_p, dropout_seed, deterministic=False):
+                         dropout_p, dropout_seed, deterministic=False, alibi_slopes=None):
     """Gradients of attention_varlen_fwd: (dq, dk, dv)."""
-    flags = _flags(scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed)
+    flags = _flags(scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed, alibi_slopes)
     dq, dk, dv, _ = _backward(grad_out, grad_lse, q, k, v, None, out, lse, cu_seqlens_q, cu_seqlens_k,
                               cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, flags, False,
                               deterministic)

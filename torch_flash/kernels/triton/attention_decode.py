@@ -16,8 +16,9 @@ Three launches:
    (batch x kv heads, capacity, SM count). q is rotated on load when tables are given.
 3. With more than one split, `_combine_kernel` merges the partial (out, lse) of the splits.
 
-Scores are kept in log2 units (log2(e) folded into the scale), lse is returned in natural log;
-a query that sees no key gets out 0 and lse -inf.
+Scores are kept in log2 units (log2(e) folded into the scale, and into ALiBi's slopes, read per
+row from the (Hq,) or (B, Hq) slopes), lse is returned in natural log; a query that sees no key
+gets out 0 and lse -inf.
 
 Bad index data cannot be validated on the host without a synchronisation, so the kernels
 guard themselves: nothing is read or written outside the caches and the block table, and a
@@ -33,7 +34,7 @@ import triton
 import triton.language as tl
 
 from ... import _dispatch
-from .attention import _LN2, _LOG2E, _UNBOUNDED, _dot, _tanh
+from .attention import _LN2, _LOG2E, _UNBOUNDED, _alibi, _dot, _tanh
 from .launch import cdiv, launch_as, next_power_of_2
 from .scalars import fp32
 
@@ -147,15 +148,15 @@ def _append_kernel(KN, VN, KC, VC, SEQLENS, BT, COS, SIN,
 
 
 @triton.jit
-def _decode_kernel(Q, KC, VC, SEQLENS, BT, COS, SIN, Out, Lse, OutP, LseP,
+def _decode_kernel(Q, KC, VC, SEQLENS, BT, COS, SIN, Alibi, Out, Lse, OutP, LseP,
                    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-                   stride_vb, stride_vh, stride_vn, stride_bt, stride_c,
+                   stride_vb, stride_vh, stride_vn, stride_bt, stride_c, stride_ab, stride_ah,
                    HKV, GROUP, SQ, SNEW, CAPACITY, PAGE, NUM_PAGES, SEQ_RO, NUM_SPLITS,
                    qk_scale, softcap, window_left, window_right,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, RD2: tl.constexpr, ROTARY: tl.constexpr,
                    INTERLEAVED: tl.constexpr, PAGED: tl.constexpr, SOFTCAP: tl.constexpr,
-                   SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
+                   ALIBI: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr):
     """One program: BLOCK_M rows (q head g of the group, query i) of one (batch, kv head) over
     one split of the keys. Writes out/lse, or with SPLIT the split's partial (out, lse)."""
@@ -180,6 +181,8 @@ def _decode_kernel(Q, KC, VC, SEQLENS, BT, COS, SIN, Out, Lse, OutP, LseP,
     q = _load_rows(q_rows, row_ok, d, n_cached.to(tl.int32) + i, COS, SIN, stride_c, SEQ_RO, HEAD_DIM,
                    RD2, ROTARY, INTERLEAVED)
     q_pos = seq_k - SQ + i
+    if ALIBI:  # per row: its q head's slope, in log2 units
+        slope = tl.load(Alibi + b64 * stride_ab + head.to(tl.int64) * stride_ah, mask=row_ok, other=0.0) * _LOG2E
 
     # keys any row sees: [seq_k - SQ - window_left, seq_k), cut into NUM_SPLITS chunks of blocks
     lo = (tl.maximum(seq_k - SQ - window_left, 0) // BLOCK_N) * BLOCK_N
@@ -204,6 +207,8 @@ def _decode_kernel(Q, KC, VC, SEQLENS, BT, COS, SIN, Out, Lse, OutP, LseP,
         else:
             s = qk * qk_scale
         rel = j[None, :] - q_pos[:, None]
+        if ALIBI:
+            s = _alibi(s, slope[:, None], rel)
         visible = ok[None, :] & (rel <= window_right) & (rel >= -window_left)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -302,8 +307,9 @@ class DecodeFwd:
     with the tensors of each call of that signature (the op keeps them per signature,
     torch_flash/ops/attention_decode.py)."""
 
-    def __init__(self, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin, *,
-                 scale, causal, window_left, window_right, softcap, rotary_interleaved, num_splits=0):
+    def __init__(self, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin,
+                 alibi_slopes=None, *, scale, causal, window_left, window_right, softcap, rotary_interleaved,
+                 num_splits=0):
         B, Hq, Sq, D = q.shape
         Hkv, page, Dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[-1]
         self.paged = paged = block_table is not None
@@ -340,7 +346,12 @@ class DecodeFwd:
         width = (_pow2(D) + _pow2(Dv)) * q.element_size()
         self.kernel = _DECODE["narrow" if width <= 512 else "wide"]
         self.grid = (B * Hkv, num_splits, m_blocks)
+        self.alibi = alibi_slopes is not None
+        # (Hq,) slopes: batch stride 0
+        alibi_strides = (((0,) if alibi_slopes.dim() == 1 else ()) + alibi_slopes.stride() if self.alibi
+                         else (0, 0))
         self.scalars = dict(
+            **dict(zip(("stride_ab", "stride_ah"), alibi_strides)), ALIBI=self.alibi,
             **_strides(q, "q", "b", "h", "m"), **_strides(k_cache, "k", "b", "h", "n"),
             **_strides(v_cache, "v", "b", "h", "n"), **common, GROUP=group, SQ=Sq, NUM_SPLITS=num_splits,
             qk_scale=scale / softcap if softcap > 0 else scale * _LOG2E.value, softcap=softcap * _LOG2E.value,
@@ -353,7 +364,8 @@ class DecodeFwd:
                                              BLOCK_SPLITS=block_splits, SPLIT_CHUNK=min(block_splits, 16)))
         self.launchers = [None, None, None]
 
-    def __call__(self, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin):
+    def __call__(self, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin,
+                 alibi_slopes=None):
         absent, launchers = self.absent, self.launchers
         # the kernels index these 1-D / row-major (no-ops for the usual tensors)
         tables = dict(SEQLENS=cache_seqlens.contiguous(), BT=block_table.contiguous() if self.paged else absent,
@@ -373,7 +385,7 @@ class DecodeFwd:
             out_p = lse_p = lse.new_empty(0)
         launchers[1] = launch_as(launchers[1], self.kernel, self.grid, (),
                                  dict(Q=q, KC=k_cache, VC=v_cache, Out=out, Lse=lse, OutP=out_p, LseP=lse_p,
-                                      **tables, **self.scalars))
+                                      Alibi=alibi_slopes if self.alibi else absent, **tables, **self.scalars))
         if self.split:
             grid, scalars = self.combine
             launchers[2] = launch_as(launchers[2], _combine_kernel, grid, (),
@@ -381,12 +393,13 @@ class DecodeFwd:
         return out, lse
 
 
-def decode_fwd(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin, **flags):
+def decode_fwd(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin,
+               alibi_slopes=None, **flags):
     """Append k_new/v_new (B, Hkv, Snew, D|Dv) to the caches in place, then attend. Arguments as
     flash.attention_decode (validated by the op); flags: scale, causal, window_left, window_right,
     softcap, rotary_interleaved, num_splits=0 (picked by auto_num_splits; else at most
     MAX_SPLITS). Returns out (B, Hq, Sq, Dv) contiguous in q's dtype and lse (B, Hq, Sq) fp32."""
-    tensors = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin)
+    tensors = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin, alibi_slopes)
     return DecodeFwd(*tensors, **flags)(*tensors)
 
 
