@@ -48,10 +48,50 @@ def test_varlen_matches_per_sequence():
         assert_rel_close(out[s:e], ref, 1e-5)
 
 
-def test_alibi_is_refused():
-    q = torch.randn(1, 4, 2, 16)
-    with pytest.raises(ValueError, match="compat.flash_attn_func: alibi_slopes"):
-        compat.flash_attn_func(q, q, q, alibi_slopes=torch.ones(2))
+def _alibi_bias(slopes, sq, sk):
+    """FlashAttention 2's ALiBi as a dense (B or 1, H, Sq, Sk) bias: -slope * |i + Sk - Sq - j|."""
+    dist = (torch.arange(sq)[:, None] + sk - sq - torch.arange(sk)).abs()
+    return -slopes.reshape(-1, slopes.shape[-1], 1, 1) * dist
+
+
+@pytest.mark.parametrize("per_batch", [False, True])
+def test_alibi_slopes(per_batch):
+    """alibi_slopes (H,) or (B, H) reach the ops: the same as SDPA with the dense bias, for the
+    packed variants too."""
+    q, k, v = (torch.randn(2, s, 4, 16) for s in (5, 9, 9))
+    slopes = torch.rand((2, 4) if per_batch else (4,))
+    out = compat.flash_attn_func(q, k, v, alibi_slopes=slopes)
+    assert_rel_close(out, _sdpa(q, k, v, attn_mask=_alibi_bias(slopes, 5, 9)), 1e-5)
+    qkv = torch.randn(2, 9, 3, 4, 16)
+    q, k, v = qkv.unbind(2)
+    want = compat.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes)
+    torch.testing.assert_close(compat.flash_attn_qkvpacked_func(qkv, causal=True, alibi_slopes=slopes), want)
+    torch.testing.assert_close(compat.flash_attn_kvpacked_func(q, torch.stack((k, v), 2), causal=True,
+                                                               alibi_slopes=slopes), want)
+
+
+def test_varlen_alibi_per_sequence():
+    """(batch, H) slopes: row b for sequence b, distances within the sequence."""
+    cu_q, cu_k = torch.tensor([0, 3, 8], dtype=torch.int32), torch.tensor([0, 4, 11], dtype=torch.int32)
+    q, k, v = torch.randn(8, 4, 16), torch.randn(11, 4, 16), torch.randn(11, 4, 16)
+    slopes = torch.rand(2, 4)
+    out = compat.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 7, alibi_slopes=slopes)
+    for b in range(2):
+        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        bias = _alibi_bias(slopes[b], sq.stop - sq.start, sk.stop - sk.start)
+        assert_rel_close(out[sq], _sdpa(q[None, sq], k[None, sk], v[None, sk], attn_mask=bias)[0], 1e-5)
+
+
+def test_varlen_packed_variants_match():
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    qkv = torch.randn(8, 3, 4, 16)
+    q, k, v = qkv.unbind(1)
+    slopes = torch.rand(4)
+    want = compat.flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, causal=True, alibi_slopes=slopes)
+    torch.testing.assert_close(compat.flash_attn_varlen_qkvpacked_func(qkv, cu, 5, causal=True, alibi_slopes=slopes),
+                               want)
+    torch.testing.assert_close(compat.flash_attn_varlen_kvpacked_func(q, torch.stack((k, v), 1), cu, cu, 5, 5,
+                                                                      causal=True, alibi_slopes=slopes), want)
 
 
 def test_deterministic_says_how():
@@ -158,8 +198,21 @@ def test_with_kvcache_rotary_positions(causal):
     torch.testing.assert_close(kc, kc2)
 
 
+def test_with_kvcache_alibi():
+    q, kc, vc, k, v = _kvcache_inputs(Sq=2, Snew=2)
+    cs = torch.tensor([3, 7], dtype=torch.int32)
+    slopes = torch.rand(2, 4)
+    kc2, vc2 = kc.clone(), vc.clone()
+    out = compat.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=cs, causal=True, alibi_slopes=slopes)
+    want, _ = _decode_op(q, kc2, vc2, cs, k, v, causal=True, alibi_slopes=slopes)
+    torch.testing.assert_close(out, want)
+    # sequence 1 holds 9 keys; its queries sit at positions 7 and 8
+    causal = torch.ones(2, 9, dtype=torch.bool).tril(7)
+    bias = _alibi_bias(slopes[1], 2, 9).masked_fill(~causal, float("-inf"))
+    assert_rel_close(out[1:], _sdpa(q[1:], kc[1:, :9], vc[1:, :9], attn_mask=bias), 1e-5)
+
+
 @pytest.mark.parametrize("kw,match", [
-    (dict(alibi_slopes=torch.ones(4)), "alibi_slopes"),
     (dict(cache_leftpad=torch.zeros(2, dtype=torch.int32)), "cache_leftpad"),
     (dict(cache_batch_idx=torch.tensor([0, 1], dtype=torch.int32), block_table=torch.zeros(2, 1, dtype=torch.int32)),
      "cache_batch_idx cannot be combined with block_table"),

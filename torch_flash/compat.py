@@ -4,8 +4,11 @@
 
 Tensors use FlashAttention's (batch, seqlen, heads, headdim) layout; they reach the ops as
 `.transpose(1, 2)` views (no copy) and the output comes back contiguous in the same layout.
-Not supported (a clear error, not a silent difference): alibi_slopes and the attention
-probabilities of return_attn_probs (softmax_lse is returned; S_dmask is None). `deterministic`
+alibi_slopes (fp32 (H,) or (batch, H)) pass through to the ops, which compute the bias in their
+kernels as FlashAttention 2 does (softmax_lse of a causal call differs from FlashAttention's by
+a constant per row: its causal kernels drop that constant from the bias, see
+torch_flash/reference/attention.py). Not supported (a clear error, not a silent difference): the
+attention probabilities of return_attn_probs (softmax_lse is returned; S_dmask is None). `deterministic`
 has no per-call effect (a warning says so): torch.use_deterministic_algorithms(True) makes the
 backward bitwise reproducible (flash.attention's docstring says where it is not by default).
 """
@@ -23,10 +26,7 @@ from .ops.attention_varlen import attention_varlen
 from .ops.rotary import rotary
 
 
-def _check_supported(fn: str, alibi_slopes, deterministic: bool = False) -> None:
-    if alibi_slopes is not None:
-        raise ValueError(f"torch_flash.compat.{fn}: alibi_slopes is not supported; pass the ALiBi "
-                         "bias as attn_bias to torch_flash.attention instead")
+def _check_deterministic(fn: str, deterministic: bool) -> None:
     if deterministic and not torch.are_deterministic_algorithms_enabled():
         warnings.warn(f"torch_flash.compat.{fn}: deterministic=True has no per-call effect here; the "
                       "backward is bitwise reproducible under torch.use_deterministic_algorithms(True) "
@@ -43,10 +43,10 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
                     alibi_slopes=None, deterministic: bool = False, return_attn_probs: bool = False):
     """q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) -> out (B, Sq, Hq, Dv)
     (and softmax_lse (B, Hq, Sq), None with return_attn_probs)."""
-    _check_supported("flash_attn_func", alibi_slopes, deterministic)
+    _check_deterministic("flash_attn_func", deterministic)
     out, lse = attention_with_lse(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                   scale=softmax_scale, causal=causal, window=tuple(window_size),
-                                  softcap=softcap, dropout_p=dropout_p)
+                                  softcap=softcap, dropout_p=dropout_p, alibi_slopes=alibi_slopes)
     return _result(out.transpose(1, 2).contiguous(), lse, return_attn_probs)
 
 
@@ -79,11 +79,37 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                            return_attn_probs: bool = False):
     """Packed q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv) with int32
     cu_seqlens (batch + 1,) -> out (total_q, Hq, Dv) (and softmax_lse (Hq, total_q), None)."""
-    _check_supported("flash_attn_varlen_func", alibi_slopes, deterministic)
+    _check_deterministic("flash_attn_varlen_func", deterministic)
     out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                 scale=softmax_scale, causal=causal, window=tuple(window_size),
-                                softcap=softcap, dropout_p=dropout_p, return_lse=True)
+                                softcap=softcap, dropout_p=dropout_p, alibi_slopes=alibi_slopes,
+                                return_lse=True)
     return _result(out, lse, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float = 0.0,
+                                     softmax_scale: Optional[float] = None, causal: bool = False,
+                                     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                                     alibi_slopes=None, deterministic: bool = False,
+                                     return_attn_probs: bool = False):
+    """Packed qkv (total, 3, H, D) -> out (total, H, D)."""
+    q, k, v = qkv.unbind(1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q: Tensor, kv: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                                    max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
+                                    softmax_scale: Optional[float] = None, causal: bool = False,
+                                    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                                    alibi_slopes=None, deterministic: bool = False,
+                                    return_attn_probs: bool = False):
+    """Packed q (total_q, Hq, D), kv (total_k, 2, Hkv, D) -> out (total_q, Hq, D)."""
+    k, v = kv.unbind(1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)
 
 
 def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor] = None,
@@ -101,9 +127,8 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     cache_seqlens (an int or a (B,) int32 tensor; None: the caches are full), rotated by
     rotary_cos/rotary_sin (S_ro, rotary_dim / 2) when given. cache_batch_idx (B,) picks each
     sequence's row of a non-paged cache. Returns out (B, Sq, Hq, Dv) (and softmax_lse
-    (B, Hq, Sq) fp32 with return_softmax_lse). Not supported: alibi_slopes, cache_leftpad."""
+    (B, Hq, Sq) fp32 with return_softmax_lse). Not supported: cache_leftpad."""
     fn = "flash_attn_with_kvcache"
-    _check_supported(fn, alibi_slopes)
     if cache_leftpad is not None:
         raise ValueError(f"torch_flash.compat.{fn}: cache_leftpad is not supported; keep each "
                          "sequence's tokens at the start of its cache")
@@ -130,6 +155,7 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     out, lse = attention_decode(q, k_cache, v_cache, cache_seqlens, k, v, block_table, scale=softmax_scale,
                                 causal=causal, window=tuple(window_size), softcap=softcap,
                                 rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-                                rotary_interleaved=rotary_interleaved, num_splits=num_splits)
+                                rotary_interleaved=rotary_interleaved, num_splits=num_splits,
+                                alibi_slopes=alibi_slopes)
     out = out.transpose(1, 2).contiguous()
     return (out, lse) if return_softmax_lse else out
