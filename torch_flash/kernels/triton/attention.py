@@ -10,9 +10,10 @@ Visibility of key j from query i (diag = Sk - Sq, bottom-right aligned):
     i + diag - window_left <= j <= i + diag + window_right,  causal => window_right = 0,
 then ALiBi (-slope * |i + diag - j|, slope of the program's (batch, head) read from a (H,) or
 (B, H) tensor: no bias matrix) and the bias / boolean mask. Scores are kept in log2 units
-(log2(e) folded into the scale) so the softmax uses exp2; lse is returned in natural log. Each loop over the other sequence
-is split into block ranges that need the visibility mask (edges of the band, sequence ends)
-and a middle range that does not; blocks outside the band are never visited.
+(log2(e) folded into the scale) so the softmax uses exp2; lse is returned in natural log.
+Each loop over the other sequence is split into block ranges that need the visibility mask
+(edges of the band, sequence ends) and a middle range that does not; blocks outside the band
+are never visited.
 
 Backward: delta = rowsum(dO * O) - grad_lse; one kernel per key block accumulates dK/dV over
 query blocks (looping over the q heads of a GQA group, so no atomics there); dQ comes either
