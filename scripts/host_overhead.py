@@ -282,6 +282,97 @@ def layers() -> dict[str, dict[str, float]]:
     return result
 
 
+class _Identity(torch.autograd.Function):
+    """The least a Python autograd rule can cost: what the engine pays to call one."""
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def _single_threaded(fn):
+    """fn with the autograd engine running CUDA backward on the calling thread."""
+    def run():
+        with torch.autograd.set_multithreading_enabled(False):
+            return fn()
+    return run
+
+
+def parts() -> dict[str, dict[str, float]]:
+    """Where a forward + backward and a loss forward spend their host time: each piece of the
+    call on its own (same shapes as cases()), beside the whole."""
+    from torch_flash.kernels.triton import cross_entropy as ce_k
+    from torch_flash.ops import cross_entropy as ce_ops
+
+    x, w = _leaf(16, 1024), _leaf(1024)
+    g = torch.randn(16, 1024, device=dev, dtype=bf16)
+    q, k, v = _leaf(1, 8, 128, 64), _leaf(1, 8, 128, 64), _leaf(1, 8, 128, 64)
+    logits = torch.randn(16, 4096, device=dev, dtype=bf16)
+    tgt = torch.randint(0, 4096, (16,), device=dev)
+    torch_flash.rms_norm(x, w, 1e-6)  # compiles the kernels outside the timing
+    out, lse = torch_flash.attention_with_lse(q, k, v, causal=True)
+    go = torch.randn_like(out)
+    no_check = type("NoCheck", (ce_ops.TargetCheck,), {"__init__": lambda self, *a, **kw: super(
+        type(self), self).__init__(*a, **{**kw, "enabled": False})})
+    pinned = torch.empty(2, dtype=torch.int64, pin_memory=True)
+    summary = _autograd.launching_directly(ce_k.target_summary)(tgt, -100)
+    event = torch.cuda.Event()
+    event.record()
+
+    def without_target_check():
+        real, ce_ops.TargetCheck = ce_ops.TargetCheck, no_check
+        try:
+            torch_flash.cross_entropy(logits, tgt)
+        finally:
+            ce_ops.TargetCheck = real
+
+    def event_record():
+        torch.cuda.Event().record()
+
+    groups = {
+        "rms_norm fwd+bwd": {
+            "whole": _grad(lambda: torch_flash.rms_norm(x, w, 1e-6), x, w),
+            "forward recording the graph": lambda: torch_flash.rms_norm(x, w, 1e-6),
+            "torch.autograd.grad of y * 1 (the engine alone)": _grad(lambda: x * 1.0, x),
+            "the backward op, no engine": _no_grad(lambda: _autograd.call(
+                "rms_norm_backward", g, x, w, 1e-6, 0.0, True)),
+            "torch (F.rms_norm) fwd+bwd": _grad(lambda: F.rms_norm(x, (1024,), w, 1e-6), x, w),
+            "grad through a Python autograd.Function (identity)": _grad(lambda: _Identity.apply(x), x),
+            "the same, autograd multithreading off": _single_threaded(_grad(lambda: _Identity.apply(x), x)),
+        },
+        "attention fwd+bwd": {
+            "whole": _grad(lambda: torch_flash.attention(q, k, v, causal=True), q, k, v),
+            "forward recording the graph": lambda: torch_flash.attention(q, k, v, causal=True),
+            "the backward op, no engine": _no_grad(lambda: _autograd.call(
+                "attention_backward", go, None, q, k, v, None, out, lse, 0.125, True, -1, -1, 0.0, 0.0,
+                None, False, None)),
+            "torch (SDPA) fwd+bwd": _grad(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, k, v),
+        },
+        "cross_entropy fwd": {
+            "whole": _no_grad(lambda: torch_flash.cross_entropy(logits, tgt)),
+            "without the target check": _no_grad(without_target_check),
+            "the kernels' launcher (ce_fwd)": _autograd.launching_directly(lambda: ce_k.ce_fwd(
+                logits, tgt, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=0.0, reduction="mean",
+                n_valid=summary[0])),
+            "target_summary kernel": _autograd.launching_directly(lambda: ce_k.target_summary(tgt, -100)),
+            "pinned copy of the verdict": lambda: pinned.copy_(summary[1:], non_blocking=True),
+            "new pinned buffer": lambda: torch.empty(2, dtype=torch.int64, pin_memory=True),
+            "torch.cuda.Event().record()": event_record,
+            "event.query()": event.query,
+            "torch (F.cross_entropy)": _no_grad(lambda: F.cross_entropy(logits, tgt)),
+        },
+    }
+    result = {}
+    for name, impls in groups.items():
+        result[name] = interleaved(impls, calls=1000, rounds=5)
+        for part, us in result[name].items():
+            print(f"parts {name:18s} {part:52s} {us:7.1f} us", flush=True)
+    return result
+
+
 def bound() -> dict[str, float]:
     """Where the host bounds real work: decode of one sequence over a 128k cache (32 query, 8 kv
     heads, D 128) against SDPA's cuDNN backend (the q heads of a kv head folded into its query
@@ -353,6 +444,7 @@ def main(out_dir: str) -> None:
             rows.append({"case": case, "impl": name, "us": us})
             print(f"{case:28s} {name:36s} {us:8.1f} us", flush=True)
     layer_times = layers()
+    part_times = parts()
     bounds = bound()
 
     text = io.StringIO()
@@ -376,7 +468,7 @@ def main(out_dir: str) -> None:
             except importlib.metadata.PackageNotFoundError:
                 pass
         json.dump({"env": env, "calls": CALLS, "rounds": ROUNDS, "rows": rows,
-                   "layers": layer_times, "bound": bounds}, f, indent=1)
+                   "layers": layer_times, "parts": part_times, "bound": bounds}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 chunking, bad inputs, empty batch, inputs untouched; inplace_backward (results, layouts,
 rejections, torch.compile, measured allocations) and the per-shard ops of the vocab-parallel
 mode (tests/ops/test_cross_entropy_vocab_parallel.py runs the mode itself over two processes)."""
+import collections
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,6 +11,7 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 import torch_flash  # noqa: F401  (registers the ops)
+from torch_flash.ops import cross_entropy as ops_ce
 from torch_flash.ops.cross_entropy import cross_entropy
 from torch_flash.reference import cross_entropy as ref
 from _utils import TOL, assert_rel_close, rel_err
@@ -287,8 +290,9 @@ def test_bad_inputs(bad, match):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_bad_target_values_raise_on_every_op(device):
     """Out-of-range targets raise naming the op on every op that reads them (on CUDA the check
-    runs behind the kernels, which make such rows NaN), and the in-place backward raises before
-    it writes over the logits."""
+    runs behind the kernels, which make such rows NaN, and may raise at the next
+    torch_flash.synchronize()), and the in-place backward raises before it writes over the
+    logits."""
     x = torch.randn(4, 10, device=device)
     t = torch.tensor([0, 3, 10, 1], device=device)
     one = torch.ones((), device=device)
@@ -301,7 +305,42 @@ def test_bad_target_values_raise_on_every_op(device):
     for op, call in calls.items():
         with pytest.raises(ValueError, match=f"flash.{op}: target contains 10, outside \\[0, 10\\)"):
             call()
+            torch_flash.synchronize()
     assert torch.equal(x, keep)
+
+
+def test_late_target_verdict_raises_at_the_next_call(monkeypatch):
+    """A verdict still on its way when the op returns (CUDA) is kept and raised by the next
+    loss call once it has arrived, or by torch_flash.synchronize(); good ones are dropped."""
+    class Event:  # a CUDA event, told on CPU whether it has completed
+        done = False
+
+        def query(self):
+            return Event.done
+
+        def synchronize(self):
+            Event.done = True
+
+    def check(target):
+        c = ops_ce.TargetCheck("cross_entropy", torch.tensor(target), 10, -100)
+        c.event = Event()
+        c.raise_if_bad(wait=False)
+        return c
+
+    monkeypatch.setattr(ops_ce, "_PENDING", collections.deque())
+    check([1, 2])
+    check([3, 11])  # pending: returns without raising
+    assert len(ops_ce._PENDING) == 2
+    check([4, 5])  # nothing has arrived yet
+    Event.done = True
+    with pytest.raises(ValueError, match="flash.cross_entropy: target contains 11, .*after the call returned"):
+        cross_entropy(torch.randn(2, 10), torch.tensor([1, 2]))
+    assert len(ops_ce._PENDING) == 1  # the good one behind it waits for the next call
+    Event.done = False
+    check([12, 1])
+    with pytest.raises(ValueError, match="target contains 12"):
+        torch_flash.synchronize()
+    assert not ops_ce._PENDING
 
 
 @pytest.mark.cuda

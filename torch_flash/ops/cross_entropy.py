@@ -17,6 +17,8 @@ whole row's lse), with no communication.
 """
 from __future__ import annotations
 
+import collections
+import os
 from typing import Callable, Optional
 
 import torch
@@ -69,15 +71,17 @@ def check_grad_loss(op: str, grad_loss, target, reduction: str) -> None:
 class TargetCheck:
     """Targets outside [0, V) that are not ignore_index, checked without stalling the host.
 
-    On CUDA the check is queued on the stream and its verdict (the smallest and largest
-    non-ignored target) copied to pinned host memory behind an event: raise_if_bad() waits for
-    that event only,
-    not for the kernels queued after it, so an op starts the check, launches its kernels (which
-    read no logit out of bounds for such targets, and make their rows NaN) and raises before
-    returning. Real tensors only: traced graphs, and CUDA graph captures, get the kernels' NaN or
-    gather's bounds check; so do ops called with enabled=False from a compiled graph, whose run
-    must not wait on the host. Where Triton runs, one kernel (target_summary) gives the verdict
-    and n_valid, the count of non-ignored rows the loss kernels' mean reads (else None)."""
+    On CPU the verdict (the smallest and largest non-ignored target) is read at once. On CUDA
+    it is computed on the stream and copied to pinned host memory behind an event, and
+    raise_if_bad() does not wait for it where the op's kernels make such rows NaN and read no
+    logit out of bounds (the Triton path): the error is raised by the first flash loss call
+    (or torch_flash.synchronize()) after the GPU got there, as CUDA reports its own errors;
+    set CUDA_LAUNCH_BLOCKING=1 to raise in the call itself. Waiting in every call would stall
+    the host until the GPU drained its queue (a whole model's forward in training). Real
+    tensors only: traced graphs and CUDA graph captures get the kernels' NaN or gather's
+    bounds check; so do ops called with enabled=False from a compiled graph. Where Triton runs,
+    one kernel (target_summary) gives the verdict and n_valid, the count of non-ignored rows
+    the loss kernels' mean reads (else None)."""
 
     def __init__(self, op: str, target: Tensor, n_classes: int, ignore_index: int, enabled: bool = True):
         self.op, self.n_classes, self.ignore_index = op, n_classes, ignore_index
@@ -85,6 +89,8 @@ class TargetCheck:
         if (not enabled or is_fake(target) or target.numel() == 0
                 or (target.is_cuda and torch.cuda.is_current_stream_capturing())):
             return
+        if _PENDING:
+            raise_pending()
         if _dispatch.triton_can_run(target.device) and _dispatch.forced_backend() != "reference":
             from ..kernels.triton.cross_entropy import target_summary
             summary = target_summary(target, ignore_index)
@@ -99,15 +105,51 @@ class TargetCheck:
         else:
             self.verdict = verdict
 
-    def raise_if_bad(self) -> None:
+    def raise_if_bad(self, wait: bool = True) -> None:
+        """Raises if a target is out of range. wait=False (kernels that keep such rows NaN and in
+        bounds): on CUDA only where the verdict is in already, else it joins the pending ones."""
         if self.verdict is None:
             return
         if self.event is not None:
+            if not (wait or _LAUNCH_BLOCKING or self.event.query()):
+                _PENDING.append(self)
+                return
             self.event.synchronize()
-        low, high = (int(v) for v in self.verdict)
+        self._raise(late=False)
+
+    def _raise(self, late: bool) -> None:
+        low, high = self.verdict.tolist()
         if low < 0 or high >= self.n_classes:
             fail(self.op, f"target contains {low if low < 0 else high}, outside [0, {self.n_classes}) and "
-                          f"not ignore_index={self.ignore_index}")
+                          f"not ignore_index={self.ignore_index}" + (
+                              " (found on the GPU after the call returned; its loss is NaN. "
+                              "CUDA_LAUNCH_BLOCKING=1 raises in the call itself)" if late else ""))
+
+
+# CUDA target checks whose verdict had not arrived when their op returned, oldest first
+_PENDING: collections.deque[TargetCheck] = collections.deque()
+_LAUNCH_BLOCKING = os.environ.get("CUDA_LAUNCH_BLOCKING", "0") == "1"
+
+
+def raise_pending(wait: bool = False) -> None:
+    """Raises for the oldest pending target check that found a bad target, dropping the good
+    ones before it; wait: also for verdicts still on their way (else those stay pending)."""
+    while _PENDING:
+        check = _PENDING[0]
+        if wait:
+            check.event.synchronize()
+        elif not check.event.query():
+            return
+        _PENDING.popleft()
+        check._raise(late=True)
+
+
+def synchronize() -> None:
+    """torch.cuda.synchronize(), then the errors of flash calls that the GPU found after they
+    returned (loss targets out of range, TargetCheck): for the end of a training loop, or a test."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    raise_pending(wait=True)
 
 
 def check_shard(op: str, logits, vocab_start: int, vocab_size: Optional[int]) -> None:
@@ -204,7 +246,7 @@ def _forward(op: str, logits: Tensor, target: Tensor, opts: LossOptions, reducti
     targets = TargetCheck(op, target, logits.shape[-1], opts.ignore_index)
     if ce_fwd is not None:
         loss, lse, _ = ce_fwd(logits, target, **opts._asdict(), reduction=reduction, n_valid=targets.n_valid)
-        targets.raise_if_bad()
+        targets.raise_if_bad(wait=False)
         # the kernel computes in fp32; the op's contract is logits' dtype above half
         return loss.to(compute_dtype(logits.dtype)), lse
     targets.raise_if_bad()
@@ -259,7 +301,7 @@ def _backward_into(op: str, grad_loss: Tensor, logits: Tensor, target: Tensor, l
                          n_valid=targets.n_valid)
     else:
         dlogits = ref.cross_entropy_backward(grad_loss, logits, target, opts, reduction, lse, **shard, out=out)
-    targets.raise_if_bad()
+    targets.raise_if_bad(wait=ce_bwd is None)
     return dlogits
 
 
@@ -311,7 +353,7 @@ def _cross_entropy_shard_stats(logits: Tensor, target: Tensor, *, vocab_start: i
         from ..kernels.triton.cross_entropy import ce_stats
         stats = ce_stats(logits, target, ignore_index=ignore_index, softcap=softcap, vocab_start=vocab_start,
                          vocab_size=vocab_size)
-        targets.raise_if_bad()
+        targets.raise_if_bad(wait=False)
         return tuple(s.to(compute_dtype(logits.dtype)) for s in stats)
     targets.raise_if_bad()
     return ref.cross_entropy_shard_stats(logits, target, opts, vocab_start)

@@ -80,7 +80,7 @@ def _linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: 
     targets = TargetCheck("linear_cross_entropy", target, weight.shape[0], ignore_index)
     if _backend("linear_cross_entropy", hidden, weight, target, bias) == "triton":
         loss = _triton_lce(hidden, weight, target, bias, opts, reduction, chunk_size, (False,) * 3, targets)[0]
-        targets.raise_if_bad()
+        targets.raise_if_bad(wait=False)
         return loss
     targets.raise_if_bad()
     return ref.linear_cross_entropy(hidden, weight, target, bias, opts, reduction, chunk_size)
@@ -116,7 +116,7 @@ def _linear_cross_entropy_with_grads(hidden: Tensor, weight: Tensor, target: Ten
     grads = (grad_hidden, grad_weight, grad_bias)
     if _backend(op, hidden, weight, target, bias) == "triton":
         out = _triton_lce(hidden, weight, target, bias, opts, reduction, chunk_size, grads, targets)
-        targets.raise_if_bad()
+        targets.raise_if_bad(wait=False)
         return out
     targets.raise_if_bad()
     loss, dh, dw, db = ref.linear_cross_entropy_with_grads(hidden, weight, target, bias, opts,
@@ -142,7 +142,7 @@ def _linear_cross_entropy_backward(grad_loss: Tensor, hidden: Tensor, weight: Te
     grads = (grad_hidden, grad_weight, grad_bias)
     if reduction != "none" and _backend(op, hidden, weight, target, bias) == "triton":
         _, *out = _triton_lce(hidden, weight, target, bias, opts, reduction, chunk_size, grads, targets)
-        targets.raise_if_bad()
+        targets.raise_if_bad(wait=False)
         return tuple(t * grad_loss.to(t.dtype) for t in out)
     targets.raise_if_bad()
     return _grads_or_empty(hidden, *ref.linear_cross_entropy_backward(
