@@ -6,32 +6,34 @@ from torch_flash.ops.attention import (check_args, check_backward_args, check_sm
                                        out_shapes)
 
 
-def _forward(op, q, k, v, attn_bias, softcap, dropout_p, dropout_seed, window_left, window_right, alibi_slopes):
-    check_args(op, q, k, v, attn_bias, softcap, dropout_p, dropout_seed, window_left, window_right, alibi_slopes)
+def _forward(op, q, k, v, attn_bias, softcap, dropout_p, dropout_seed, window_left, window_right, alibi_slopes,
+             sinks):
+    check_args(op, q, k, v, attn_bias, softcap, dropout_p, dropout_seed, window_left, window_right, alibi_slopes,
+               sinks)
     out, lse, lse_dtype = out_shapes(q, v)
     return q.new_empty(out), q.new_empty(lse, dtype=lse_dtype)
 
 
 @torch.library.register_fake("flash::attention")
-def attention(q, k, v, attn_bias=None, dropout_seed=None, alibi_slopes=None, *, scale=None, causal=False,
-              window_left=-1, window_right=-1, softcap=0.0, dropout_p=0.0):
+def attention(q, k, v, attn_bias=None, dropout_seed=None, alibi_slopes=None, sinks=None, *, scale=None,
+              causal=False, window_left=-1, window_right=-1, softcap=0.0, dropout_p=0.0):
     return _forward("attention", q, k, v, attn_bias, softcap, dropout_p, dropout_seed,
-                    window_left, window_right, alibi_slopes)[0]
+                    window_left, window_right, alibi_slopes, sinks)[0]
 
 
 @torch.library.register_fake("flash::attention_with_lse")
-def attention_with_lse(q, k, v, attn_bias=None, dropout_seed=None, alibi_slopes=None, *, scale=None,
-                       causal=False, window_left=-1, window_right=-1, softcap=0.0, dropout_p=0.0):
+def attention_with_lse(q, k, v, attn_bias=None, dropout_seed=None, alibi_slopes=None, sinks=None, *,
+                       scale=None, causal=False, window_left=-1, window_right=-1, softcap=0.0, dropout_p=0.0):
     return _forward("attention_with_lse", q, k, v, attn_bias, softcap, dropout_p, dropout_seed,
-                    window_left, window_right, alibi_slopes)
+                    window_left, window_right, alibi_slopes, sinks)
 
 
 @torch.library.register_fake("flash::attention_backward")
 def attention_backward(grad_out, grad_lse, q, k, v, attn_bias, out, lse, scale, causal,
                        window_left, window_right, softcap, dropout_p, dropout_seed,
-                       bias_requires_grad, alibi_slopes=None):
+                       bias_requires_grad, alibi_slopes=None, sinks=None):
     check_backward_args("attention_backward", grad_out, grad_lse, q, k, v, attn_bias, out, lse, softcap,
-                        dropout_p, dropout_seed, window_left, window_right, alibi_slopes)
+                        dropout_p, dropout_seed, window_left, window_right, alibi_slopes, sinks)
     dbias = attn_bias.new_empty(attn_bias.shape) if bias_requires_grad else q.new_empty(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 

@@ -64,7 +64,8 @@ FWD_SAMPLES = [
 ]
 
 
-# every feature at once: transposed bf16 GQA inputs, D != Dv, bias, window, softcap, dropout, ALiBi
+# every feature at once: transposed bf16 GQA inputs, D != Dv, bias, window, softcap, dropout, ALiBi,
+# sinks
 _ALL = dict(b=2, hq=4, hkv=2, sq=5, sk=7, d=8, dv=4, dtype=torch.bfloat16, bshd=True)
 _ALL_KW = dict(causal=True, window_left=3, softcap=2.0, dropout_p=0.3)
 
@@ -75,7 +76,8 @@ def _slopes(*shape):
 
 def _samples_fwd():
     q, k, v = _qkv(**_ALL, rg=True)
-    yield (q, k, v, _bias((4, 1, 7), "float", torch.bfloat16, True), _seed(), _slopes(2, 4)), _ALL_KW
+    sinks = torch.randn(4, requires_grad=True)
+    yield (q, k, v, _bias((4, 1, 7), "float", torch.bfloat16, True), _seed(), _slopes(2, 4), sinks), _ALL_KW
     for i, dtype, rg in FWD_SAMPLES:
         shape, kw, bshape, bkind = CASES[i]
         q, k, v = _qkv(**shape, dtype=dtype, rg=rg)
@@ -86,10 +88,10 @@ def _samples_fwd():
 
 def _samples_bwd():
     q, k, v = _qkv(**_ALL)
-    bias, slopes = _bias((4, 1, 7), "float", torch.bfloat16), _slopes(2, 4)
-    out, lse = torch.ops.flash.attention_with_lse(q, k, v, bias, _seed(), slopes, **_ALL_KW)
+    bias, slopes, sinks = _bias((4, 1, 7), "float", torch.bfloat16), _slopes(2, 4), torch.randn(4)
+    out, lse = torch.ops.flash.attention_with_lse(q, k, v, bias, _seed(), slopes, sinks, **_ALL_KW)
     yield (torch.randn_like(out), torch.randn_like(lse), q, k, v, bias, out, lse, 8 ** -0.5, True,
-           3, -1, 2.0, 0.3, _seed(), True, slopes), {}
+           3, -1, 2.0, 0.3, _seed(), True, slopes, sinks), {}
     for i, dtype, with_grad_lse in ((7, torch.float32, True), (2, torch.bfloat16, False),
                                     (9, torch.float16, True), (10, torch.float32, False)):
         shape, kw, bshape, bkind = CASES[i]

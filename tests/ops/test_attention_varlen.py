@@ -44,7 +44,7 @@ CASES = [
 ]
 
 # every feature at once: bf16 strided GQA inputs, D != Dv, empty sequences, causal, window,
-# softcap, dropout, ALiBi slopes per sequence
+# softcap, dropout, ALiBi slopes per sequence, sinks
 _ALL = (([3, 0, 4, 2], [5, 2, 0, 3]), dict(hq=4, hkv=2, dv=4, dtype=torch.bfloat16, strided=True))
 _ALL_KW = dict(causal=True, window_left=2, softcap=3.0, dropout_p=0.2)
 
@@ -54,23 +54,23 @@ def _slopes():
 
 
 def _samples_fwd():
-    yield (*_packed(*_ALL[0], **_ALL[1], rg=True), _seed(), _slopes()), _ALL_KW
+    yield (*_packed(*_ALL[0], **_ALL[1], rg=True), _seed(), _slopes(), torch.randn(4, requires_grad=True)), _ALL_KW
     for i, (lq, lk, pk, kw) in enumerate(CASES):
         dtype = DTYPES[i % 3]
         yield _packed(lq, lk, **pk, dtype=dtype, rg=i % 2 == 0), kw
 
 
-def _backward_args(packed, kw, seed=None, with_grad_lse=True, slopes=None):
+def _backward_args(packed, kw, seed=None, with_grad_lse=True, slopes=None, sinks=None):
     q, k, v, cu_q, cu_k, mq, mk = packed
-    out, lse = torch.ops.flash.attention_varlen(*packed, seed, slopes, **kw)
+    out, lse = torch.ops.flash.attention_varlen(*packed, seed, slopes, sinks, **kw)
     scalars = (kw.get("scale", q.shape[-1] ** -0.5), kw.get("causal", False), kw.get("window_left", -1),
                kw.get("window_right", -1), kw.get("softcap", 0.0), kw.get("dropout_p", 0.0))
     grad_lse = torch.randn_like(lse) if with_grad_lse else None
-    return (torch.randn_like(out), grad_lse, q, k, v, cu_q, cu_k, mq, mk, out, lse, *scalars, seed, slopes)
+    return (torch.randn_like(out), grad_lse, q, k, v, cu_q, cu_k, mq, mk, out, lse, *scalars, seed, slopes, sinks)
 
 
 def _samples_bwd():
-    yield _backward_args(_packed(*_ALL[0], **_ALL[1]), _ALL_KW, _seed(), slopes=_slopes()), {}
+    yield _backward_args(_packed(*_ALL[0], **_ALL[1]), _ALL_KW, _seed(), slopes=_slopes(), sinks=torch.randn(4)), {}
     for i, (lq, lk, pk, kw) in enumerate(CASES):
         yield _backward_args(_packed(lq, lk, **pk, dtype=DTYPES[i % 3]), kw, None, i % 2 == 1), {}
 

@@ -1,10 +1,12 @@
 """flash.attention and flash.attention_with_lse: schemas, dispatch, autograd, public functions.
 
 Shapes (SDPA layout): q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv), Hq % Hkv == 0,
-any strides with a contiguous last dim; alibi_slopes fp32 (Hq,) or (B, Hq); out (B, Hq, Sq, Dv)
-contiguous in q's dtype, lse (B, Hq, Sq) fp32 (fp64 for fp64 inputs). Semantics (causal
-bottom-right, window, softcap, ALiBi, bias, dropout mask) are spelled out in
-torch_flash/reference/attention.py. Only the Triton kernels and the reference take ALiBi.
+any strides with a contiguous last dim; alibi_slopes fp32 (Hq,) or (B, Hq); sinks (Hq,); out
+(B, Hq, Sq, Dv) contiguous in q's dtype, lse (B, Hq, Sq) fp32 (fp64 for fp64 inputs). Semantics
+(causal bottom-right, window, softcap, ALiBi, bias, sinks, dropout mask) are spelled out in
+torch_flash/reference/attention.py. Only the Triton kernels and the reference take ALiBi and
+sinks. The lse includes the sinks, so the backward op needs them only to pick its path; their
+gradient comes from out, lse and the upstream gradients (ref.sink_grad) in the autograd rule.
 Both ops share one backward op, fed the lse that the forward computed: `attention`'s
 autograd runs `attention_with_lse` underneath so that it never recomputes it.
 """
@@ -68,14 +70,25 @@ def check_alibi(op: str, alibi_slopes, q, batch: int) -> None:
     check_same_device(op, q=q, alibi_slopes=alibi_slopes)
 
 
+def check_sinks(op: str, sinks, q) -> None:
+    """sinks (or None): one float logit per q head (heads at q's dim 1), on q's device."""
+    if sinks is None:
+        return
+    check_tensor(op, "sinks", sinks, ndim=1)
+    check(sinks.shape[0] == q.shape[1], op,
+          f"sinks has shape {tuple(sinks.shape)}; expected (Hq,) = ({q.shape[1]},)")
+    check_same_device(op, q=q, sinks=sinks)
+
+
 def check_args(op: str, q, k, v, attn_bias, softcap, dropout_p, dropout_seed,
-               window_left, window_right, alibi_slopes=None) -> None:
+               window_left, window_right, alibi_slopes=None, sinks=None) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(op, name, t, ndim=4)
     check_common(op, q, k, v, 2, softcap, dropout_p, dropout_seed, window_left, window_right)
     check(k.shape[0] == q.shape[0] and v.shape[0] == q.shape[0], op,
           f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
     check_alibi(op, alibi_slopes, q, q.shape[0])
+    check_sinks(op, sinks, q)
     if attn_bias is not None:
         check_tensor(op, "attn_bias", attn_bias, dtypes=FLOAT_DTYPES + (torch.bool,))
         check_same_device(op, q=q, attn_bias=attn_bias)
@@ -92,9 +105,9 @@ def out_shapes(q, v) -> tuple[tuple, tuple, torch.dtype]:
 
 
 def check_backward_args(op: str, grad_out, grad_lse, q, k, v, attn_bias, out, lse, softcap, dropout_p,
-                        dropout_seed, window_left, window_right, alibi_slopes=None) -> None:
+                        dropout_seed, window_left, window_right, alibi_slopes=None, sinks=None) -> None:
     check_args(op, q, k, v, attn_bias, softcap, dropout_p, dropout_seed, window_left, window_right,
-               alibi_slopes)
+               alibi_slopes, sinks)
     check_saved_and_grads(op, q, v, out, lse, grad_out, grad_lse, out_shapes(q, v))
 
 
@@ -115,9 +128,9 @@ def check_saved_and_grads(op: str, q, v, out, lse, grad_out, grad_lse, shapes) -
 
 
 def spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p,
-            dropout_seed, alibi_slopes=None) -> ref.Spec:
+            dropout_seed, alibi_slopes=None, sinks=None) -> ref.Spec:
     return ref.Spec(ref.resolve_scale(scale, q.shape[-1]), causal, window_left, window_right,
-                    softcap, dropout_p, dropout_seed if dropout_p > 0 else None, alibi_slopes)
+                    softcap, dropout_p, dropout_seed if dropout_p > 0 else None, alibi_slopes, sinks)
 
 
 def use_triton(op: str, q: Tensor, k: Tensor, v: Tensor, attn_bias, dropout_p: float) -> bool:
@@ -160,15 +173,16 @@ def check_sm90_args(op: str, q, k, v, causal: bool) -> None:
 
 def _sm90_serves(q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: ref.Spec) -> bool:
     """Whether the Hopper kernel of csrc/attention (flash.attention_fwd_sm90) serves this call:
-    built for this head dim, an sm_90 GPU, within the op's contract, no bias/ALiBi/window/softcap/
-    dropout, and the layout its TMA descriptors need (16-byte aligned, strides within 32 bits)."""
+    built for this head dim, an sm_90 GPU, within the op's contract, no bias/ALiBi/sinks/window/
+    softcap/dropout, and the layout its TMA descriptors need (16-byte aligned, strides within 32
+    bits)."""
     info = _extension.build_info()
     if (info is None or "flash::attention_fwd_sm90" not in info["ops"] or q.device.type != "cuda"
             or torch.cuda.get_device_capability(q.device) != (9, 0)):
         return False
     if (q.shape[-1] not in info["hdims"] or sm90_unsupported(q, k, v, spec.causal) is not None
-            or attn_bias is not None or spec.alibi_slopes is not None or spec.dropout_p > 0
-            or spec.softcap > 0 or spec.window_left >= 0 or spec.window_right >= 0):
+            or attn_bias is not None or spec.alibi_slopes is not None or spec.sinks is not None
+            or spec.dropout_p > 0 or spec.softcap > 0 or spec.window_left >= 0 or spec.window_right >= 0):
         return False
     group = q.shape[1] // k.shape[1]
     # in elements: a multiple of 8 is 16 bytes; tensors come from 512-byte aligned allocations
@@ -206,7 +220,7 @@ class _Sm90Plan:
     def __init__(self, spec: ref.Spec):
         self.scale, self.causal = spec.scale, spec.causal
 
-    def __call__(self, q, k, v, attn_bias, cu_q, cu_k, dropout_seed, alibi_slopes):
+    def __call__(self, q, k, v, attn_bias, cu_q, cu_k, dropout_seed, alibi_slopes, sinks):
         return torch.ops.flash.attention_fwd_sm90(q, k, v, self.scale, self.causal)
 
 
@@ -214,13 +228,13 @@ class _Sm90Plan:
 FORWARD_PLANS = Plans()
 
 
-def _forward(op: str, q, k, v, attn_bias, alibi_slopes, scale, causal, window_left, window_right, softcap,
-             dropout_p, dropout_seed) -> tuple[Tensor, Tensor]:
+def _forward(op: str, q, k, v, attn_bias, alibi_slopes, sinks, scale, causal, window_left, window_right,
+             softcap, dropout_p, dropout_seed) -> tuple[Tensor, Tensor]:
     def make():
         check_args(op, q, k, v, attn_bias, softcap, dropout_p, dropout_seed, window_left, window_right,
-                   alibi_slopes)
+                   alibi_slopes, sinks)
         spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed,
-                       alibi_slopes)
+                       alibi_slopes, sinks)
         backend = _dispatch.select(op, q, triton=_triton_serves(q, k, v, attn_bias, dropout_p),
                                    cuda=lambda: _sm90_serves(q, k, v, attn_bias, spec))
         if backend == "cuda":
@@ -228,34 +242,35 @@ def _forward(op: str, q, k, v, attn_bias, alibi_slopes, scale, causal, window_le
         if backend == "triton":
             from ..kernels.triton.attention import AttentionFwd
             return AttentionFwd(q, k, v, attn_bias, None, None, q.shape[0], q.shape[2], k.shape[2],
-                                kernel_flags(spec))
+                                kernel_flags(spec), sinks)
         return None
-    values = (q, k, v, attn_bias, dropout_seed, alibi_slopes, scale, causal, window_left, window_right, softcap,
-              dropout_p)
+    values = (q, k, v, attn_bias, dropout_seed, alibi_slopes, sinks, scale, causal, window_left, window_right,
+              softcap, dropout_p)
     plan = FORWARD_PLANS.get(op, values, make)
     if plan is None:
         spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed,
-                       alibi_slopes)
+                       alibi_slopes, sinks)
         return ref.forward(q, k, v, attn_bias, spec)
-    return plan(q, k, v, attn_bias, None, None, dropout_seed, alibi_slopes)
+    return plan(q, k, v, attn_bias, None, None, dropout_seed, alibi_slopes, sinks)
 
 
 @triton_op("flash::attention", mutates_args=())
 def _attention(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor] = None,
-               dropout_seed: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None, *,
-               scale: Optional[float] = None, causal: bool = False, window_left: int = -1,
-               window_right: int = -1, softcap: float = 0.0, dropout_p: float = 0.0) -> Tensor:
-    return _forward("attention", q, k, v, attn_bias, alibi_slopes, scale, causal, window_left, window_right,
-                    softcap, dropout_p, dropout_seed)[0]
+               dropout_seed: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None,
+               sinks: Optional[Tensor] = None, *, scale: Optional[float] = None, causal: bool = False,
+               window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+               dropout_p: float = 0.0) -> Tensor:
+    return _forward("attention", q, k, v, attn_bias, alibi_slopes, sinks, scale, causal, window_left,
+                    window_right, softcap, dropout_p, dropout_seed)[0]
 
 
 @triton_op("flash::attention_with_lse", mutates_args=())
 def _attention_with_lse(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor] = None,
-                        dropout_seed: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None, *,
-                        scale: Optional[float] = None, causal: bool = False, window_left: int = -1,
-                        window_right: int = -1, softcap: float = 0.0,
+                        dropout_seed: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None,
+                        sinks: Optional[Tensor] = None, *, scale: Optional[float] = None, causal: bool = False,
+                        window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
                         dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
-    return _forward("attention_with_lse", q, k, v, attn_bias, alibi_slopes, scale, causal, window_left,
+    return _forward("attention_with_lse", q, k, v, attn_bias, alibi_slopes, sinks, scale, causal, window_left,
                     window_right, softcap, dropout_p, dropout_seed)
 
 
@@ -274,7 +289,7 @@ def cudnn_backward_serves(grad_lse, q: Tensor, k: Tensor, v: Tensor, attn_bias, 
     backend, cuDNN's SDPA enabled, an sm_90
     GPU, fp16/bf16, one head dim <= 128 (a multiple of 8), Sq == Sk (cuDNN aligns the causal
     diagonal top-left, ours bottom-right), causal only from CUDNN_CAUSAL_MIN_SEQLEN keys, no
-    bias, ALiBi, dropout, softcap, window or lse gradient, and k and v laid out as cuDNN reads them
+    bias, ALiBi, sinks, dropout, softcap, window or lse gradient, and k and v laid out as cuDNN reads them
     (strides and, where real, addresses 16-byte aligned; q is copied anyway)."""
     d, s = q.shape[-1], q.shape[2]
     return (os.environ.get("TORCH_FLASH_CUDNN_BACKWARD") != "0" and q.device.type == "cuda"
@@ -284,7 +299,8 @@ def cudnn_backward_serves(grad_lse, q: Tensor, k: Tensor, v: Tensor, attn_bias, 
             and q.dtype in (torch.float16, torch.bfloat16) and v.shape[-1] == d and d <= 128 and d % 8 == 0
             and k.shape[2] == s and q.numel() > 0 and k.numel() > 0 and grad_lse is None
             and (not spec.causal or s >= CUDNN_CAUSAL_MIN_SEQLEN)
-            and attn_bias is None and spec.alibi_slopes is None and spec.dropout_p == 0 and spec.softcap == 0
+            and attn_bias is None and spec.alibi_slopes is None and spec.sinks is None
+            and spec.dropout_p == 0 and spec.softcap == 0
             and spec.window_left < 0 and spec.window_right < 0
             and all(_cudnn_aligned(t) for t in (k, v)))
 
@@ -361,10 +377,10 @@ def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
                         v: Tensor, attn_bias: Optional[Tensor], out: Tensor, lse: Tensor,
                         scale: float, causal: bool, window_left: int, window_right: int,
                         softcap: float, dropout_p: float, dropout_seed: Optional[Tensor],
-                        bias_requires_grad: bool,
-                        alibi_slopes: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                        bias_requires_grad: bool, alibi_slopes: Optional[Tensor] = None,
+                        sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dbias); dbias has attn_bias's shape, or is empty unless bias_requires_grad.
-    The ALiBi slopes get no gradient.
+    The ALiBi slopes get no gradient; the sinks' comes from ref.sink_grad (lse includes them).
     cuDNN's backward where it serves (cudnn_backward_serves), else the Hopper kernel where it
     serves (_sm90_bwd_serves: on request), else the Triton kernels. cuDNN sums dq with atomic
     adds, not bitwise reproducible, so torch.use_deterministic_algorithms(True) turns it off;
@@ -372,9 +388,9 @@ def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
     pass."""
     def make():
         check_backward_args("attention_backward", grad_out, grad_lse, q, k, v, attn_bias, out, lse, softcap,
-                            dropout_p, dropout_seed, window_left, window_right, alibi_slopes)
+                            dropout_p, dropout_seed, window_left, window_right, alibi_slopes, sinks)
         spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed,
-                       alibi_slopes)
+                       alibi_slopes, sinks)
         if cudnn_backward_serves(grad_lse, q, k, v, attn_bias, spec):
             _dispatch.LAST["attention_backward"] = "cudnn"
             return _CUDNN
@@ -390,14 +406,16 @@ def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
                             k.shape[2], kernel_flags(spec), bias_requires_grad, deterministic=True)
     # with the global state cudnn_backward_serves reads
     values = (grad_out, grad_lse, q, k, v, attn_bias, out, lse, scale, causal, window_left, window_right, softcap,
-              dropout_p, dropout_seed, bias_requires_grad, alibi_slopes, os.environ.get("TORCH_FLASH_CUDNN_BACKWARD"),
+              dropout_p, dropout_seed, bias_requires_grad, alibi_slopes, sinks,
+              os.environ.get("TORCH_FLASH_CUDNN_BACKWARD"),
               torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.cudnn_sdp_enabled())
     plan = BACKWARD_PLANS.get("attention_backward", values, make)
     if plan is not None and plan is not _CUDNN:
         dq, dk, dv, dbias = plan(grad_out, grad_lse, q, k, v, attn_bias, out, lse, None, None, dropout_seed,
                                  alibi_slopes)
         return dq, dk, dv, grad_or_empty(dbias, q)
-    spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed, alibi_slopes)
+    spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed, alibi_slopes,
+                   sinks)
     if plan is _CUDNN:
         return (*_cudnn_backward(grad_out, q, k, v, out, lse, spec), grad_or_empty(None, q))
     dq, dk, dv, dbias = ref.backward(grad_out, grad_lse, q, k, v, attn_bias, out, lse, spec, bias_requires_grad)
@@ -435,36 +453,41 @@ _SCALARS = ("causal", "window_left", "window_right", "softcap", "dropout_p")
 def _save(ctx, args: dict, out: Tensor, lse: Tensor) -> None:
     q = args["q"]
     ctx.save_for_backward(q, args["k"], args["v"], args["attn_bias"], out, lse, args["dropout_seed"],
-                          args["alibi_slopes"])
+                          args["alibi_slopes"], args["sinks"])
     ctx.scale = ref.resolve_scale(args["scale"], q.shape[-1])
     ctx.scalars = [args[n] for n in _SCALARS]
     # not ctx.needs_input_grad: the dispatcher drops trailing default arguments (bias None)
     ctx.bias_grad = args["attn_bias"] is not None and args["attn_bias"].requires_grad
+    ctx.sinks_grad = args["sinks"] is not None and args["sinks"].requires_grad
 
 
 def _grads(ctx, grad_out: Tensor, grad_lse: Optional[Tensor]) -> tuple:
-    """Gradients of (q, k, v, attn_bias)."""
-    q, k, v, attn_bias, out, lse, dropout_seed, alibi_slopes = ctx.saved_tensors
+    """Gradients of (q, k, v, attn_bias, sinks)."""
+    q, k, v, attn_bias, out, lse, dropout_seed, alibi_slopes, sinks = ctx.saved_tensors
     dq, dk, dv, dbias = call("attention_backward",
                              grad_out, grad_lse, q, k, v, attn_bias, out, lse, ctx.scale, *ctx.scalars,
-                             dropout_seed, ctx.bias_grad, alibi_slopes)
-    return dq, dk, dv, dbias if ctx.bias_grad else None
+                             dropout_seed, ctx.bias_grad, alibi_slopes, sinks)
+    dsinks = ref.sink_grad(sinks, out, grad_out, lse, grad_lse) if ctx.sinks_grad else None
+    return dq, dk, dv, dbias if ctx.bias_grad else None, dsinks
 
 
 def _setup_with_lse(ctx, inputs, keyword_only_inputs, output):
-    q, k, v, attn_bias, dropout_seed, alibi_slopes = inputs
+    q, k, v, attn_bias, dropout_seed, alibi_slopes, sinks = inputs
     _save(ctx, dict(q=q, k=k, v=v, attn_bias=attn_bias, dropout_seed=dropout_seed, alibi_slopes=alibi_slopes,
-                    **keyword_only_inputs), *output)
+                    sinks=sinks, **keyword_only_inputs), *output)
 
 
-_attention_with_lse.register_autograd(
-    lambda ctx, grad_out, grad_lse: (*_grads(ctx, grad_out, grad_lse), None, None),
-    setup_context=_setup_with_lse)
+def _with_lse_backward(ctx, grad_out, grad_lse):
+    dq, dk, dv, dbias, dsinks = _grads(ctx, grad_out, grad_lse)
+    return dq, dk, dv, dbias, None, None, dsinks
+
+
+_attention_with_lse.register_autograd(_with_lse_backward, setup_context=_setup_with_lse)
 register_autograd_via(
     _attention,
     forward=lambda **inputs: call("attention_with_lse", **inputs),
     setup_context=lambda ctx, inputs, out, lse: _save(ctx, inputs, out, lse),
-    backward=lambda ctx, grad_out: dict(zip(("q", "k", "v", "attn_bias"), _grads(ctx, grad_out, None))),
+    backward=lambda ctx, grad_out: dict(zip(("q", "k", "v", "attn_bias", "sinks"), _grads(ctx, grad_out, None))),
 )
 
 
@@ -480,7 +503,8 @@ def op_kwargs(op: str, scale, causal, window, softcap, dropout_p) -> dict:
 
 def attention(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor] = None, *,
               scale: Optional[float] = None, causal: bool = False, window: tuple[int, int] = (-1, -1),
-              softcap: float = 0.0, dropout_p: float = 0.0, alibi_slopes: Optional[Tensor] = None) -> Tensor:
+              softcap: float = 0.0, dropout_p: float = 0.0, alibi_slopes: Optional[Tensor] = None,
+              sinks: Optional[Tensor] = None) -> Tensor:
     """Exact softmax attention, FlashAttention-style (no Sq x Sk matrix in memory).
 
     q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv) with Hq % Hkv == 0 (GQA/MQA);
@@ -494,25 +518,30 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor] = Non
     right = 0). softcap > 0 applies softcap * tanh(s / softcap) to the scaled scores
     before bias and mask (Gemma 2). alibi_slopes: fp32 (Hq,) or (B, Hq), ALiBi as FlashAttention 2
     adds it, -slope * |i + Sk - Sq - j| on the scaled (capped) scores, computed inside the kernels
-    (no gradient for the slopes). dropout_p drops attention probabilities with a seed
-    drawn from torch's default generator. A query that sees no key gets zeros.
+    (no gradient for the slopes). sinks (Hq,): a learnable logit per head (gpt-oss), one more
+    softmax column that takes probability mass and adds no value; differentiable, included
+    in lse. dropout_p drops attention probabilities with a seed drawn from torch's default
+    generator. A query that sees no key gets zeros.
     The backward of plain fp16/bf16 self-attention on a Hopper GPU runs cuDNN's
     (ops.attention.cudnn_backward_serves; TORCH_FLASH_CUDNN_BACKWARD=0 turns it off), which
     sums dq with atomic adds as SDPA's fastest backends do: not bitwise reproducible. Under
     torch.use_deterministic_algorithms(True) the Triton backward runs instead, which is (as it
     is everywhere else).
     """
-    return call("attention", q, k, v, attn_bias, alibi_slopes=alibi_slopes,
-                **op_kwargs("attention", scale, causal, window, softcap, dropout_p))
+    kw = op_kwargs("attention", scale, causal, window, softcap, dropout_p)
+    # positional: the eager fast path records a gradient for positional tensors (sinks)
+    return call("attention", q, k, v, attn_bias, kw.pop("dropout_seed"), alibi_slopes, sinks, **kw)
 
 
 def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor] = None, *,
                        scale: Optional[float] = None, causal: bool = False,
                        window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                       dropout_p: float = 0.0, alibi_slopes: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                       dropout_p: float = 0.0, alibi_slopes: Optional[Tensor] = None,
+                       sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """`attention`, also returning lse (B, Hq, Sq): the log-sum-exp of each query's
-    scores over its visible keys, fp32 (fp64 for fp64 inputs), -inf where none is
-    visible. Differentiable in both outputs (merging partial attentions, ring attention).
+    scores over its visible keys (and its head's sink), fp32 (fp64 for fp64 inputs), -inf
+    where none is visible. Differentiable in both outputs (merging partial attentions, ring
+    attention).
     """
-    return call("attention_with_lse", q, k, v, attn_bias, alibi_slopes=alibi_slopes,
-                **op_kwargs("attention_with_lse", scale, causal, window, softcap, dropout_p))
+    kw = op_kwargs("attention_with_lse", scale, causal, window, softcap, dropout_p)
+    return call("attention_with_lse", q, k, v, attn_bias, kw.pop("dropout_seed"), alibi_slopes, sinks, **kw)

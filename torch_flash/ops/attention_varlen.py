@@ -4,7 +4,8 @@ Shapes: q (Tq, Hq, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv), Hq % Hkv == 0; cu_seqlen
 int32 or int64 (batch + 1,), starting at 0 and ending at Tq / Tk; out (Tq, Hq, Dv)
 contiguous in q's dtype, lse (Hq, Tq) fp32 (fp64 for fp64 inputs). max_seqlen_q/_k are
 upper bounds on the sequence lengths (kernels size their grids by them; no host sync).
-alibi_slopes: fp32 (Hq,) or (batch, Hq), one row per sequence.
+alibi_slopes: fp32 (Hq,) or (batch, Hq), one row per sequence; sinks (Hq,), differentiable (their
+gradient from out, lse and the upstream gradients, as flash.attention's).
 Per-sequence semantics and the dropout mask: torch_flash/reference/attention_varlen.py.
 """
 from __future__ import annotations
@@ -17,11 +18,12 @@ from torch._subclasses.fake_tensor import is_fake
 
 from ..reference import attention_varlen as ref
 from ..reference._common import compute_dtype
-from ..reference.attention import resolve_scale
+from ..reference.attention import resolve_scale, sink_grad
 from ._autograd import call, triton_op
 from ._checks import INDEX_DTYPES, check, check_same_device, check_tensor
 from ._plans import Plans
-from .attention import check_alibi, check_common, check_saved_and_grads, kernel_flags, op_kwargs, spec_of, use_triton
+from .attention import (check_alibi, check_common, check_saved_and_grads, check_sinks, kernel_flags, op_kwargs,
+                        spec_of, use_triton)
 
 
 def check_cu_seqlens(op: str, name: str, cu_seqlens) -> None:
@@ -30,7 +32,7 @@ def check_cu_seqlens(op: str, name: str, cu_seqlens) -> None:
 
 
 def check_args(op: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-               softcap, dropout_p, dropout_seed, window_left, window_right, alibi_slopes=None) -> None:
+               softcap, dropout_p, dropout_seed, window_left, window_right, alibi_slopes=None, sinks=None) -> None:
     """Metadata checks (the fake runs them too); the offsets' values: check_offsets."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(op, name, t, ndim=3)
@@ -43,6 +45,7 @@ def check_args(op: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         check(m >= 0, op, f"{name} must be >= 0, got {m}")
     check_alibi(op, alibi_slopes, q, cu_seqlens_q.shape[0] - 1)
+    check_sinks(op, sinks, q)
 
 
 def check_offsets(op: str, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, total_q: int, total_k: int,
@@ -63,9 +66,9 @@ def check_offsets(op: str, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, total_q: 
 
 def check_backward_args(op: str, grad_out, grad_lse, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                         max_seqlen_k, out, lse, softcap, dropout_p, dropout_seed, window_left,
-                        window_right, alibi_slopes=None) -> None:
+                        window_right, alibi_slopes=None, sinks=None) -> None:
     check_args(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softcap,
-               dropout_p, dropout_seed, window_left, window_right, alibi_slopes)
+               dropout_p, dropout_seed, window_left, window_right, alibi_slopes, sinks)
     check_saved_and_grads(op, q, v, out, lse, grad_out, grad_lse, out_shapes(q, v))
 
 
@@ -81,22 +84,24 @@ FORWARD_PLANS, BACKWARD_PLANS = Plans(), Plans()
 @triton_op("flash::attention_varlen", mutates_args=())
 def _attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                       max_seqlen_q: int, max_seqlen_k: int, dropout_seed: Optional[Tensor] = None,
-                      alibi_slopes: Optional[Tensor] = None, *, scale: Optional[float] = None, causal: bool = False,
+                      alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None, *,
+                      scale: Optional[float] = None, causal: bool = False,
                       window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
                       dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
     op = "attention_varlen"
 
     def make():
         check_args(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softcap,
-                   dropout_p, dropout_seed, window_left, window_right, alibi_slopes)
-        spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed, alibi_slopes)
+                   dropout_p, dropout_seed, window_left, window_right, alibi_slopes, sinks)
+        spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed, alibi_slopes,
+                       sinks)
         if not use_triton(op, q, k, v, None, dropout_p):
             return None
         from ..kernels.triton.attention import AttentionFwd
         return AttentionFwd(q, k, v, None, cu_seqlens_q, cu_seqlens_k, cu_seqlens_q.shape[0] - 1, max_seqlen_q,
-                            max_seqlen_k, kernel_flags(spec))
-    values = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_seed, alibi_slopes, scale,
-              causal, window_left, window_right, softcap, dropout_p)
+                            max_seqlen_k, kernel_flags(spec), sinks)
+    values = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_seed, alibi_slopes, sinks,
+              scale, causal, window_left, window_right, softcap, dropout_p)
     plan = FORWARD_PLANS.get(op, values, make)
     # the offsets' values only where reading them costs nothing: CPU tensors with data
     # (not on GPU: host sync; not the fake tensors of torch.compile tracing this body)
@@ -104,8 +109,8 @@ def _attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_
         check_offsets(op, cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
                       max_seqlen_k)
     if plan is not None:
-        return plan(q, k, v, None, cu_seqlens_q, cu_seqlens_k, dropout_seed, alibi_slopes)
-    spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed, alibi_slopes)
+        return plan(q, k, v, None, cu_seqlens_q, cu_seqlens_k, dropout_seed, alibi_slopes, sinks)
+    spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed, alibi_slopes, sinks)
     return ref.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, spec)
 
 
@@ -115,15 +120,17 @@ def _attention_varlen_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: 
                                max_seqlen_q: int, max_seqlen_k: int, out: Tensor, lse: Tensor,
                                scale: float, causal: bool, window_left: int, window_right: int,
                                softcap: float, dropout_p: float, dropout_seed: Optional[Tensor],
-                               alibi_slopes: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv); the ALiBi slopes get no gradient."""
+                               alibi_slopes: Optional[Tensor] = None,
+                               sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv); the ALiBi slopes get no gradient, the sinks theirs in the autograd rule."""
     op = "attention_varlen_backward"
 
     def make():
         check_backward_args(op, grad_out, grad_lse, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             max_seqlen_k, out, lse, softcap, dropout_p, dropout_seed, window_left, window_right,
-                            alibi_slopes)
-        spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed, alibi_slopes)
+                            alibi_slopes, sinks)
+        spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed, alibi_slopes,
+                       sinks)
         if not use_triton(op, q, k, v, None, dropout_p):
             return None
         from ..kernels.triton.attention import AttentionBwd
@@ -131,30 +138,33 @@ def _attention_varlen_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: 
                             cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, kernel_flags(spec), False,
                             deterministic=True)
     values = (grad_out, grad_lse, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse,
-              scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed, alibi_slopes)
+              scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed, alibi_slopes, sinks)
     plan = BACKWARD_PLANS.get(op, values, make)
     if plan is not None:
         return plan(grad_out, grad_lse, q, k, v, None, out, lse, cu_seqlens_q, cu_seqlens_k, dropout_seed,
                     alibi_slopes)[:3]
-    spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed, alibi_slopes)
+    spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed, alibi_slopes,
+                   sinks)
     return ref.backward(grad_out, grad_lse, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, spec)
 
 
 def _setup(ctx, inputs, keyword_only_inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_seed, alibi_slopes = inputs
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_seed, alibi_slopes, sinks = inputs
     kw = keyword_only_inputs
-    ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, *output, dropout_seed, alibi_slopes)
+    ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, *output, dropout_seed, alibi_slopes, sinks)
+    ctx.sinks_grad = sinks is not None and sinks.requires_grad
     ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
     ctx.scalars = (resolve_scale(kw["scale"], q.shape[-1]), kw["causal"], kw["window_left"],
                    kw["window_right"], kw["softcap"], kw["dropout_p"])
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, dropout_seed, alibi_slopes = ctx.saved_tensors
+    q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, dropout_seed, alibi_slopes, sinks = ctx.saved_tensors
     dq, dk, dv = call("attention_varlen_backward",
                       grad_out, grad_lse, q, k, v, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens, out, lse,
-                      *ctx.scalars, dropout_seed, alibi_slopes)
-    return dq, dk, dv, None, None, None, None, None, None
+                      *ctx.scalars, dropout_seed, alibi_slopes, sinks)
+    dsinks = sink_grad(sinks, out, grad_out, lse, grad_lse) if ctx.sinks_grad else None
+    return dq, dk, dv, None, None, None, None, None, None, dsinks
 
 
 _attention_varlen.register_autograd(_backward, setup_context=_setup)
@@ -164,7 +174,8 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
                      max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None, *,
                      scale: Optional[float] = None, causal: bool = False,
                      window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                     dropout_p: float = 0.0, alibi_slopes: Optional[Tensor] = None, return_lse: bool = False):
+                     dropout_p: float = 0.0, alibi_slopes: Optional[Tensor] = None,
+                     sinks: Optional[Tensor] = None, return_lse: bool = False):
     """Attention within each of the packed sequences (FlashAttention's varlen API).
 
     q (Tq, Hq, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv): the tokens of all sequences end to end;
@@ -173,7 +184,7 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     the kernels' grids. Omitted, the bound is the total token count Tq / Tk: no host
     synchronisation (the call compiles with fullgraph=True and records in CUDA graphs), at the
     cost of grid programs that exit at once.
-    scale, causal, window, softcap, dropout_p, alibi_slopes as in `torch_flash.attention`, per
+    scale, causal, window, softcap, dropout_p, alibi_slopes, sinks as in `torch_flash.attention`, per
     sequence (causal, window and ALiBi's distance aligned bottom-right within each sequence;
     (batch, Hq) slopes give each sequence its own row).
     Returns out (Tq, Hq, Dv), or (out, lse (Hq, Tq) fp32) with return_lse=True.
@@ -182,5 +193,5 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     seed = kwargs.pop("dropout_seed")
     out, lse = call("attention_varlen",
                     q, k, v, cu_seqlens_q, cu_seqlens_k, q.shape[0] if max_seqlen_q is None else max_seqlen_q,
-                    k.shape[0] if max_seqlen_k is None else max_seqlen_k, seed, alibi_slopes, **kwargs)
+                    k.shape[0] if max_seqlen_k is None else max_seqlen_k, seed, alibi_slopes, sinks, **kwargs)
     return (out, lse) if return_lse else out

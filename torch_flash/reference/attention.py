@@ -11,6 +11,9 @@ query head h reads key/value head h // (Hq // Hkv).
                                           (window (left, right), -1 = unbounded, causal
                                           means right = 0: aligned bottom-right as FlashAttention)
     lse = logsumexp_j s,  p = exp(s - lse),  out = dropout(p) v
+    with sinks (Hq,) (gpt-oss): lse = log(sum_j exp(s_j) + exp(sink_h)), one more softmax
+                                          column per row that takes probability mass and adds
+                                          no value (d lse / d sink = exp(sink - lse))
 
 ALiBi is FlashAttention 2's: the distance to the bottom-right diagonal, per sequence for
 varlen (FlashAttention's causal kernels add slope * (j - Sk + 1) instead, which differs by a
@@ -45,7 +48,8 @@ CHUNK_ELEMENTS = 1 << 22
 class Spec:
     """The scalar arguments of one attention call, with scale resolved; seed is the
     dropout seed (an int, or an int64 tensor of one element so tracing needs no .item());
-    alibi_slopes the fp32 ALiBi slopes, (Hq,) or (B, Hq), or None."""
+    alibi_slopes the fp32 ALiBi slopes, (Hq,) or (B, Hq), or None; sinks the per-head sink
+    logits (Hq,), or None."""
     scale: float
     causal: bool = False
     window_left: int = -1
@@ -54,6 +58,7 @@ class Spec:
     dropout_p: float = 0.0
     seed: Tensor | int | None = None
     alibi_slopes: Tensor | None = None
+    sinks: Tensor | None = None
 
     @property
     def right(self) -> int:
@@ -185,6 +190,31 @@ def _mask_scores(s: Tensor, bias: Tensor | None, vis: Tensor | None, alibi: Tens
     return s
 
 
+def with_sinks(lse: Tensor, sinks: Tensor | None) -> Tensor:
+    """lse over the keys -> lse over the keys and the sink column: logaddexp with each row's head's
+    sink (heads at dim 1 of lse, which has at least 2 dims)."""
+    if sinks is None:
+        return lse
+    return torch.logaddexp(lse, sinks.to(lse.dtype).reshape(-1, *(1,) * (lse.dim() - 2)))
+
+
+def sink_grad(sinks: Tensor, out: Tensor, grad_out: Tensor, lse: Tensor, grad_lse: Tensor | None) -> Tensor:
+    """d loss / d sinks, (Hq,) in sinks' dtype: the sum over rows of exp(sink - lse) * (grad_lse -
+    rowsum(dO * O)), for dense (out (B, Hq, Sq, Dv), lse (B, Hq, Sq)) or varlen (out (T, Hq, Dv),
+    lse (Hq, T)) layouts. Every path's backward shares it: dq, dk, dv need only the lse."""
+    cdt = lse.dtype
+    row = -(grad_out.to(cdt) * out.to(cdt)).sum(-1)
+    heads = 0 if lse.dim() == 2 else 1
+    if heads == 0:
+        row = row.T
+    if grad_lse is not None:
+        row = row + grad_lse.to(cdt)
+    shape = [1] * lse.dim()
+    shape[heads] = -1
+    p_sink = torch.exp(sinks.to(cdt).reshape(shape) - lse).masked_fill(lse == -math.inf, 0.0)
+    return (p_sink * row).sum([d for d in range(lse.dim()) if d != heads]).to(sinks.dtype)
+
+
 def _probs(s: Tensor, lse: Tensor) -> Tensor:
     """exp(s - lse); rows with lse = -inf (no visible key) give 0, not NaN."""
     return torch.exp(s - lse.masked_fill(lse == -math.inf, 0.0).unsqueeze(-1))
@@ -193,7 +223,8 @@ def _probs(s: Tensor, lse: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------- naive formula
 
 def attention_with_lse(q, k, v, attn_bias=None, *, scale=None, causal=False, window=(-1, -1),
-                       softcap=0.0, dropout_p=0.0, dropout_seed=None, alibi_slopes=None, positions=None):
+                       softcap=0.0, dropout_p=0.0, dropout_seed=None, alibi_slopes=None, sinks=None,
+                       positions=None):
     """(out (B, Hq, Sq, Dv) in q's dtype, lse (B, Hq, Sq)) by the formula, O(Sq*Sk) memory.
     Differentiable; computes in fp32 (fp64 for fp64 inputs). dropout_seed: int or tensor;
     positions: packed sequences (varlen), None for one sequence per batch row."""
@@ -210,7 +241,7 @@ def attention_with_lse(q, k, v, attn_bias=None, *, scale=None, causal=False, win
     pos = positions or dense_positions(sq, sk, q.device)
     alibi = None if alibi_slopes is None else alibi_bias(alibi_slopes, pos, 0, sq, cdt)
     s = _mask_scores(s, bias, visible(pos, 0, sq, spec), alibi)
-    lse = torch.logsumexp(s, -1)
+    lse = with_sinks(torch.logsumexp(s, -1), sinks)
     p = _probs(s, lse)
     if dropout_p > 0:
         p = p * dropout_keep(spec, pos, q.shape[0], q.shape[1], 0, sq) / (1 - dropout_p)
@@ -244,7 +275,7 @@ def _cpu_flash_applies(q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: Spec, p
     """PyTorch's flash CPU kernel: plain softmax attention, causal only top-left (so Sq == Sk)."""
     sq, sk = q.shape[2], k.shape[2]
     return (q.device.type == "cpu" and q.dtype in _CPU_FLASH_DTYPES and attn_bias is None
-            and spec.alibi_slopes is None
+            and spec.alibi_slopes is None and spec.sinks is None
             and positions is None and q.numel() > 0 and k.numel() > 0
             and q.shape[-1] == v.shape[-1] and spec.softcap == 0 and spec.dropout_p == 0
             and spec.window_left < 0 and (spec.right < 0 or (spec.right == 0 and sq == sk)))
@@ -315,6 +346,8 @@ class _Chunks:
         for r0, r1 in self.bounds:
             s, _ = self.scores(r0, r1)
             lse_c = torch.logsumexp(s, -1)
+            if self.spec.sinks is not None:  # grouped (B, Hkv, g, rows): flat heads at dim 1
+                lse_c = with_sinks(lse_c.flatten(1, 2), self.spec.sinks).view(lse_c.shape)
             p = _probs(s, lse_c)
             keep = self.dropout(r0, r1)
             out_g[..., r0:r1, :] = (p if keep is None else p * keep) @ self.v

@@ -4,7 +4,7 @@ q (Tq, Hq, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv); sequence b holds query tokens
 cu_seqlens_q[b]:cu_seqlens_q[b+1] and key tokens cu_seqlens_k[b]:cu_seqlens_k[b+1], and
 attends only within itself, by the rules of torch_flash/reference/attention.py per
 sequence (causal/window aligned bottom-right within each sequence; ALiBi's distance too,
-with (B, Hq) slopes picked by sequence). out (Tq, Hq, Dv),
+with (B, Hq) slopes picked by sequence; attention sinks per head). out (Tq, Hq, Dv),
 lse (Hq, Tq). Dropout draws the mask of the dense rule with b the sequence and i, j
 positions within it.
 
@@ -45,14 +45,15 @@ def positions(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, tq: int, tk: int) -> d
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=False,
-                     window=(-1, -1), softcap=0.0, dropout_p=0.0, dropout_seed=None, alibi_slopes=None):
+                     window=(-1, -1), softcap=0.0, dropout_p=0.0, dropout_seed=None, alibi_slopes=None,
+                     sinks=None):
     """(out, lse) by the formula: the naive dense attention over the packed tokens, masked
     to each sequence's block, O(Tq*Tk) memory. Differentiable."""
     pos = positions(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
     out, lse = dense.attention_with_lse(_as_dense(q), _as_dense(k), _as_dense(v), scale=scale,
                                         causal=causal, window=window, softcap=softcap,
                                         dropout_p=dropout_p, dropout_seed=dropout_seed,
-                                        alibi_slopes=alibi_slopes, positions=pos)
+                                        alibi_slopes=alibi_slopes, sinks=sinks, positions=pos)
     return out[0].transpose(0, 1), lse[0]
 
 

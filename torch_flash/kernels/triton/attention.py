@@ -13,7 +13,8 @@ then ALiBi (-slope * |i + diag - j|, slope of the program's (batch, head) read f
 (log2(e) folded into the scale) so the softmax uses exp2; lse is returned in natural log.
 Each loop over the other sequence is split into block ranges that need the visibility mask
 (edges of the band, sequence ends) and a middle range that does not; blocks outside the band
-are never visited.
+are never visited. Attention sinks (a logit per q head, no value) start the forward's online
+softmax as an already seen column; the lse includes them, so the backward needs nothing more.
 
 Backward: delta = rowsum(dO * O) - grad_lse; one kernel per key block accumulates dK/dV over
 query blocks (looping over the q heads of a GQA group, so no atomics there); dQ comes either
@@ -301,7 +302,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, Out, Lse, Bias, Seed, CuQ, CuK, Alibi,
+def _attn_fwd(Q, K, V, Out, Lse, Bias, Seed, CuQ, CuK, Alibi, Sinks,
               stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
               stride_lb, stride_lh, stride_bb, stride_bh, stride_bm, stride_bn, stride_ab, stride_ah,
@@ -309,8 +310,8 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias, Seed, CuQ, CuK, Alibi,
               window_left, window_right,
               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
               BLOCK_DV: tl.constexpr, IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr,
-              SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
-              DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr, DROPOUT: tl.constexpr,
+              IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: BLOCK_M query rows of one (batch, q head). Writes out and lse."""
     qk_scale, softcap, dropout_p = fp32(qk_scale), fp32(softcap), fp32(dropout_p)
     bh = tl.program_id(1)
@@ -336,8 +337,12 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias, Seed, CuQ, CuK, Alibi,
     offs_m = m0 + tl.arange(0, BLOCK_M)
     q = _load_tile(q_base, offs_m, stride_qm, seq_q, tl.arange(0, BLOCK_D), HEAD_DIM, BLOCK_D, True)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    if SINKS:  # the sink column as seen first: the running max is its logit, of weight 1 (0 at -inf)
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(Sinks + h).to(tl.float32) * _LOG2E
+        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
+    else:
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     diag = seq_k - seq_q
     a, b_, c, hi = _key_ranges(m0, seq_q, seq_k, diag, window_left, window_right, BLOCK_M, BLOCK_N)
     for phase in tl.static_range(2):
@@ -739,7 +744,8 @@ def _absent(q) -> dict:
     launchers always had them."""
     no_index = q.new_empty(0, dtype=torch.int32)
     return dict(Bias=q.new_empty(0), Seed=q.new_empty(0, dtype=torch.int64), CuQ=no_index, CuK=no_index,
-                DBias=q.new_empty(0, dtype=torch.float32), Alibi=q.new_empty(0, dtype=torch.float32))
+                DBias=q.new_empty(0, dtype=torch.float32), Alibi=q.new_empty(0, dtype=torch.float32),
+                Sinks=q.new_empty(0, dtype=torch.float32))
 
 
 def _inputs(absent: dict, dropout: bool, q, k, v, attn_bias, cu_q, cu_k, dropout_seed, alibi_slopes) -> dict:
@@ -756,9 +762,9 @@ class AttentionFwd:
     tensors of each launch of that signature (the ops keep them per signature,
     torch_flash/ops/attention.py). Returns (out, lse): out contiguous, shaped like q with v's
     head dim (the ops' fakes promise contiguous outputs), lse fp32 (B, H, S) dense or (H, T)
-    varlen."""
+    varlen. sinks: whether calls pass the (Hq,) sink logits (the backward needs only lse)."""
 
-    def __init__(self, q, k, v, attn_bias, cu_q, cu_k, n_batch, seq_q, seq_k, flags):
+    def __init__(self, q, k, v, attn_bias, cu_q, cu_k, n_batch, seq_q, seq_k, flags, sinks=None):
         self.out_shape = (*q.shape[:-1], v.shape[-1])
         self.lse_shape = (q.shape[1], q.shape[0]) if cu_q is not None else q.shape[:-1]
         self.empty = any(d == 0 for d in self.out_shape)
@@ -775,22 +781,24 @@ class AttentionFwd:
         self.scalars = {name: value for name, value in (*args.items(), *mask.items(), *bias.items(),
                                                         *_bhm(out, "o", "m").items(), *_lse_strides(lse).items())
                         if name not in tensors}
+        self.scalars["SINKS"] = sinks is not None
         self.launcher = None
 
-    def __call__(self, q, k, v, attn_bias, cu_q, cu_k, dropout_seed, alibi_slopes):
+    def __call__(self, q, k, v, attn_bias, cu_q, cu_k, dropout_seed, alibi_slopes, sinks):
         out = q.new_empty(self.out_shape)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         if self.empty:
             return out, lse
         tensors = _inputs(self.absent, self.dropout, q, k, v, attn_bias, cu_q, cu_k, dropout_seed, alibi_slopes)
+        sinks = self.absent["Sinks"] if sinks is None else sinks.contiguous()  # read at offset h
         self.launcher = launch_as(self.launcher, self.kernel, self.grid, (),
-                                  dict(Out=out, Lse=lse, **tensors, **self.scalars))
+                                  dict(Out=out, Lse=lse, Sinks=sinks, **tensors, **self.scalars))
         return out, lse
 
 
-def _forward(q, k, v, attn_bias, cu_q, cu_k, n_batch, seq_q, seq_k, flags):
-    return AttentionFwd(q, k, v, attn_bias, cu_q, cu_k, n_batch, seq_q, seq_k, flags)(
-        q, k, v, attn_bias, cu_q, cu_k, flags["dropout_seed"], flags["alibi_slopes"])
+def _forward(q, k, v, attn_bias, cu_q, cu_k, n_batch, seq_q, seq_k, flags, sinks):
+    return AttentionFwd(q, k, v, attn_bias, cu_q, cu_k, n_batch, seq_q, seq_k, flags, sinks)(
+        q, k, v, attn_bias, cu_q, cu_k, flags["dropout_seed"], flags["alibi_slopes"], sinks)
 
 
 class AttentionBwd:
@@ -886,13 +894,13 @@ def _flags(scale, causal, window_left, window_right, softcap, dropout_p, dropout
 
 
 def attention_fwd(q, k, v, attn_bias, *, scale, causal, window_left, window_right, softcap,
-                  dropout_p, dropout_seed, alibi_slopes=None):
+                  dropout_p, dropout_seed, alibi_slopes=None, sinks=None):
     """Dense attention forward: q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv), attn_bias
-    None / float / bool broadcastable to (B, Hq, Sq, Sk), alibi_slopes None or fp32 (Hq,) / (B, Hq).
-    Returns out (B, Hq, Sq, Dv) contiguous in q's dtype and lse (B, Hq, Sq) fp32 (-inf, with out
-    0, for rows that see no key)."""
+    None / float / bool broadcastable to (B, Hq, Sq, Sk), alibi_slopes None or fp32 (Hq,) / (B, Hq),
+    sinks None or (Hq,). Returns out (B, Hq, Sq, Dv) contiguous in q's dtype and lse (B, Hq, Sq)
+    fp32 (-inf, with out 0, for rows that see no key and no sink)."""
     flags = _flags(scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed, alibi_slopes)
-    return _forward(q, k, v, attn_bias, None, None, q.shape[0], q.shape[2], k.shape[2], flags)
+    return _forward(q, k, v, attn_bias, None, None, q.shape[0], q.shape[2], k.shape[2], flags, sinks)
 
 
 def attention_bwd(grad_out, grad_lse, q, k, v, attn_bias, out, lse, *, scale, causal, window_left,
@@ -907,14 +915,15 @@ def attention_bwd(grad_out, grad_lse, q, k, v, attn_bias, out, lse, *, scale, ca
 
 
 def attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale,
-                         causal, window_left, window_right, softcap, dropout_p, dropout_seed, alibi_slopes=None):
+                         causal, window_left, window_right, softcap, dropout_p, dropout_seed, alibi_slopes=None,
+                         sinks=None):
     """Packed sequences: q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv), int32
-    cu_seqlens (batch + 1,), alibi_slopes None or fp32 (Hq,) / (batch, Hq). max_seqlen_* only
-    size the grid (an upper bound is fine; no host sync). Returns out (total_q, Hq, Dv) and lse
-    (Hq, total_q) fp32."""
+    cu_seqlens (batch + 1,), alibi_slopes None or fp32 (Hq,) / (batch, Hq), sinks None or (Hq,).
+    max_seqlen_* only size the grid (an upper bound is fine; no host sync). Returns out
+    (total_q, Hq, Dv) and lse (Hq, total_q) fp32."""
     flags = _flags(scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed, alibi_slopes)
     return _forward(q, k, v, None, cu_seqlens_q, cu_seqlens_k, cu_seqlens_q.shape[0] - 1,
-                    max_seqlen_q, max_seqlen_k, flags)
+                    max_seqlen_q, max_seqlen_k, flags, sinks)
 
 
 def attention_varlen_bwd(grad_out, grad_lse, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
