@@ -435,13 +435,30 @@ def test_gpu_dense(case, dtype):
     assert rel_err(ours, exact) <= 1.1 * rel_err(sdpa, exact) + 1e-6
 
 
-@pytest.mark.cuda
-def test_gpu_refuses_cuda_extension(force_backend):
-    """The CUDA extension's predicates refuse ALiBi: forcing it raises instead of dropping the bias."""
-    q, k, v = (torch.randn(1, 4, 256, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+def _hopper_dispatch_check(force_backend, monkeypatch, **extra):
+    """A call that the Hopper kernels (forward, and cuDNN's backward by default) serve goes to Triton
+    with `extra` (ALiBi or sinks, which they lack), and forcing the CUDA extension raises."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper forward and cuDNN's backward serve sm_90 only")
+    monkeypatch.setenv("TORCH_FLASH_CUDNN_BACKWARD", "1")
+    q, k, v = (torch.randn(2, 4, 1024, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    last = torch_flash._dispatch.LAST
+    attention(q, k, v).sum().backward()
+    assert last["attention_backward"] == "cudnn"
+    info = torch_flash._extension.build_info()
+    plain_fwd = "cuda" if info and "flash::attention_fwd_sm90" in info["ops"] and 128 in info["hdims"] else "triton"
+    assert last["attention_with_lse"] == plain_fwd
+    attention(q, k, v, **extra).sum().backward()
+    assert last["attention_with_lse"] == "triton" and last["attention_backward"] == "triton"
     force_backend("cuda")
     with pytest.raises(RuntimeError, match="backend 'cuda' forced"):
-        attention(q, k, v, causal=True, alibi_slopes=torch.rand(4, device="cuda"))
+        attention(q, k, v, **extra)
+
+
+@pytest.mark.cuda
+def test_gpu_dispatch(force_backend, monkeypatch):
+    _hopper_dispatch_check(force_backend, monkeypatch, alibi_slopes=_slopes(2, 4, True, "cuda"))
 
 
 @pytest.mark.cuda

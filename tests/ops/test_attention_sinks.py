@@ -274,6 +274,14 @@ def test_gpu_dense(shape, kw, dtype):
 
 
 @pytest.mark.cuda
+def test_gpu_dispatch(force_backend, monkeypatch):
+    """With sinks, neither the Hopper forward nor cuDNN's backward runs (they have none)."""
+    import test_attention_alibi
+    test_attention_alibi._hopper_dispatch_check(force_backend, monkeypatch,
+                                                sinks=torch.randn(4, device="cuda", requires_grad=True))
+
+
+@pytest.mark.cuda
 def test_gpu_varlen():
     check_varlen([300, 1, 0, 777, 64], [500, 200, 9, 777, 1], dict(causal=True), torch.bfloat16, "cuda")
     assert torch_flash._dispatch.LAST["attention_varlen_backward"] == "triton"
