@@ -1,21 +1,19 @@
-"""Small hand-written models in the spellings real code uses (LLaMA-style, Gemma, nanoGPT)."""
+"""Small hand-written models in the spellings real code uses (LLaMA-style, Gemma, nanoGPT); the
+LLaMA pieces are torch_flash.testing.llama's, the demo's model."""
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import torch_flash
+from torch_flash.testing import llama
+from torch_flash.testing.llama import repeat_kv, rotate_half
 
 
-class LlamaRMSNorm(nn.Module):  # transformers' LlamaRMSNorm
+class LlamaRMSNorm(llama.RMSNorm):  # transformers' LlamaRMSNorm, weights away from 1
     def __init__(self, d, eps=1e-6):
-        super().__init__()
-        self.weight, self.eps = nn.Parameter(1 + 0.1 * torch.randn(d)), eps
-
-    def forward(self, h):
-        dt = h.dtype
-        h = h.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dt)
+        super().__init__(d, eps)
+        with torch.no_grad():
+            self.weight.copy_(1 + 0.1 * torch.randn(d))
 
 
 class GemmaRMSNorm(nn.Module):  # transformers' GemmaRMSNorm: (1 + w), product in fp32
@@ -35,13 +33,6 @@ class PlainRMSNorm(nn.Module):
 
     def forward(self, x):
         return x * torch.rsqrt(torch.mean(x * x, dim=-1, keepdim=True) + self.eps) * self.w
-
-
-def repeat_kv(x, n):  # transformers' repeat_kv
-    b, h, s, d = x.shape
-    if n == 1:
-        return x
-    return x[:, :, None, :, :].expand(b, h, n, s, d).reshape(b, h * n, s, d)
 
 
 class LlamaBlock(nn.Module):
@@ -166,11 +157,6 @@ class TinyCausalLM(nn.Module):
         else:
             loss = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
         return (loss, logits) if self.return_logits else loss
-
-
-def rotate_half(x):  # transformers' rotate_half
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
-    return torch.cat((-x2, x1), dim=-1)
 
 
 def rotate_every_two(x):  # transformers' GPT-J rotate_every_two

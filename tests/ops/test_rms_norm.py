@@ -7,6 +7,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import torch_flash
 from torch_flash.reference import rms_norm as ref
+from torch_flash.testing import llama
 from _utils import TOL, assert_rel_close, randn_rows, to64
 
 SHAPES = [(2, 8, 64), (1, 3, 16), (5, 32), (7, 1, 96)]
@@ -90,13 +91,6 @@ def test_gradcheck(offset, cbw):
                                                  cast_before_weight=cbw), (x, w, r))
 
 
-def _hf_llama(x, w, eps):  # transformers' LlamaRMSNorm.forward
-    dt = x.dtype
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return w * h.to(dt)
-
-
 def _gemma(x, w, eps):  # transformers' GemmaRMSNorm.forward
     h = x.float()
     out = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -110,7 +104,7 @@ def test_matches_model_code(dtype, model):
     x = torch.randn(4, 7, 256, dtype=dtype) * 3
     w = torch.randn(256, dtype=dtype)
     if model == "llama":
-        out, theirs = torch_flash.rms_norm(x, w, 1e-6), _hf_llama(x, w, 1e-6)
+        out, theirs = torch_flash.rms_norm(x, w, 1e-6), llama.rms_norm(x, w, 1e-6)
         exact = ref.rms_norm(*to64(x, w), 1e-6)
     else:
         out = torch_flash.rms_norm(x, w, 1e-6, weight_offset=1.0, cast_before_weight=False)

@@ -7,14 +7,10 @@ import torch
 
 from torch_flash import _dispatch
 from torch_flash.ops.rotary import rotary, rotary_cos_sin, rotary_qk
+from torch_flash.testing.llama import rotate_half
 from _utils import TOL, assert_rel_close, rel_err
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def rotate_half(x):  # transformers' rotate_half
-    x1, x2 = x.chunk(2, -1)
-    return torch.cat((-x2, x1), -1)
 
 
 def rotate_every_two(x):  # GPT-J's rotate_every_two

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..testing.llama import rms_norm as _naive_rms  # HF LlamaRMSNorm
 from ._common import compile_fresh, copy_bandwidth, median_or_none, over_retained_graphs, time_rounds
 
 SHAPES = [(32768, 4096), (65536, 1024), (4096, 8192)]
@@ -75,11 +76,6 @@ def plot_bars(data: dict, path: str, panel_keys: tuple[str, ...]) -> None:
     plt.close(fig)
 
 
-def _naive_rms(x, w, eps: float = EPS):  # HF LlamaRMSNorm
-    h = x.float()
-    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
 def _naive_ln(x, w, b, eps: float = EPS):
     h = x.float()
     hc = h - h.mean(-1, keepdim=True)
@@ -98,7 +94,7 @@ def _with_residual(norm):
 
 
 def _naive(is_rms: bool):
-    return _with_residual((lambda x, w, b: _naive_rms(x, w)) if is_rms else _naive_ln)
+    return _with_residual((lambda x, w, b: _naive_rms(x, w, EPS)) if is_rms else _naive_ln)
 
 
 def _eager(is_rms: bool):

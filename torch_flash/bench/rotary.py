@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..testing.llama import rotate_half
 from ._common import compile_fresh
 from .norm import autograd_pair, plot_bars, time_impls
 
@@ -22,14 +23,9 @@ QUICK = [(1, 1024)]
 CPU_SHAPES = [(1, 16)]  # smoke run under TRITON_INTERPRET=1
 
 
-def _rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def _hf_rope(q, k, cos, sin):  # cos/sin (S, D), halves duplicated, in q's dtype
     cos, sin = cos[None, None], sin[None, None]
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
 def _liger():
