@@ -56,7 +56,7 @@ MIN_SAMPLES = 20
 
 
 def median_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100, graph: bool = False) -> float:
-    """Median time of fn in milliseconds (triton.testing.do_bench on GPU, wall clock on CPU)
+    """Median time of fn in milliseconds (triton.testing.do_bench on GPU; on CPU the second call)
     over rep ms of calls, and at least MIN_SAMPLES of them (do_bench fits its call count into
     rep: 100 ms would be 2 calls of a 40 ms loss). graph=True replays fn captured in a CUDA
     graph (do_bench_cudagraph), as serving runs a decoding step: the kernels' time without the
@@ -73,14 +73,13 @@ def median_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100, graph:
         if graph:
             return float(do_bench_cudagraph(fn, rep=rep, return_mode="median"))
         return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+    # CPU: a smoke run under the Triton interpreter, not a measurement. Two calls: fn must run
+    # again where the first left its buffers (in-place variants), as the GPU's many calls do
     import time
     fn()
-    times = []
-    for _ in range(3):  # CPU: a smoke run under the Triton interpreter, not a measurement
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
 
 
 def report_unavailable(name: str, e: Exception) -> None:
