@@ -1,9 +1,11 @@
 """Helpers shared by several pattern families: arguments by schema name, structural equality
 of two graph values, static equality of (symbolic) sizes, shape ops that keep rows whole,
 inserting a flash op only where its own checks accept the values and it computes what it
-replaces, and the residual-add fusion of the norm families."""
+replaces, the residual-add fusion of the norm families, and Unmatched, what every family's
+matching returns where a site is left alone."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -11,6 +13,12 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..graph import A, cast_dtype, dtype_of, fake_call, getitem, insert_call, is_op, last_dim, location, same_meta, val
+
+
+@dataclass(frozen=True)
+class Unmatched:
+    """Why a candidate site is left alone, in words a user can act on (explain prints it)."""
+    reason: str
 
 
 def arg(node: fx.Node, name: str, default: Any = None) -> Any:
@@ -75,30 +83,38 @@ def keeps_rows(n: Any) -> bool:
     return False
 
 
-def call_checked(graph: fx.Graph, before: fx.Node, op, args: tuple, kwargs: dict | None = None) -> fx.Node | str:
+def call_checked(graph: fx.Graph, before: fx.Node, op, args: tuple,
+                 kwargs: dict | None = None) -> fx.Node | Unmatched:
     """insert_call, or the op's own message when its argument checks reject these values."""
     try:
         fake_call(op, *args, **(kwargs or {}))
     except ValueError as e:
-        return str(e)
+        return Unmatched(str(e))
     return insert_call(graph, before, op, args, kwargs)
 
 
-def replace(graph: fx.Graph, old: fx.Node, new: fx.Node, op_name: str) -> str:
-    """Let new (the result of flash.<op_name>) take old's place: "" when done, else why not.
+def replace(graph: fx.Graph, old: fx.Node, new: fx.Node, op_name: str) -> Unmatched | None:
+    """Let new (the result of flash.<op_name>) take old's place: None when done, else why not.
     Under autocast new may be in the half dtype that every reader of an fp32 old computes in
     (see autocast_dtype): one rounding of the fp32 value either way, as the ops compute in fp32."""
     if same_meta(val(new), val(old)):
         old.replace_all_uses_with(new)
-        return ""
+        return None
     if (tuple(val(new).shape) == tuple(val(old).shape) and dtype_of(new) in HALF
             and autocast_dtype(old) == dtype_of(new)):
         retype(graph, old, new)
-        return ""
-    reason = (f"flash.{op_name} would give {dtype_of(new)} {tuple(val(new).shape)} where the model "
-              f"computes {dtype_of(old)} {tuple(val(old).shape)}")
+        return None
     graph.erase_node(new)
-    return reason
+    return Unmatched(f"flash.{op_name} would give {dtype_of(new)} {tuple(val(new).shape)} where the model "
+                     f"computes {dtype_of(old)} {tuple(val(old).shape)}")
+
+
+def conclude(site, failed: Unmatched | None, op: str) -> None:
+    """Record on a report Site that it became flash.<op>, or why that failed."""
+    if failed is None:
+        site.op = op
+    else:
+        site.reason = failed.reason
 
 
 def fuse_residual(gm: fx.GraphModule, norm: fx.Node, fused_op) -> bool:
@@ -208,7 +224,7 @@ def write_autocast_dtype(graph: fx.Graph, norm: fx.Node) -> fx.Node:
 def rewrite_norms(gm: fx.GraphModule, report, anchors, op: str, fused_op: str, label: str,
                   direct: str, call_args) -> None:
     """The site loop of the norm families. anchors: (node, anchor name, match) with match(node)
-    -> a match, a reason (str), or None (not a candidate at all). call_args(match) -> (args,
+    -> a match, an Unmatched, or None (not a candidate at all). call_args(match) -> (args,
     kwargs) of flash.<op>. Reasons of hand-written spellings read "looks like <label> but ...";
     those of the `direct` anchor (the F.* call) stand alone. A rewritten norm whose input is a
     residual add then becomes flash.<fused_op>."""
@@ -222,14 +238,13 @@ def rewrite_norms(gm: fx.GraphModule, report, anchors, op: str, fused_op: str, l
             continue
         site = Site("norm", location(n), anchor)
         report.add(site)
-        if isinstance(m, str):
-            site.reason = m if anchor == direct else f"looks like {label} but {m}"
+        if isinstance(m, Unmatched):
+            site.reason = m.reason if anchor == direct else f"looks like {label} but {m.reason}"
             continue
         args, kwargs = call_args(m)
         node = call_checked(gm.graph, m.out, getattr(flash, op).default, args, kwargs)
-        site.reason = node if isinstance(node, str) else replace(gm.graph, m.out, node, op)
-        if not site.reason:
-            site.op = op
+        conclude(site, node if isinstance(node, Unmatched) else replace(gm.graph, m.out, node, op), op)
+        if site.rewritten:
             rewritten[write_autocast_dtype(gm.graph, node)] = site
     gm.graph.eliminate_dead_code()
     for node, site in rewritten.items():

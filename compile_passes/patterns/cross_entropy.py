@@ -22,7 +22,8 @@ import torch.fx as fx
 
 from ..graph import A, cast_dtype, dtype_of, insert_call, is_op, last_dim, location, number, only_user, val
 from ..report import Report, Site
-from ._shared import HALF, ROW_RESHAPES, arg, call_checked, keeps_rows, known_equal, replace, same_value
+from ._shared import (HALF, ROW_RESHAPES, Unmatched, arg, call_checked, conclude, keeps_rows, known_equal, replace,
+                      same_value)
 
 FLASH = torch.ops.flash
 REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}  # at::Reduction
@@ -43,7 +44,7 @@ def _upcast(n: fx.Node) -> bool:
     return cast_dtype(n) == torch.float32 and dtype_of(n.args[0]) in HALF
 
 
-def _walk_up(logits: fx.Node, want_log_softmax: bool) -> tuple[fx.Node, list[fx.Node], list[fx.Node]] | str:
+def _walk_up(logits: fx.Node, want_log_softmax: bool) -> tuple[fx.Node, list[fx.Node], list[fx.Node]] | Unmatched:
     """(source, the row ops passed in source-to-loss order, every node passed) going up the
     logits a loss reads; want_log_softmax: the chain must pass one log_softmax over the
     last dim (the source is then the log_softmax's input)."""
@@ -59,7 +60,7 @@ def _walk_up(logits: fx.Node, want_log_softmax: bool) -> tuple[fx.Node, list[fx.
         passed.append(cur)
         cur = cur.args[0]
     if want_log_softmax and log_softmax is None:
-        return "the nll_loss input is not log_softmax over the last (class) dimension"
+        return Unmatched("the nll_loss input is not log_softmax over the last (class) dimension")
     return cur, row_ops[::-1], passed
 
 
@@ -112,7 +113,7 @@ def _lm_head(n: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
     return (h, w, b) if plain and (len(dtypes) == 1 or autocast) else None
 
 
-def _class_last(x: fx.Node) -> fx.Node | str:
+def _class_last(x: fx.Node) -> fx.Node | Unmatched:
     """Class-dim-last logits for a loss input whose class dim is 1."""
     v = val(x)
     if v.dim() <= 2:
@@ -120,44 +121,44 @@ def _class_last(x: fx.Node) -> fx.Node | str:
     if v.dim() == 3 and (is_op(x, A.transpose.int) and sorted(d % 3 for d in x.args[1:3]) == [1, 2]
                          or is_op(x, A.permute.default) and [d % 3 for d in x.args[1]] == [0, 2, 1]):
         return x.args[0]
-    return ("the class dimension is dim 1 of a (N, C, d1, ...) input, not the last; flash.cross_entropy "
-            "needs (..., C) logits (pass logits.view(-1, C))")
+    return Unmatched("the class dimension is dim 1 of a (N, C, d1, ...) input, not the last; "
+                     "flash.cross_entropy needs (..., C) logits (pass logits.view(-1, C))")
 
 
-def _options(n: fx.Node, loss: Loss) -> Loss | str:
+def _options(n: fx.Node, loss: Loss) -> Loss | Unmatched:
     """ignore_index and reduction (plus label_smoothing for cross_entropy_loss) as constants."""
     if arg(n, "weight") is not None:
-        return "class weights (weight=) are not supported by flash.cross_entropy"
+        return Unmatched("class weights (weight=) are not supported by flash.cross_entropy")
     reduction, ignore_index = arg(n, "reduction", 1), arg(n, "ignore_index", -100)
     smoothing = arg(n, "label_smoothing", 0.0) if n.target == A.cross_entropy_loss.default else 0.0
     if reduction not in REDUCTIONS or type(ignore_index) is not int or number(smoothing) is None:
-        return "reduction, ignore_index or label_smoothing is not a constant"
+        return Unmatched("reduction, ignore_index or label_smoothing is not a constant")
     loss.options = {"ignore_index": ignore_index, "label_smoothing": float(smoothing),
                     "reduction": REDUCTIONS[reduction]}
     return loss
 
 
-def _match_ce(n: fx.Node) -> Loss | str:
+def _match_ce(n: fx.Node) -> Loss | Unmatched:
     logits = _class_last(n.args[0])
-    if isinstance(logits, str):
+    if isinstance(logits, Unmatched):
         return logits
     return _options(n, Loss(logits, n.args[1], n))
 
 
-def _match_nll(n: fx.Node) -> Loss | str:
+def _match_nll(n: fx.Node) -> Loss | Unmatched:
     out = n
     if n.target == A.nll_loss_forward.default:  # (loss, total_weight)
         users = list(n.users)
         if len(users) != 1 or not is_op(users[0], operator.getitem) or users[0].args[1] != 0:
-            return "nll_loss_forward's total_weight is used"
+            return Unmatched("nll_loss_forward's total_weight is used")
         out = users[0]
     logits = _class_last(n.args[0])
-    if isinstance(logits, str):
+    if isinstance(logits, Unmatched):
         return logits
     return _options(n, Loss(logits, n.args[1], out))
 
 
-def _match_lse(n: fx.Node) -> Loss | str | None:
+def _match_lse(n: fx.Node) -> Loss | Unmatched | None:
     """logsumexp(x, -1) - x.gather(-1, t.unsqueeze(-1)).squeeze(-1) (both keepdim, or
     neither), then mean(), sum() or nothing; None when the logsumexp is no such loss."""
     x, keepdim = n.args[0], bool(arg(n, "keepdim", False))
@@ -175,13 +176,13 @@ def _match_lse(n: fx.Node) -> Loss | str | None:
     if not (is_op(index, A.unsqueeze.default) and last_dim(index.args[1], val(index).dim())):
         return None
     if not last_dim(n.args[1], val(x).dim()):
-        return "logsumexp is not over the last (class) dimension"
+        return Unmatched("logsumexp is not over the last (class) dimension")
     if not same_value(picked.args[0], x):
-        return "the gathered logits are not the logits of the logsumexp"
+        return Unmatched("the gathered logits are not the logits of the logsumexp")
     target = index.args[0]
     t_shape, x_shape = val(target).shape, val(x).shape
     if len(t_shape) != len(x_shape) - 1 or not all(map(known_equal, t_shape, x_shape[:-1])):
-        return "the target does not have the logits' shape without the class dimension"
+        return Unmatched("the target does not have the logits' shape without the class dimension")
     reduce = only_user(sub)
     reduction = "mean" if is_op(reduce, A.mean.default) else "sum" if is_op(reduce, A.sum.default) else "none"
     out = sub if reduction == "none" else reduce
@@ -192,8 +193,8 @@ def _rewrite(gm: fx.GraphModule, loss: Loss, want_log_softmax: bool, site: Site)
     """Replace loss.out by the flash op, or say on the site why not."""
     graph = gm.graph
     walked = _walk_up(loss.logits, want_log_softmax)
-    if isinstance(walked, str):
-        site.reason = walked
+    if isinstance(walked, Unmatched):
+        site.reason = walked.reason
         return
     source, row_ops, passed = walked
     head = _lm_head(source)
@@ -207,17 +208,15 @@ def _rewrite(gm: fx.GraphModule, loss: Loss, want_log_softmax: bool, site: Site)
     else:
         name, args = "cross_entropy", (loss.logits, loss.target)
     node = call_checked(graph, loss.out, getattr(FLASH, name).default, args, loss.options)
-    if isinstance(node, str):
-        site.reason = node
+    if isinstance(node, Unmatched):
+        site.reason = node.reason
         return
     model_dtype = dtype_of(loss.out)
     if dtype_of(node) == torch.float32 and model_dtype in HALF:  # the model's half loss of fp32 math
         node = insert_call(graph, loss.out, A.to.dtype, (node, model_dtype))
     if loss.keepdim:
         node = insert_call(graph, loss.out, A.unsqueeze.default, (node, -1))
-    site.reason = replace(graph, loss.out, node, name)
-    if not site.reason:
-        site.op = name
+    conclude(site, replace(graph, loss.out, node, name), name)
 
 
 def rewrite(gm: fx.GraphModule, report: Report) -> None:
@@ -231,8 +230,8 @@ def rewrite(gm: fx.GraphModule, report: Report) -> None:
                 continue
             site = Site("loss", location(n), anchor)
             report.add(site)
-            if isinstance(loss, str):
-                site.reason = loss
+            if isinstance(loss, Unmatched):
+                site.reason = loss.reason
             else:
                 _rewrite(gm, loss, want_log_softmax, site)
     gm.graph.eliminate_dead_code()

@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from ..graph import A, cast_dtype, dtype_of, is_op, last_dim, number, only_user, other_operand, val
 from ..report import Report
-from ._shared import arg, known_equal, rewrite_norms, same_value
+from ._shared import Unmatched, arg, known_equal, rewrite_norms, same_value
 
 FLASH = torch.ops.flash
 HALF = (torch.float16, torch.bfloat16)
@@ -53,9 +53,9 @@ def _centered(node) -> fx.Node | None:
     return None
 
 
-def _variance(v) -> tuple[fx.Node, str] | None:
+def _variance(v) -> tuple[fx.Node, Unmatched | None] | None:
     """(x, problem) when v is a variance of x over the last dim (problem: why it is not
-    LayerNorm's, "" if none); None when v is no centred variance at all."""
+    LayerNorm's, None if none); None when v is no centred variance at all."""
     if is_op(v, operator.getitem) and v.args[1] == 0 and is_op(v.args[0], *VAR_MEAN):
         v = v.args[0]
     if is_op(v, *VARIANCE, *VAR_MEAN):
@@ -64,11 +64,11 @@ def _variance(v) -> tuple[fx.Node, str] | None:
         else:
             biased = number(arg(v, "correction", 1)) == 0.0
         if not _last_dim_keepdim(v, arg(v, "dim")):
-            return v.args[0], "the variance is not over the last dimension with keepdim=True"
+            return v.args[0], Unmatched("the variance is not over the last dimension with keepdim=True")
         if not biased:
-            return v.args[0], ("the variance is unbiased (x.var() defaults to unbiased=True); "
-                               "LayerNorm uses unbiased=False")
-        return v.args[0], ""
+            return v.args[0], Unmatched("the variance is unbiased (x.var() defaults to unbiased=True); "
+                                        "LayerNorm uses unbiased=False")
+        return v.args[0], None
     if not is_op(v, A.mean.dim):
         return None
     sq = v.args[0]
@@ -81,8 +81,8 @@ def _variance(v) -> tuple[fx.Node, str] | None:
     if x is None:
         return None
     if not _last_dim_keepdim(v, v.args[1]):
-        return x, "the variance is not over the last dimension with keepdim=True"
-    return x, ""
+        return x, Unmatched("the variance is not over the last dimension with keepdim=True")
+    return x, None
 
 
 def _param(node, hidden) -> bool:
@@ -124,7 +124,7 @@ def _finish(x: fx.Node, out: fx.Node, weight, bias, eps: float, affine: bool) ->
     return Match(x, weight, bias, eps, out)
 
 
-def _match_root(root: fx.Node) -> Match | str | None:
+def _match_root(root: fx.Node) -> Match | Unmatched | None:
     """From rsqrt(var + eps) or sqrt(var + eps); None when var is not a centred variance."""
     inner, eps = root.args[0], 0.0
     if is_op(inner, A.add.Tensor, A.add.Scalar):
@@ -137,7 +137,7 @@ def _match_root(root: fx.Node) -> Match | str | None:
     if problem:
         return problem
     if number(eps) is None:
-        return "eps is not a constant (a tensor or a dynamic float)"
+        return Unmatched("eps is not a constant (a tensor or a dynamic float)")
     norm = only_user(root)
     name, verb = ROOTS[root.target]
     if root.target == A.rsqrt.default:
@@ -145,17 +145,17 @@ def _match_root(root: fx.Node) -> Match | str | None:
     else:
         centered = norm.args[0] if is_op(norm, A.div.Tensor) and norm.args[1] is root else None
     if not same_value(_centered(centered), x):
-        return f"{name}(var + eps) does not {verb} x - mean(x) of the same x (or is used elsewhere)"
+        return Unmatched(f"{name}(var + eps) does not {verb} x - mean(x) of the same x (or is used elsewhere)")
     return _finish(x, norm, None, None, float(number(eps)), affine=True)
 
 
-def _match_aten(n: fx.Node) -> Match | str:
+def _match_aten(n: fx.Node) -> Match | Unmatched:
     x, shape = n.args[0], n.args[1]
     eps = arg(n, "eps", 1e-5)
     if len(shape) != 1:
-        return "normalized_shape covers more than the last dimension"
+        return Unmatched("normalized_shape covers more than the last dimension")
     if number(eps) is None:
-        return "eps is not a constant (dynamic float); compile with specialize_float"
+        return Unmatched("eps is not a constant (dynamic float); compile with specialize_float")
     return _finish(x, n, arg(n, "weight"), arg(n, "bias"), float(eps), affine=False)
 
 

@@ -18,7 +18,7 @@ import torch.fx as fx
 from ..graph import (A, cast_dtype, dtype_of, is_op, last_dim, number, only_user, other_operand,
                      split_const, strip_casts, val)
 from ..report import Report
-from ._shared import rewrite_norms, same_value
+from ._shared import Unmatched, rewrite_norms, same_value
 
 FLASH = torch.ops.flash
 HALF = (torch.float16, torch.bfloat16)
@@ -50,13 +50,13 @@ def _weight(node) -> tuple[fx.Node | None, float]:
     return None, 0.0
 
 
-def _match(rsqrt: fx.Node) -> Match | str:
+def _match(rsqrt: fx.Node) -> Match | Unmatched:
     add = rsqrt.args[0]
     if not is_op(add, A.add.Tensor, A.add.Scalar):
-        return "rsqrt input is not mean(x^2) + eps"
+        return Unmatched("rsqrt input is not mean(x^2) + eps")
     mean, eps = split_const(add)
     if not is_op(mean, A.mean.dim) or eps is None:
-        return "rsqrt input is not mean(x^2) + eps with a constant eps"
+        return Unmatched("rsqrt input is not mean(x^2) + eps with a constant eps")
     sq = mean.args[0]
     keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
     if is_op(sq, A.pow.Tensor_Scalar) and number(sq.args[1]) == 2.0:
@@ -64,16 +64,16 @@ def _match(rsqrt: fx.Node) -> Match | str:
     elif is_op(sq, A.mul.Tensor) and sq.args[0] is sq.args[1]:
         xs = sq.args[0]
     else:
-        return "the mean is not over x^2"
+        return Unmatched("the mean is not over x^2")
     if not keepdim or not last_dim(mean.args[1], val(xs).dim()):
-        return "the mean is not over the last dimension with keepdim=True"
+        return Unmatched("the mean is not over the last dimension with keepdim=True")
     upcast = cast_dtype(xs) == torch.float32 and dtype_of(xs.args[0]) in HALF
     norm = only_user(rsqrt)
     scaled = other_operand(norm, rsqrt) if is_op(norm, A.mul.Tensor) else None
     # T5 takes the statistics of x.float() but scales the half x itself (promoted to fp32:
     # the same product)
     if not (same_value(scaled, xs) or upcast and scaled is xs.args[0]):
-        return "rsqrt(...) is not multiplied by the same x (or is used elsewhere)"
+        return Unmatched("rsqrt(...) is not multiplied by the same x (or is used elsewhere)")
     x = xs.args[0] if upcast else xs  # the op computes half inputs in fp32 itself
     x_dtype = dtype_of(x)
 
@@ -95,22 +95,22 @@ def _match(rsqrt: fx.Node) -> Match | str:
             elif dtype_of(out) != x_dtype:
                 x = xs  # the model keeps the fp32 result: normalise the fp32 tensor
     if weight is not None and val(weight).shape[0] != val(x).shape[-1]:
-        return "the weight does not match the hidden size"
+        return Unmatched("the weight does not match the hidden size")
     return Match(x, weight, eps, offset, cast_before, out)
 
 
-def _match_aten(n: fx.Node) -> Match | str:
+def _match_aten(n: fx.Node) -> Match | Unmatched:
     x, shape = n.args[0], n.args[1]
     weight = n.args[2] if len(n.args) > 2 else n.kwargs.get("weight")
     eps = n.args[3] if len(n.args) > 3 else n.kwargs.get("eps")
     if len(shape) != 1:
-        return "normalized_shape covers more than the last dimension"
+        return Unmatched("normalized_shape covers more than the last dimension")
     if weight is not None and dtype_of(weight) != dtype_of(x):
-        return "weight dtype differs from the input's"
+        return Unmatched("weight dtype differs from the input's")
     if eps is None:
         eps = torch.finfo(dtype_of(x)).eps
     elif number(eps) is None:
-        return "eps is not a constant (dynamic float); compile with specialize_float"
+        return Unmatched("eps is not a constant (dynamic float); compile with specialize_float")
     return Match(x, weight, float(eps), 0.0, False, n)
 
 

@@ -33,7 +33,8 @@ import torch.fx as fx
 from ..graph import (A, cast_dtype, dtype_of, getitem, insert_call, is_op, last_dim, location, only_user,
                      other_operand, split_const, val)
 from ..report import Report, Site
-from ._shared import HALF, RESHAPES, arg, call_checked, keeps_rows, known_equal, replace, same_value
+from ._shared import (HALF, RESHAPES, Unmatched, arg, call_checked, conclude, keeps_rows, known_equal, replace,
+                      same_value)
 
 FLASH = torch.ops.flash
 END = 2**63 - 1  # what x[..., a:] traces to as a slice end
@@ -142,7 +143,7 @@ def _repeats_halves(t: fx.Node, interleaved: bool) -> bool:
     return False
 
 
-def _match(rot: fx.Node) -> Match | str | None:
+def _match(rot: fx.Node) -> Match | Unmatched | None:
     """From the rotation down to x * cos + rotate(x) * sin; None when rot rotates nothing."""
     found = _rotated(rot)
     if found is None:
@@ -150,11 +151,11 @@ def _match(rot: fx.Node) -> Match | str | None:
     x, interleaved = found
     term = only_user(rot)
     if not is_op(term, A.mul.Tensor):
-        return "rotate(x) is not multiplied by a sin table (or is used elsewhere)"
+        return Unmatched("rotate(x) is not multiplied by a sin table (or is used elsewhere)")
     sin, add = other_operand(term, rot), only_user(term)
     plain = other_operand(add, term) if is_op(add, A.add.Tensor) and add.kwargs.get("alpha", 1) == 1 else None
     if not is_op(plain, A.mul.Tensor) or not any(same_value(a, x) for a in plain.args[:2]):
-        return "rotate(x) * sin is not added to x * cos"
+        return Unmatched("rotate(x) * sin is not added to x * cos")
     cos = plain.args[1] if same_value(plain.args[0], x) else plain.args[0]
     rotary_dim, out = val(x).shape[-1], add
     # partial rotary: cat((rotary of x_full[..., :rd], x_full[..., rd:]), -1)
@@ -168,8 +169,8 @@ def _match(rot: fx.Node) -> Match | str | None:
     for name, table in (("cos", cos), ("sin", sin)):
         if not _repeats_halves(table, interleaved):
             how = "repeat_interleave(freqs, 2, -1)" if interleaved else "torch.cat((freqs, freqs), -1)"
-            return (f"{name} is not proven to repeat its halves ({how} computed in the graph); a table "
-                    f"whose halves differ is not a rotation of pairs")
+            return Unmatched(f"{name} is not proven to repeat its halves ({how} computed in the graph); "
+                             f"a table whose halves differ is not a rotation of pairs")
     return Match(x, cos, sin, interleaved, out)
 
 
@@ -204,7 +205,7 @@ def _pairs_match(graph: fx.Graph, x: fx.Node, table: fx.Node, out: fx.Node) -> M
     return Match(x, cos, sin, True, out, halves=False)
 
 
-def _match_complex(vr: fx.Node, graph: fx.Graph) -> Match | str | None:
+def _match_complex(vr: fx.Node, graph: fx.Graph) -> Match | Unmatched | None:
     """From view_as_real(view_as_complex(x.reshape(..., D/2, 2)) * f) to its flattening back to
     x's shape; None when vr is not such a product. The tables are f's real and imaginary parts."""
     prod = vr.args[0]
@@ -215,10 +216,10 @@ def _match_complex(vr: fx.Node, graph: fx.Graph) -> Match | str | None:
     if x is None:
         return None
     if val(f).dtype != val(xc).dtype:
-        return f"the rotation table is {val(f).dtype}, not {val(xc).dtype} as x's pairs"
+        return Unmatched(f"the rotation table is {val(f).dtype}, not {val(xc).dtype} as x's pairs")
     out = only_user(vr)
     if not _unpairs(out, x):
-        return "view_as_real(x * f) is not put back into x's shape"
+        return Unmatched("view_as_real(x * f) is not put back into x's shape")
     return _pairs_match(graph, x, insert_call(graph, out, A.view_as_real.default, (f,)), out)
 
 
@@ -230,7 +231,7 @@ def _pair_part(n: Any) -> tuple[fx.Node, int] | None:
     return (t, n.args[2]) if last_dim(n.args[1], val(t).dim()) and known_equal(val(t).shape[-1], 2) else None
 
 
-def _match_pairs(flat: fx.Node, graph: fx.Graph) -> Match | str | None:
+def _match_pairs(flat: fx.Node, graph: fx.Graph) -> Match | Unmatched | None:
     """stack((x0 * c - x1 * s, x1 * c + x0 * s), -1) put back into x's shape, with x0, x1 the
     [..., 0] and [..., 1] of x reshaped to pairs and c, s those of a pair table (torchtune,
     gpt-fast); None when flat is not a stack of two such terms."""
@@ -251,12 +252,12 @@ def _match_pairs(flat: fx.Node, graph: fx.Graph) -> Match | str | None:
     bases = {t for p in products for t, _ in p}
     xs = [b for b in bases if _pair_source(b) is not None and _unpairs(flat, _pair_source(b))]
     if len(bases) != 2 or len(xs) != 1:
-        return "the pair products do not tell x (reshaped to pairs, flattened back) from one table"
+        return Unmatched("the pair products do not tell x (reshaped to pairs, flattened back) from one table")
     (table,) = bases - set(xs)
     x0, x1, c, s = (xs[0], 0), (xs[0], 1), (table, 0), (table, 1)
     if (products[:2] != [frozenset((x0, c)), frozenset((x1, s))]
             or set(products[2:]) != {frozenset((x1, c)), frozenset((x0, s))}):
-        return "the pair products are not the rotation (x0 * c - x1 * s, x1 * c + x0 * s)"
+        return Unmatched("the pair products are not the rotation (x0 * c - x1 * s, x1 * c + x0 * s)")
     return _pairs_match(graph, _pair_source(xs[0]), table, flat)
 
 
@@ -278,21 +279,22 @@ def _learned(gm: fx.GraphModule, t: fx.Node) -> bool:
     return False
 
 
-def _layout(gm: fx.GraphModule, m: Match) -> int | str:
+def _layout(gm: fx.GraphModule, m: Match) -> int | Unmatched:
     """The dim of x holding the heads (1: (B, H, S, D), 2: (B, S, H, D)), which the tables
     broadcast over while giving every position its own row; or why they do not fit."""
     xv, cv, sv = val(m.x), val(m.cos), val(m.sin)
     if xv.dim() != 4:
-        return f"x has shape {tuple(xv.shape)}, not (B, H, S, D) or (B, S, H, D)"
+        return Unmatched(f"x has shape {tuple(xv.shape)}, not (B, H, S, D) or (B, S, H, D)")
     if tuple(cv.shape) != tuple(sv.shape) or cv.dim() > 4:
-        return f"cos {tuple(cv.shape)} and sin {tuple(sv.shape)} are not tables of one shape"
+        return Unmatched(f"cos {tuple(cv.shape)} and sin {tuple(sv.shape)} are not tables of one shape")
     if _learned(gm, m.cos) or _learned(gm, m.sin):
-        return "cos/sin require grad, and flash.rotary gives no gradient for the tables"
+        return Unmatched("cos/sin require grad, and flash.rotary gives no gradient for the tables")
     shape = (1,) * (4 - cv.dim()) + tuple(cv.shape)
     for heads, seq in ((1, 2), (2, 1)):
         if known_equal(shape[heads], 1) and known_equal(shape[seq], xv.shape[seq]) and cv.dim() >= 4 - seq:
             return heads
-    return f"cos/sin of shape {tuple(cv.shape)} do not give each position its own angles, shared by all heads"
+    return Unmatched(f"cos/sin of shape {tuple(cv.shape)} do not give each position its own angles, "
+                     "shared by all heads")
 
 
 def _half_table(graph: fx.Graph, before: fx.Node, t: fx.Node, m: Match, heads: int) -> fx.Node:
@@ -308,16 +310,16 @@ def _half_table(graph: fx.Graph, before: fx.Node, t: fx.Node, m: Match, heads: i
     return insert_call(graph, before, A.squeeze.dim, (h, dim)) if dim >= 0 else h
 
 
-def _replace(gm: fx.GraphModule, m: Match) -> str:
-    """Put flash.rotary in the place of m.out; "" when done, else why not."""
+def _replace(gm: fx.GraphModule, m: Match) -> Unmatched | None:
+    """Put flash.rotary in the place of m.out; None when done, else why not."""
     heads = _layout(gm, m)
-    if isinstance(heads, str):
+    if isinstance(heads, Unmatched):
         return heads
     graph = gm.graph
     cos, sin = (_half_table(graph, m.out, t, m, heads) for t in (m.cos, m.sin))
     x = m.x if heads == 1 else insert_call(graph, m.out, A.transpose.int, (m.x, 1, 2))
     node = call_checked(graph, m.out, FLASH.rotary.default, (x, cos, sin), {"interleaved": m.interleaved})
-    if isinstance(node, str):
+    if isinstance(node, Unmatched):
         return node
     if heads == 2:
         node = insert_call(graph, m.out, A.transpose.int, (node, 1, 2))
@@ -352,7 +354,7 @@ def _pair_qk(gm: fx.GraphModule) -> None:
                 continue
             args = (first.args[0], second.args[0], *first.args[1:])
             qk = call_checked(graph, second, FLASH.rotary_qk.default, args, first.kwargs)
-            if isinstance(qk, str):
+            if isinstance(qk, Unmatched):
                 continue
             outs = [getitem(graph, qk, j) for j in (1, 0)][::-1]  # each right after qk: qk, [0], [1]
             for old, new in zip((first, second), outs):
@@ -380,8 +382,6 @@ def rewrite(gm: fx.GraphModule, report: Report) -> None:
         # where x * cos + rotate(x) * sin is written, which tells q from k
         site = Site("rotary", location(m.out if isinstance(m, Match) else n), anchor)
         report.add(site)
-        site.reason = m if isinstance(m, str) else _replace(gm, m)
-        if not site.reason:
-            site.op = "rotary"
+        conclude(site, m if isinstance(m, Unmatched) else _replace(gm, m), "rotary")
     gm.graph.eliminate_dead_code()
     _pair_qk(gm)

@@ -1,0 +1,48 @@
+"""Attention spellings -> flash.attention.
+
+Anchors: softmax over the last dim (math SDPA's `_safe_softmax` included), and
+`aten.scaled_dot_product_attention` (its is_causal, attn_mask, scale, dropout_p and
+enable_gqa map onto the op's arguments).
+
+From a softmax the walk goes up a chain of elementwise steps to the q-k product:
+dtype casts; the scale (`* c`, `/ c`, baddbmm's alpha, or folded into q or k before the
+product, as math SDPA's sqrt(scale) into q and k^T; c a constant, or a one-value tensor
+read at run time, which goes into q as q * c);
+a tanh softcap `c * tanh(s / c)`; additive terms (`+ bias`, `- bias`, baddbmm's
+input); masks (`masked_fill(m, v)`, `where(m, s, v)` with v = -inf or a large negative value
+such as finfo.min). The product is `q @ k^T`, bmm/baddbmm on merged (B*H, S, D) tensors
+(run as B*H heads of one batch, or as (B, H) where the scores or the probabilities are
+viewed so: MBart's mask added in a 4-D view, Bloom's ALiBi as baddbmm's input), or an
+einsum in any layout; k and v may be repeated for GQA (repeat_kv's expand + reshape,
+repeat_interleave over heads, or an expand of one head).
+Down from the softmax: a cast back, dropout, and the product with v.
+
+Masks built inside the graph are read by an index algebra (index.py): a tensor made from
+arange, ones/full, triu/tril, comparisons, where/masked_fill and logical ops is a predicate
+over the query and key indices. One that provably keeps a band around the bottom-right
+diagonal (j - i within fixed offsets of Sk - Sq) becomes `causal` / window arguments and no
+tensor. Sums of terms and and-ed keep conditions are split first, so HF's causal & padding
+mask becomes causal=True plus the padding piece. Everything else -- masks that arrive as
+inputs, ALiBi and T5 biases, a chunked or top-left causal pattern -- becomes `attn_bias`,
+which keeps the model's semantics.
+
+Exactness. A rewrite computes what the model computes, to the op's tolerance, on every query
+row that sees at least one key: a score hidden with -inf or a value <= -1e4 (finfo.min in
+HF models) weighs exp(-1e4 + s) = 0 in fp32 next to any visible score above -9900, so both
+fills hide alike. A row that -inf masks hide entirely gives 0 (as SDPA and FlashAttention
+do) where the model gives NaN. A finite fill makes the model average v over the keys it
+fills on such a row (HF eager, left-padded query rows): where a mask that is not a band
+(padding) may hide a whole row, nothing is split and the model's own terms go in as
+attn_bias, which flash.attention reads alike (masks.py); a finite fill that overwrites the
+scores there (masked_fill) also cuts the rows' gradient to q and k, and is left alone.
+Dropout draws its own mask (flash.attention's Philox stream), so training with dropout
+matches the model in distribution, not bit for bit.
+
+Modules, each one step: nodes (reading graph values), formulas (keep formulas), index (the
+index algebra), windows (band proofs), operands (the Match and its q, k, v), match (the walk
+from a softmax), masks (masks -> window or attn_bias), sdpa (SDPA calls), rewrite (the
+replacement, and rewrite(), the family's entry point).
+"""
+from .rewrite import rewrite
+
+__all__ = ["rewrite"]

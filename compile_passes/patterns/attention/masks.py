@@ -1,0 +1,250 @@
+"""Mask proofs: the terms and masks added to the scores of one site (Parts) sorted into
+those that provably keep a band around the bottom-right diagonal, which become the op's
+causal / window arguments, and those that stay attn_bias. Sums are split into their terms
+and keep conditions into their and-ed pieces (HF's causal & padding: causal=True plus the
+padding piece). Masks built in the graph are read by the index algebra (index.py); pieces
+made of constants only are evaluated at compile time. Where a mask that is not a band may
+hide a query row entirely with a finite fill, the model's own terms go in unsplit, or the
+site is left alone when that fill overwrites the scores."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ...graph import A, cast_dtype, dtype_of, is_op, number
+from .._shared import Unmatched
+from .formulas import FALSE, TRUE, Formula, atom, f_and, f_not, f_or
+from .index import AND, NOT, OR, Index, Val, as_float
+from .nodes import MASKED, MASKED_FILL, SAME, WHERE, constant, op_kind
+from .operands import Match, Part
+from .windows import Window, window_of
+
+
+def _conjuncts(node: fx.Node, positive: bool) -> list[tuple[fx.Node, bool]]:
+    """The and-ed pieces of a keep condition (node == positive), through not, casts to bool and
+    expand (ops that keep the pieces right-aligned with the whole)."""
+    t = op_kind(node)
+    if (t in AND and positive) or (t in OR and not positive):
+        return [piece for a in node.args[:2] if isinstance(a, fx.Node) for piece in _conjuncts(a, positive)]
+    if t in NOT:
+        return _conjuncts(node.args[0], not positive)
+    if (t == A.expand.default or cast_dtype(node) == torch.bool) and dtype_of(node.args[0]) == torch.bool:
+        return _conjuncts(node.args[0], positive)
+    return [(node, positive)]
+
+
+def _unwrap(node: Any) -> Any:
+    while is_op(node, *SAME):
+        node = node.args[0]
+    return node
+
+
+def _keep_of(part: Part) -> list[Part] | None:
+    """An added mask as a keep part and what it adds where it keeps: `where(c, x, v)`,
+    `where(c, v, x)`, `masked_fill(x, c, v)` with v hiding (x = 0 for a plain mask; T5's
+    SDPA path masks its position bias this way)."""
+    n = _unwrap(part.node)
+    t = op_kind(n)
+    if t in WHERE:
+        c, a, b = n.args[:3]
+        for x, fill, positive in ((a, b, True), (b, a, False)):
+            v = constant(fill)
+            if v is not None and v * part.mult <= MASKED:
+                return [Part("keep", c, positive=positive, fill=v * part.mult)] + _added(x, part.mult)
+    if t in MASKED_FILL:
+        v = constant(n.args[2])
+        if v is not None and v * part.mult <= MASKED:
+            return [Part("keep", n.args[1], positive=False, fill=v * part.mult)] + _added(n.args[0], part.mult)
+    return None
+
+
+def _added(x: Any, mult: float) -> list[Part]:
+    """x * mult as an added term; none when it is a constant (softmax does not see it)."""
+    return [] if constant(x) is not None or not isinstance(x, fx.Node) else [Part("add", x, mult)]
+
+
+def _summands(node: Any, mult: float) -> list[Part]:
+    """node * mult as a list of added terms (through +, - and broadcasting adds)."""
+    node = _unwrap(node)
+    t = op_kind(node)
+    alpha = number(node.kwargs.get("alpha", 1)) if t in (A.add.Tensor, A.sub.Tensor) else None
+    if alpha is None or not all(isinstance(a, fx.Node) for a in node.args[:2]):
+        return [Part("add", node, mult)]
+    sign = alpha if t == A.add.Tensor else -alpha
+    return _summands(node.args[0], mult) + _summands(node.args[1], mult * sign)
+
+
+# A keep piece made of constants is evaluated at compile time up to this many elements.
+CONSTANT_MASK_ELEMENTS = 1 << 26
+
+
+def _evaluated(node: fx.Node) -> torch.Tensor | None:
+    """node's value, computed now, when it depends on no graph input or attribute, only on
+    deterministic aten ops with concrete arguments (then it is the same in every call); else
+    None, as for any failure to evaluate it."""
+    order: list[fx.Node] = []
+    seen: set[fx.Node] = set()
+
+    def visit(n: fx.Node) -> bool:
+        if n in seen:
+            return True
+        seen.add(n)
+        if (n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload)
+                or torch.Tag.nondeterministic_seeded in n.target.tags):
+            return False
+        if not all(visit(a) for a in n.all_input_nodes):
+            return False
+        order.append(n)
+        return True
+
+    if not visit(node):
+        return None
+    env: dict[fx.Node, Any] = {}
+    try:
+        with torch.utils._python_dispatch._disable_current_modes():
+            for n in order:
+                args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
+                if any(isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
+                       for x in torch.utils._pytree.tree_leaves((args, kwargs))):
+                    return None
+                env[n] = out = n.target(*args, **kwargs)
+                if isinstance(out, torch.Tensor) and out.numel() > CONSTANT_MASK_ELEMENTS:
+                    return None
+    except Exception:
+        return None
+    out = env[node]
+    return out if isinstance(out, torch.Tensor) and out.dtype == torch.bool else None
+
+
+def _constant_keep(node: fx.Node, positive: bool, shape: tuple) -> Formula | None:
+    """The keep formula of a constant piece (node == positive) over the scores' shape
+    (..., Sq, Sk): TRUE where it keeps everything, the causal band where it equals the
+    bottom-right causal mask, else None (it stays attn_bias). transformers 5.2x builds its
+    causal mask from position ids gathered by index (arange made in the graph) and ands it with
+    a same-sequence piece for packed sequences, which keeps everything without packing; the
+    index algebra proves neither."""
+    if any(not isinstance(d, int) for d in shape):
+        return None
+    value = _evaluated(node)
+    if value is None:
+        return None
+    try:
+        keep = (value if positive else ~value).expand(shape)
+    except RuntimeError:
+        return None
+    if bool(keep.all()):
+        return TRUE
+    sq, sk = shape[-2:]
+    rows = torch.arange(sq, device=keep.device)[:, None] + (sk - sq)
+    causal = torch.arange(sk, device=keep.device)[None, :] <= rows
+    if torch.equal(keep, causal.expand(shape)):
+        r = len(shape) - 2
+        return atom({r: 1, r + 1: -1}, sk - sq)  # i - j + Sk - Sq >= 0
+    return None
+
+
+class _Masks:
+    """Sorts the parts of one site into those that stay attn_bias (kept) and the keep-formulas
+    over the scores' shape (..., Sq, Sk) that may add up to a window (bands)."""
+
+    def __init__(self, shape: tuple):
+        self.shape, self.index = shape, Index()
+        self.kept: list[Part] = []
+        self.bands: list[tuple[Formula, Part]] = []  # (keep formula, the part to keep if no window)
+        self.finite: list[Part] = []  # parts that hide keys with a finite fill
+
+    def value(self, node: fx.Node) -> Val | None:
+        v = self.index(node)
+        return None if v is None else v.to(self.shape)
+
+    def add(self, part: Part) -> None:
+        if part.kind == "add":
+            v = self.value(part.node)
+            if v is not None and v.kind != "int":
+                cases = [(f, x * part.mult) for f, x in as_float(v, torch.float64).cases]
+                if len(cases) == 1:
+                    return  # a constant added to every score: softmax does not see it
+                if all(x == 0 or x <= MASKED for _, x in cases):
+                    keep = FALSE
+                    for f, x in cases:
+                        keep = f_or(keep, f) if x == 0 else keep
+                    self.bands.append((keep, part))
+                    if any(-math.inf < x <= MASKED for _, x in cases):
+                        self.finite.append(part)
+                else:
+                    self.kept.append(part)
+                return
+            keep = _keep_of(part)  # s + where(c, 0, -inf) hides as masked_fill(~c, -inf) does
+            if keep is None:
+                self.kept.append(part)
+                return
+            keep = [dataclasses.replace(k, heads=part.heads) for k in keep]
+            for extra in keep[1:]:
+                self.add(extra)
+            part = keep[0]
+        if part.fill > -math.inf:
+            self.finite.append(part)
+        for n, p in _conjuncts(part.node, part.positive):
+            piece = dataclasses.replace(part, node=n, positive=p)
+            v = self.value(n)
+            if v is None or v.kind != "bool":
+                keep = _constant_keep(n, p, self.shape)
+                if keep is None:
+                    self.kept.append(piece)
+                elif keep != TRUE:
+                    self.bands.append((keep, piece))
+            else:
+                self.bands.append((v.formula if p else f_not(v.formula), piece))
+
+
+def fold_masks(m: Match, shape: tuple) -> Unmatched | None:
+    """Move the masks that provably are a band around the bottom-right diagonal from m.parts
+    into m.window. Sums are split into their terms and keep conditions into their and-ed
+    pieces where that finds a band (causal & padding: the causal piece becomes causal=True,
+    the padding piece stays attn_bias, unless it is a constant: _constant_keep). shape: the
+    scores' (..., Sq, Sk). None when done, else why the site is left alone.
+
+    A mask that may hide a query row entirely (one that is not a band: padding) with a finite
+    fill (HF's finfo.min) makes the model average v over the keys so filled: then nothing is
+    split and the model's own terms go in as attn_bias, which the op reads alike (a fill at or
+    below -1e9 weighs every such key equally, gradients to q and k as the model's add gives).
+    A finite fill that overwrites the scores (masked_fill) gives those rows no gradient to q
+    and k, which the op cannot do: such a site is left alone."""
+    sorted_ = _Masks(shape)
+    for part in m.parts:
+        terms = _summands(part.node, part.mult) if part.kind == "add" else [part]
+        terms = [dataclasses.replace(t, heads=part.heads) for t in terms]
+        split = _Masks(shape)
+        for t in terms:
+            split.add(t)
+        if len(terms) > 1 and split.bands:
+            sorted_.kept += split.kept
+            sorted_.bands += split.bands
+            sorted_.finite += split.finite
+        else:
+            sorted_.add(part)
+    kept, bands = sorted_.kept, sorted_.bands
+    window = None
+    if bands:
+        f = TRUE
+        for g, _ in bands:
+            f = f_and(f, g)
+        window = window_of(f, shape)
+        if not isinstance(window, Window):
+            kept += [p for _, p in bands]
+    if sorted_.finite and any(p.kind == "keep" for p in kept):
+        over = next((p for p in sorted_.finite if p.overwrite), None)
+        if over is not None:
+            return Unmatched(f"scores are set to the finite {over.fill:g} where a mask that is not causal "
+                             "(padding) hides them: a query row it hides entirely averages v in the model with no "
+                             "gradient to q and k, which flash.attention does not compute (fill with -inf, or add "
+                             "the mask)")
+        return None  # the model's own terms, unsplit
+    if isinstance(window, Window):
+        m.window = window
+    m.parts = kept
+    return None

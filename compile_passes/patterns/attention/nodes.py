@@ -1,0 +1,87 @@
+"""Reading graph nodes for the attention walk: the functional op a node computes (in-place
+and Scalar overloads as their functional Tensor forms), static shapes, and the Python
+numbers that ints, SymInts and one-value tensors filled by the graph stand for. Every other
+module of the family reads nodes through these."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ...graph import A, cast_dtype, is_op, number, val
+from .._shared import known_equal
+
+# A hidden score at or below this weighs nothing next to any visible score above -9900.
+MASKED = -1.0e4
+# In-place steps (`s /= c`, `s.masked_fill_(m, v)`) read as their functional forms.
+FUNCTIONAL = {A.add_.Tensor: A.add.Tensor, A.sub_.Tensor: A.sub.Tensor, A.mul_.Tensor: A.mul.Tensor,
+              A.div_.Tensor: A.div.Tensor, A.masked_fill_.Scalar: A.masked_fill.Scalar,
+              A.masked_fill_.Tensor: A.masked_fill.Tensor}
+# The Scalar overloads (math SDPA's `q * sqrt(scale)`) read as the Tensor ones.
+SCALAR = {A.mul.Scalar: A.mul.Tensor, A.div.Scalar: A.div.Tensor}
+VIEWS = (A.view.default, A.reshape.default, A._unsafe_view.default)
+SAME = (A.clone.default, A.contiguous.default, A.alias.default, A.detach.default)
+WHERE = (A.where.self, A.where.ScalarOther, A.where.ScalarSelf, A.where.Scalar)
+MASKED_FILL = (A.masked_fill.Scalar, A.masked_fill.Tensor)
+
+
+def op_kind(node: Any):
+    """The functional op a node computes (in-place ops as their out-of-place forms)."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function"):
+        return None
+    return FUNCTIONAL.get(node.target) or SCALAR.get(node.target, node.target)
+
+
+def shape_of(node: Any) -> tuple:
+    return tuple(val(node).shape)
+
+
+def same_shape(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(known_equal(x, y) for x, y in zip(a, b))
+
+
+def concrete(x: Any) -> int | None:
+    """x as a Python int when it is one (a SymInt whose expression is a constant included)."""
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, int):
+        return x
+    if isinstance(x, torch.SymInt):
+        return x.node.maybe_as_int()
+    return None
+
+
+def int_arg(x: Any) -> Any:
+    """An int or SymInt argument (a node computing a size included), else None."""
+    if isinstance(x, fx.Node):
+        x = val(x)
+    return x if isinstance(x, (int, torch.SymInt)) and not isinstance(x, bool) else None
+
+
+def constant(x: Any) -> float | None:
+    """x as a Python number: a number, or a one-element tensor the graph fills with one
+    (torch.full([], c), scalar_tensor, zeros/ones), through casts."""
+    n = number(x)
+    if n is not None or not isinstance(x, fx.Node):
+        return n
+    v = val(x)
+    if isinstance(v, (torch.SymInt, torch.SymFloat)):
+        return number(v.node.maybe_as_int() if isinstance(v, torch.SymInt) else v.node.maybe_as_float())
+    if not isinstance(v, torch.Tensor) or v.numel() != 1:
+        return None
+    if is_op(x, A.full.default, A.new_full.default, A.full_like.default):
+        return number(x.args[1 if is_op(x, A.full.default, A.full_like.default) else 2])
+    if is_op(x, A.scalar_tensor.default):
+        return number(x.args[0])
+    if is_op(x, A.zeros.default, A.zeros_like.default, A.new_zeros.default):
+        return 0.0
+    if is_op(x, A.ones.default, A.ones_like.default, A.new_ones.default):
+        return 1.0
+    if cast_dtype(x) is not None or is_op(x, *SAME, A.lift_fresh_copy.default, A.to.device):
+        return constant(x.args[0])
+    return None
+
+
+def target_name(node: fx.Node) -> str:
+    return getattr(node.target, "__name__", str(node.target))

@@ -1,0 +1,137 @@
+"""The rewrite: flash.attention in the place of each matched site. Builds q, k and v from
+their Operands, attn_bias from the Parts left (bool masks and'ed, float terms summed with
+masks as 0 / -inf), a fresh dropout seed per call, then the views back to the model's
+layout and dtype; the replaced chain is erased where nothing else reads it. rewrite() is the
+family's entry point: every softmax over the last dim and every SDPA call is a site."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+
+from ...graph import A, dtype_of, insert_call, location, strip_casts, val
+from ...report import Report, Site
+from .._shared import Unmatched, call_checked, conclude, known_equal, replace
+from .match import match_softmax
+from .nodes import shape_of
+from .operands import Match, Operand, Part
+from .sdpa import match_sdpa
+
+FLASH = torch.ops.flash
+# _safe_softmax (math SDPA's) gives 0 on a row of -inf only, as flash.attention does
+SOFTMAX = (A.softmax.int, A._softmax.default, A._safe_softmax.default)
+
+
+def _emit(graph: fx.Graph, before: fx.Node, op, *args, **kwargs) -> fx.Node:
+    return insert_call(graph, before, op, args, kwargs)
+
+
+def _build(graph: fx.Graph, before: fx.Node, x: Operand) -> fx.Node:
+    node = x.node
+    for op, args in x.ops:
+        node = _emit(graph, before, op, node, *args)
+    return node
+
+
+def _bias(graph: fx.Graph, before: fx.Node, parts: list[Part]) -> fx.Node | None:
+    """attn_bias from the parts left: the and of the keep-masks (bool), or, with float terms,
+    their sum with the masks as 0 / -inf."""
+    if not parts:
+        return None
+    masks, floats = [], []
+    for p in parts:
+        node = p.node
+        if p.heads and val(node).dim() == 3 and not known_equal(shape_of(node)[0], 1):
+            node = _emit(graph, before, A.unflatten.int, node, 0, [-1, p.heads])  # as the op's (B, H, ...)
+        if p.kind == "add":
+            x = node
+            if not dtype_of(x).is_floating_point:  # an added bool or int tensor adds its values
+                x = _emit(graph, before, A._to_copy.default, x, dtype=torch.float32)
+            floats.append(x if p.mult == 1 else _emit(graph, before, A.mul.Tensor, x, p.mult))
+        else:
+            masks.append(node if p.positive else _emit(graph, before, A.logical_not.default, node))
+    if floats:
+        floats += [_emit(graph, before, A.where.Scalar, c, 0.0, -math.inf) for c in masks]
+        terms, op = floats, A.add.Tensor
+    else:
+        terms, op = masks, A.logical_and.default
+    out = terms[0]
+    for t in terms[1:]:
+        out = _emit(graph, before, op, out, t)
+    return out
+
+
+def _seed(graph: fx.Graph, before: fx.Node, like: fx.Node) -> fx.Node:
+    """A fresh dropout seed per call, drawn as flash.attention's public function draws it."""
+    device = val(like).device
+    with graph.inserting_before(before):
+        node = graph.call_function(A.randint.default, (2**62, []), {"dtype": torch.int64, "device": device})
+    with val(like).fake_mode:
+        node.meta["val"] = torch.randint(2**62, (), dtype=torch.int64, device=device)
+    return node
+
+
+def _replace(gm: fx.GraphModule, m: Match) -> Unmatched | None:
+    """flash.attention in m.out's place: None when done, else why not."""
+    g, at = gm.graph, m.out
+    q, k, v = (_build(g, at, x) for x in (m.q, m.k, m.v))
+    if len({dtype_of(q), dtype_of(k), dtype_of(v)}) > 1:
+        # q and k upcast to compute the scores in fp32: the op computes in fp32 anyway
+        q, k, v = (strip_casts(x) for x in (q, k, v))
+        if len({dtype_of(q), dtype_of(k), dtype_of(v)}) > 1:
+            return Unmatched("q, k and v have different dtypes")
+    for c, div in m.runtime:  # q * c keeps q's dtype (a one-value tensor does not promote it)
+        q = _emit(g, at, A.div.Tensor if div else A.mul.Tensor, q, c)
+    bias = _bias(g, at, m.parts)
+    if m.merged:
+        q, k, v = (_emit(g, at, A.unsqueeze.default, x, 0) for x in (q, k, v))
+        if bias is not None and val(bias).dim() == 3:
+            bias = _emit(g, at, A.unsqueeze.default, bias, 0)
+    seed = _seed(g, at, q) if m.dropout_p > 0 else None
+    w = m.window
+    node = call_checked(g, at, FLASH.attention.default, (q, k, v, bias, seed),
+                        {"scale": m.scale, "causal": w.right == 0, "window_left": w.left,
+                         "window_right": w.right if w.right > 0 else -1,
+                         "softcap": m.softcap, "dropout_p": m.dropout_p})
+    if isinstance(node, Unmatched):
+        if seed is not None:
+            g.erase_node(seed)  # dead-code elimination keeps random ops
+        return node
+    out = _emit(g, at, A.squeeze.dim, node, 0) if m.merged else node
+    for op, args in m.out_ops:
+        out = _emit(g, at, op, out, *args)
+    if val(at).is_contiguous() and not val(out).is_contiguous():
+        out = _emit(g, at, A.contiguous.default, out)
+    if dtype_of(out) != dtype_of(at):
+        out = _emit(g, at, A._to_copy.default, out, dtype=dtype_of(at))
+    failed = replace(g, at, out, "attention")
+    if failed is None:
+        _erase(g, m.chain + [at])
+    return failed
+
+
+def _erase(graph: fx.Graph, nodes: list) -> None:
+    """Remove the replaced chain where nothing else reads it (in-place steps included, which
+    dead-code elimination keeps)."""
+    left = {n for n in nodes if not getattr(n, "_erased", False)}
+    while dead := [n for n in left if not n.users]:
+        for n in dead:
+            graph.erase_node(n)
+            left.discard(n)
+
+
+def rewrite(gm: fx.GraphModule, report: Report) -> None:
+    """Rewrite every attention site of gm to flash.attention, adding each to report."""
+    anchors = [(n, "F.scaled_dot_product_attention")
+               for n in gm.graph.find_nodes(op="call_function", target=A.scaled_dot_product_attention.default)]
+    anchors += [(n, "softmax") for t in SOFTMAX for n in gm.graph.find_nodes(op="call_function", target=t)]
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for n, anchor in anchors:
+        site = Site("attention", location(n), anchor)
+        report.add(site)
+        m = match_softmax(n, order) if anchor == "softmax" else match_sdpa(n)
+        if isinstance(m, Unmatched):
+            site.reason = m.reason if anchor != "softmax" else f"softmax not rewritten to attention: {m.reason}"
+            continue
+        conclude(site, _replace(gm, m), "attention")
