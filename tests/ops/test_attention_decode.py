@@ -222,10 +222,10 @@ def _samples_decode():
     (q, kc, vc, cs, kn, vn), kw = make(Hq=4, Sq=2, Snew=2, rotary_dim=8)
     kp, vp, table = to_paged(kc, vc)
     yield (q, kp, vp, cs, kn, vn, table, *rotary_cos_sin(S_MAX + 2, 8)), {"window_left": 4, "num_splits": 2}
-    # ALiBi slopes (B, Hq) on a paged cache
+    # ALiBi slopes (B, Hq) and sinks on a paged cache
     (q, kc, vc, cs, kn, vn), kw = make(Hq=4, Hkv=2, Sq=2, Snew=1)
     kp, vp, table = to_paged(kc, vc)
-    yield (q, kp, vp, cs, kn, vn, table, None, None, torch.rand(q.shape[0], 4)), {"causal": False}
+    yield (q, kp, vp, cs, kn, vn, table, None, None, torch.rand(q.shape[0], 4), torch.randn(4)), {"causal": False}
 
 
 OPCHECK_SAMPLES = {"attention_decode": _samples_decode}

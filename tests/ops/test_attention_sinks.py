@@ -1,8 +1,9 @@
 """Attention sinks (gpt-oss: a learnable logit per q head, one more softmax column that takes
-probability mass and adds no value) in flash.attention, flash.attention_with_lse and
-flash.attention_varlen: against a float64 formula that appends the sink column explicitly,
-forward and gradients (the sinks' too), on the reference path and on the Triton kernels (under
-TRITON_INTERPRET=1 at tiny sizes; larger on a GPU); gradcheck, torch.compile, bad inputs."""
+probability mass and adds no value) in flash.attention, flash.attention_with_lse,
+flash.attention_varlen and flash.attention_decode: against a float64 formula that appends the
+sink column explicitly, forward and gradients (the sinks' too), on the reference path and on the
+Triton kernels (under TRITON_INTERPRET=1 at tiny sizes; larger on a GPU); gradcheck,
+torch.compile, bad inputs."""
 import math
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 import torch_flash
 from torch_flash.ops.attention import attention, attention_with_lse
+from torch_flash.ops.attention_decode import attention_decode
 from torch_flash.ops.attention_varlen import attention_varlen
 from _utils import TOL, assert_rel_close
 
@@ -211,6 +213,43 @@ def test_varlen_gradcheck():
         (q, k, v, sinks))
 
 
+# ---------------------------------------------------------------------------- decode
+
+# (B, Hq, Hkv, Sq, Snew, capacity, public keyword arguments)
+DECODE_CASES = {
+    "gqa": (3, 4, 2, 1, 1, 24, dict()),
+    "sq3_window_splits": (3, 4, 1, 3, 3, 40, dict(window=(6, -1), num_splits=3)),
+    "noncausal_splits": (2, 2, 2, 2, 0, 40, dict(causal=False, num_splits=2)),
+}
+
+
+def check_decode(case, dtype, device="cpu"):
+    """attention_decode (out, lse) against `exact` over each sequence's cache_seqlens + Snew keys
+    (queries bottom-right). Some sequence's queries see no key under the window (all mass on
+    the sink) when the window is short."""
+    b, hq, hkv, sq, snew, cap, kw = DECODE_CASES[case] if isinstance(case, str) else case
+    d = 16
+    q = torch.randn(b, hq, sq, d, dtype=dtype, device=device)
+    caches = [torch.randn(b, hkv, cap, d, dtype=dtype, device=device) for _ in range(2)]
+    new = [torch.randn(b, hkv, snew, d, dtype=dtype, device=device) for _ in range(2)] if snew else [None, None]
+    seqlens = torch.randint(max(sq - snew, 0), cap - snew + 1, (b,), dtype=torch.int32, device=device)
+    seqlens[0] = max(sq - snew, 0)
+    sinks = torch.randn(hq, device=device)
+    out, lse = attention_decode(q, *caches, seqlens, *new, sinks=sinks, **kw)
+    kw = {n: kw[n] for n in ("causal", "window") if n in kw} | {"causal": kw.get("causal", True)}
+    for i in range(b):
+        n = int(seqlens[i]) + snew
+        o64, lse64 = exact(q[i:i + 1], caches[0][i:i + 1, :, :n], caches[1][i:i + 1, :, :n], sinks, **kw)
+        assert_rel_close(out[i:i + 1], o64, TOL[dtype], what=f"sequence {i} out")
+        assert_rel_close(lse[i:i + 1], lse64, 10 * TOL[torch.float32], what=f"sequence {i} lse")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_decode_reference_path(case, dtype):
+    check_decode(case, dtype)
+
+
 # ---------------------------------------------------------------------------- Triton kernels
 
 def _triton(force_backend):
@@ -235,6 +274,13 @@ def test_triton_varlen(force_backend):
     assert torch_flash._dispatch.LAST["attention_varlen"] == "triton"
 
 
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_triton_decode(case, force_backend):
+    _triton(force_backend)
+    check_decode(case, torch.float32, DEVICE)
+    assert torch_flash._dispatch.LAST["attention_decode"] == "triton"
+
+
 # ---------------------------------------------------------------------------- bad inputs
 
 @pytest.mark.parametrize("sinks,match", [
@@ -250,6 +296,8 @@ def test_bad_sinks(sinks, match):
     with pytest.raises(ValueError, match=f"flash.attention_varlen: {match}"):
         attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), k[0].transpose(0, 1), _cu([5]), _cu([7]),
                          sinks=sinks)
+    with pytest.raises(ValueError, match=f"flash.attention_decode: {match}"):
+        attention_decode(q, k, k, torch.tensor([3, 5], dtype=torch.int32), sinks=sinks)
     with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
         fq, fk = mode.from_tensor(q), mode.from_tensor(k)
         with pytest.raises(ValueError, match=f"flash.attention_with_lse: {match}"):
@@ -285,3 +333,12 @@ def test_gpu_dispatch(force_backend, monkeypatch):
 def test_gpu_varlen():
     check_varlen([300, 1, 0, 777, 64], [500, 200, 9, 777, 1], dict(causal=True), torch.bfloat16, "cuda")
     assert torch_flash._dispatch.LAST["attention_varlen_backward"] == "triton"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", list(DECODE_CASES.values()) + [
+    (4, 64, 8, 1, 1, 8192, dict()),  # gpt-oss-like decoding: long cache, splits chosen per call
+    (8, 16, 16, 4, 4, 2048, dict(window=(128, -1)))])
+def test_gpu_decode(case):
+    check_decode(case, torch.bfloat16, "cuda")
+    assert torch_flash._dispatch.LAST["attention_decode"] == "triton"

@@ -8,8 +8,8 @@ Semantics in torch_flash/reference/attention_decode.py.
 
 Inference only: no autograd rule is registered. A call with inputs that require grad
 still runs forward; a backward through it raises "no autograd formula was registered".
-The rotary tables and alibi_slopes are positional in the schema because custom ops cannot take
-keyword-only tensors; the public function takes them by keyword.
+The rotary tables, alibi_slopes and sinks are positional in the schema because custom ops cannot
+take keyword-only tensors; the public function takes them by keyword.
 
 Paths: the Triton kernels (torch_flash/kernels/triton/attention_decode.py) for CUDA tensors, the
 reference for CPU tensors. The checks of index values (cache_seqlens, block_table) need the
@@ -31,7 +31,7 @@ from ._autograd import call, triton_op
 from ._checks import (INDEX_DTYPES, check, check_last_dim_contiguous, check_same_device,
                       check_same_dtype, check_tensor)
 from ._plans import Plans
-from .attention import check_alibi
+from .attention import check_alibi, check_sinks
 
 OP = "attention_decode"
 
@@ -42,7 +42,7 @@ def capacity(k_cache, block_table) -> int:
 
 
 def check_args(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin,
-               alibi_slopes, softcap, window_left, window_right, num_splits) -> None:
+               alibi_slopes, sinks, softcap, window_left, window_right, num_splits) -> None:
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_tensor(OP, name, t, ndim=4)
     check_same_dtype(OP, q=q, k_cache=k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new)
@@ -86,6 +86,7 @@ def check_args(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, ro
           f"window_left/window_right must be >= -1 (-1: unbounded), got {window_left}, {window_right}")
     check(num_splits >= 0, OP, f"num_splits must be >= 0 (0: chosen per call), got {num_splits}")
     check_alibi(OP, alibi_slopes, q, B)
+    check_sinks(OP, sinks, q)
     check_same_device(OP, q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, k_new=k_new,
                       v_new=v_new, block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin)
 
@@ -128,12 +129,13 @@ def _use_triton(q, k_cache, v_cache, rotary_cos) -> bool:
 def _attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
                       k_new: Optional[Tensor] = None, v_new: Optional[Tensor] = None,
                       block_table: Optional[Tensor] = None, rotary_cos: Optional[Tensor] = None,
-                      rotary_sin: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None, *,
-                      scale: Optional[float] = None,
+                      rotary_sin: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None,
+                      sinks: Optional[Tensor] = None, *, scale: Optional[float] = None,
                       causal: bool = True, window_left: int = -1, window_right: int = -1,
                       softcap: float = 0.0, rotary_interleaved: bool = False,
                       num_splits: int = 0) -> tuple[Tensor, Tensor]:
-    tensors = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin, alibi_slopes)
+    tensors = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin, alibi_slopes,
+               sinks)
     flags = dict(scale=scale, causal=causal, window_left=window_left, window_right=window_right, softcap=softcap,
                  rotary_interleaved=rotary_interleaved, num_splits=num_splits)
 
@@ -149,7 +151,7 @@ def _attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens
         return plan(*tensors)
     out, lse = ref.attention_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
                                     rotary_cos, rotary_sin, scale, causal, window_left, window_right,
-                                    softcap, rotary_interleaved, alibi_slopes)
+                                    softcap, rotary_interleaved, alibi_slopes, sinks)
     return out.contiguous(), lse.contiguous()
 
 
@@ -159,7 +161,7 @@ def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens:
                      causal: bool = True, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                      rotary_cos: Optional[Tensor] = None, rotary_sin: Optional[Tensor] = None,
                      rotary_interleaved: bool = False, num_splits: int = 0,
-                     alibi_slopes: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                     alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Attention of new queries over a KV cache, appending k_new/v_new to it in place.
 
     q (B, Hq, Sq, D); k_cache/v_cache (B, Hkv, S_max, D|Dv), or paged (num_blocks, Hkv,
@@ -170,7 +172,8 @@ def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens:
     cache_seqlens[b] + i), then every sequence attends over cache_seqlens[b] + Snew keys.
     causal is aligned bottom-right; window = (left, right) bounds the keys a query sees (-1: no
     bound); softcap > 0 caps scores as softcap * tanh(s / softcap); alibi_slopes, fp32 (Hq,) or
-    (B, Hq), add -slope * |query position - key position| to them (FlashAttention 2's ALiBi).
+    (B, Hq), add -slope * |query position - key position| to them (FlashAttention 2's ALiBi);
+    sinks (Hq,): a softmax column per head without value (gpt-oss), included in lse.
     Hq % Hkv == 0 (GQA).
     Any strides with a contiguous last dim. num_splits: how many parts of the keys the GPU
     kernel attends in parallel before merging them (0: chosen from the shapes; no effect on
@@ -183,5 +186,5 @@ def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens:
           f"window must be a pair (left, right), got {window!r}")
     return call("attention_decode",
                 q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin, alibi_slopes,
-                scale=scale, causal=causal, window_left=window[0], window_right=window[1],
+                sinks, scale=scale, causal=causal, window_left=window[0], window_right=window[1],
                 softcap=softcap, rotary_interleaved=rotary_interleaved, num_splits=num_splits)

@@ -9,7 +9,8 @@ sequence attends over its L = cache_seqlens[b] + Snew keys. Query i sits at posi
 L - Sq + i (causal aligned bottom-right, as FlashAttention). A query with no visible key
 gets out = 0 and lse = -inf (it carries no weight when partial attentions are merged).
 alibi_slopes (fp32 (Hq,) or (B, Hq)) add -slope * |query position - key position| to the
-scaled (and capped) scores, as FlashAttention 2.
+scaled (and capped) scores, as FlashAttention 2; sinks (Hq,) add a softmax column per head that
+takes probability mass and adds no value (lse includes it; such a query's out is 0 without keys).
 
 The masked softmax here is local to decoding (Sq is small, so the (Sq, L) scores are too).
 """
@@ -56,7 +57,7 @@ def gather(cache, lengths, block_table):
 
 
 def attend(q, k, v, lengths, scale, causal=True, window_left=-1, window_right=-1, softcap=0.0,
-           alibi_slopes=None):
+           alibi_slopes=None, sinks=None):
     """Masked attention of q (B, Hq, Sq, D) over k/v (B, Hkv, L, D|Dv) whose first lengths[b]
     keys exist. Returns out (B, Hq, Sq, Dv) in q's dtype and lse (B, Hq, Sq) fp32."""
     B, Hq, Sq, D = q.shape
@@ -82,6 +83,8 @@ def attend(q, k, v, lengths, scale, causal=True, window_left=-1, window_right=-1
         visible = visible & (rel <= window_right)
     s = s.masked_fill(~visible[:, None, None], -math.inf)
     lse = torch.logsumexp(s, -1)
+    if sinks is not None:  # (B, Hkv, group, Sq): heads grouped as s's
+        lse = torch.logaddexp(lse, sinks.to(cdt).view(1, Hkv, -1, 1))
     p = torch.exp(s - lse.nan_to_num(neginf=0.0)[..., None])  # rows with no key: all 0
     out = (p.view(B, Hkv, -1, L) @ v.to(cdt)).view(B, Hq, Sq, v.shape[-1])
     return out.to(q.dtype), lse.view(B, Hq, Sq).float()
@@ -89,7 +92,7 @@ def attend(q, k, v, lengths, scale, causal=True, window_left=-1, window_right=-1
 
 def attention_decode(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, block_table=None,
                      rotary_cos=None, rotary_sin=None, scale=None, causal=True, window_left=-1,
-                     window_right=-1, softcap=0.0, rotary_interleaved=False, alibi_slopes=None):
+                     window_right=-1, softcap=0.0, rotary_interleaved=False, alibi_slopes=None, sinks=None):
     """Append k_new/v_new to the caches (in place), then attend; returns (out, lse)."""
     table = block_table_of(k_cache, block_table)
     lengths = cache_seqlens.long()
@@ -102,4 +105,4 @@ def attention_decode(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None,
         lengths = lengths + k_new.shape[2]
     k, v = gather(k_cache, lengths, table), gather(v_cache, lengths, table)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return attend(q, k, v, lengths, scale, causal, window_left, window_right, softcap, alibi_slopes)
+    return attend(q, k, v, lengths, scale, causal, window_left, window_right, softcap, alibi_slopes, sinks)

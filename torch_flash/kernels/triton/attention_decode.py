@@ -18,7 +18,8 @@ Three launches:
 
 Scores are kept in log2 units (log2(e) folded into the scale, and into ALiBi's slopes, read per
 row from the (Hq,) or (B, Hq) slopes), lse is returned in natural log; a query that sees no key
-gets out 0 and lse -inf.
+gets out 0 and lse -inf (its sink's logit with sinks: the first split starts its online softmax
+from that column, so the combine step counts it once).
 
 Bad index data cannot be validated on the host without a synchronisation, so the kernels
 guard themselves: nothing is read or written outside the caches and the block table, and a
@@ -148,7 +149,7 @@ def _append_kernel(KN, VN, KC, VC, SEQLENS, BT, COS, SIN,
 
 
 @triton.jit
-def _decode_kernel(Q, KC, VC, SEQLENS, BT, COS, SIN, Alibi, Out, Lse, OutP, LseP,
+def _decode_kernel(Q, KC, VC, SEQLENS, BT, COS, SIN, Alibi, Sinks, Out, Lse, OutP, LseP,
                    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                    stride_vb, stride_vh, stride_vn, stride_bt, stride_c, stride_ab, stride_ah,
                    HKV, GROUP, SQ, SNEW, CAPACITY, PAGE, NUM_PAGES, SEQ_RO, NUM_SPLITS,
@@ -156,8 +157,8 @@ def _decode_kernel(Q, KC, VC, SEQLENS, BT, COS, SIN, Alibi, Out, Lse, OutP, LseP
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, RD2: tl.constexpr, ROTARY: tl.constexpr,
                    INTERLEAVED: tl.constexpr, PAGED: tl.constexpr, SOFTCAP: tl.constexpr,
-                   ALIBI: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
+                   ALIBI: tl.constexpr, SINKS: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: BLOCK_M rows (q head g of the group, query i) of one (batch, kv head) over
     one split of the keys. Writes out/lse, or with SPLIT the split's partial (out, lse)."""
     qk_scale, softcap = fp32(qk_scale), fp32(softcap)
@@ -191,8 +192,13 @@ def _decode_kernel(Q, KC, VC, SEQLENS, BT, COS, SIN, Alibi, Out, Lse, OutP, LseP
     end = tl.minimum(start + chunk, seq_k)
 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    if SINKS:  # split 0 has seen the sink column: running max its logit, weight 1 (0 at -inf)
+        sink = tl.load(Sinks + head, mask=row_ok, other=float("-inf")).to(tl.float32) * _LOG2E
+        m_i = tl.where(split == 0, sink, float("-inf"))
+        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
+    else:
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     dv = tl.arange(0, BLOCK_DV)
     for n0 in range(start, end, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N)
@@ -308,8 +314,8 @@ class DecodeFwd:
     torch_flash/ops/attention_decode.py)."""
 
     def __init__(self, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin,
-                 alibi_slopes=None, *, scale, causal, window_left, window_right, softcap, rotary_interleaved,
-                 num_splits=0):
+                 alibi_slopes=None, sinks=None, *, scale, causal, window_left, window_right, softcap,
+                 rotary_interleaved, num_splits=0):
         B, Hq, Sq, D = q.shape
         Hkv, page, Dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[-1]
         self.paged = paged = block_table is not None
@@ -351,7 +357,7 @@ class DecodeFwd:
         alibi_strides = (((0,) if alibi_slopes.dim() == 1 else ()) + alibi_slopes.stride() if self.alibi
                          else (0, 0))
         self.scalars = dict(
-            **dict(zip(("stride_ab", "stride_ah"), alibi_strides)), ALIBI=self.alibi,
+            **dict(zip(("stride_ab", "stride_ah"), alibi_strides)), ALIBI=self.alibi, SINKS=sinks is not None,
             **_strides(q, "q", "b", "h", "m"), **_strides(k_cache, "k", "b", "h", "n"),
             **_strides(v_cache, "v", "b", "h", "n"), **common, GROUP=group, SQ=Sq, NUM_SPLITS=num_splits,
             qk_scale=scale / softcap if softcap > 0 else scale * _LOG2E.value, softcap=softcap * _LOG2E.value,
@@ -365,7 +371,7 @@ class DecodeFwd:
         self.launchers = [None, None, None]
 
     def __call__(self, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin,
-                 alibi_slopes=None):
+                 alibi_slopes=None, sinks=None):
         absent, launchers = self.absent, self.launchers
         # the kernels index these 1-D / row-major (no-ops for the usual tensors)
         tables = dict(SEQLENS=cache_seqlens.contiguous(), BT=block_table.contiguous() if self.paged else absent,
@@ -385,7 +391,8 @@ class DecodeFwd:
             out_p = lse_p = lse.new_empty(0)
         launchers[1] = launch_as(launchers[1], self.kernel, self.grid, (),
                                  dict(Q=q, KC=k_cache, VC=v_cache, Out=out, Lse=lse, OutP=out_p, LseP=lse_p,
-                                      Alibi=alibi_slopes if self.alibi else absent, **tables, **self.scalars))
+                                      Alibi=alibi_slopes if self.alibi else absent,
+                                      Sinks=absent if sinks is None else sinks.contiguous(), **tables, **self.scalars))
         if self.split:
             grid, scalars = self.combine
             launchers[2] = launch_as(launchers[2], _combine_kernel, grid, (),
@@ -394,12 +401,13 @@ class DecodeFwd:
 
 
 def decode_fwd(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin,
-               alibi_slopes=None, **flags):
+               alibi_slopes=None, sinks=None, **flags):
     """Append k_new/v_new (B, Hkv, Snew, D|Dv) to the caches in place, then attend. Arguments as
     flash.attention_decode (validated by the op); flags: scale, causal, window_left, window_right,
     softcap, rotary_interleaved, num_splits=0 (picked by auto_num_splits; else at most
     MAX_SPLITS). Returns out (B, Hq, Sq, Dv) contiguous in q's dtype and lse (B, Hq, Sq) fp32."""
-    tensors = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin, alibi_slopes)
+    tensors = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin, alibi_slopes,
+               sinks)
     return DecodeFwd(*tensors, **flags)(*tensors)
 
 
