@@ -272,6 +272,36 @@ def test_target_summary(dtype):
     assert K.target_summary(big, 5).tolist() == [3, -(2**63), 2**63 - 1]
 
 
+@pytest.mark.filterwarnings("ignore:invalid value")  # the interpreter's mean of no rows: 0 / 0
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("name", ["contiguous", "row-stride", "permuted"])
+def test_forward_plan(name, reduction, monkeypatch):
+    """CeFwd (the loss op's forward: row losses, then one program that reduces them and sums up the
+    targets) against the reference, over several summary blocks, with ignored and out-of-range
+    targets, for any layout of the logits; an empty batch and one of only ignored rows."""
+    monkeypatch.setattr(K, "SUMMARY_BLOCK", 64)
+    opts = OPTIONS["all"]
+    x = {"contiguous": _logits((150, 40), FP32), "row-stride": _logits((150, 80), FP32)[:, 40:],
+         "permuted": _logits((3, 50, 40), FP32).transpose(0, 1)}[name]
+    t = _target(x.shape[:-1], 40, opts.ignore_index)
+    plan = K.CeFwd(x, t, **_kw(opts, reduction))
+    loss, lse, summary = plan(x, t)
+    valid = t[t != opts.ignore_index]
+    assert summary.tolist() == [valid.numel(), valid.min().item(), valid.max().item()]
+    assert_rel_close(loss, ce_ref.cross_entropy(x.double(), t, opts, reduction), TOL[FP32], what="loss")
+    assert_rel_close(lse[t != opts.ignore_index], _lse64(x, opts)[t != opts.ignore_index], TOL[FP32], what="lse")
+    t_bad = t.clone()
+    t_bad.view(-1)[1] = 40
+    loss_bad, _, summary = plan(x, t_bad)
+    assert summary[2] == 40 and (loss_bad.isnan().any() if reduction != "none" else loss_bad.view(-1)[1].isnan())
+    for rows, fill in ((0, 0), (4, opts.ignore_index)):
+        xe, te = _logits((rows, 40), FP32), torch.full((rows,), fill, device=DEV)
+        loss, lse, summary = K.CeFwd(xe, te, **_kw(opts, reduction))(xe, te)
+        expect = F.cross_entropy(xe, te, ignore_index=opts.ignore_index, reduction=reduction)
+        assert summary.tolist() == [0, 0, 0] and loss.shape == expect.shape
+        assert torch.equal(loss, expect) if reduction != "mean" else loss.isnan()
+
+
 def test_empty_batch():
     x, t = _logits((0, 50), BF16), torch.zeros(0, dtype=torch.int64, device=DEV)
     for reduction in REDUCTIONS:

@@ -79,46 +79,63 @@ class TargetCheck:
     set CUDA_LAUNCH_BLOCKING=1 to raise in the call itself. Waiting in every call would stall
     the host until the GPU drained its queue (a whole model's forward in training). Real
     tensors only: traced graphs and CUDA graph captures get the kernels' NaN or gather's
-    bounds check; so do ops called with enabled=False from a compiled graph. Where Triton runs,
-    one kernel (target_summary) gives the verdict and n_valid, the count of non-ignored rows
-    the loss kernels' mean reads (else None)."""
+    bounds check; so do ops called with enabled=False from a compiled graph. The summary (the
+    count of non-ignored targets, n_valid, which the loss kernels' mean reads, and the verdict)
+    comes from the op's own kernels where they give it, else from target_summary where Triton
+    runs, else from torch ops."""
 
-    def __init__(self, op: str, target: Tensor, n_classes: int, ignore_index: int, enabled: bool = True):
+    def __init__(self, op: str, target: Tensor, n_classes: int, ignore_index: int, enabled: bool = True,
+                 summary: Optional[Tensor] = None):
+        """summary: target_summary's, where the op's kernels computed it already."""
         self.op, self.n_classes, self.ignore_index = op, n_classes, ignore_index
-        self.verdict = self.event = self.n_valid = None
+        self.summary = self.host = self.event = None
         if (not enabled or is_fake(target) or target.numel() == 0
                 or (target.is_cuda and torch.cuda.is_current_stream_capturing())):
             return
         if _PENDING:
             raise_pending()
-        if _dispatch.triton_can_run(target.device) and _dispatch.forced_backend() != "reference":
-            from ..kernels.triton.cross_entropy import target_summary
-            summary = target_summary(target, ignore_index)
-            self.n_valid, verdict = summary[0], summary[1:]
-        else:
-            flat = target.reshape(-1)
-            verdict = torch.stack(torch.aminmax(torch.where(flat != ignore_index, flat, 0)))
+        if summary is None:
+            if _dispatch.triton_can_run(target.device) and _dispatch.forced_backend() != "reference":
+                from ..kernels.triton.cross_entropy import target_summary
+                summary = target_summary(target, ignore_index)
+            else:
+                flat = target.reshape(-1)
+                valid = flat != ignore_index
+                summary = torch.stack([valid.sum(), *torch.aminmax(torch.where(valid, flat, 0))])
+        self.summary = summary
         if target.is_cuda:
-            self.verdict = torch.empty(2, dtype=verdict.dtype, pin_memory=True).copy_(verdict, non_blocking=True)
-            self.event = torch.cuda.Event()
+            self.host = torch.empty(3, dtype=summary.dtype, pin_memory=True).copy_(summary, non_blocking=True)
+            free = _FREE_EVENTS.get(target.device)
+            self.event = free.pop() if free else torch.cuda.Event()
             self.event.record()
         else:
-            self.verdict = verdict
+            self.host = summary
+
+    @property
+    def n_valid(self) -> Optional[Tensor]:
+        """The count of non-ignored targets as a device scalar (what the kernels' mean reads)."""
+        return None if self.summary is None else self.summary[0]
 
     def raise_if_bad(self, wait: bool = True) -> None:
         """Raises if a target is out of range. wait=False (kernels that keep such rows NaN and in
         bounds): on CUDA only where the verdict is in already, else it joins the pending ones."""
-        if self.verdict is None:
+        if self.host is None:
             return
         if self.event is not None:
             if not (wait or _LAUNCH_BLOCKING or self.event.query()):
                 _PENDING.append(self)
                 return
-            self.event.synchronize()
+            self._arrived()
         self._raise(late=False)
 
+    def _arrived(self) -> None:
+        """Waits for the verdict (at once where the event has completed); its event is reused."""
+        self.event.synchronize()
+        _FREE_EVENTS.setdefault(self.summary.device, []).append(self.event)
+        self.event = None
+
     def _raise(self, late: bool) -> None:
-        low, high = self.verdict.tolist()
+        _, low, high = self.host.tolist()
         if low < 0 or high >= self.n_classes:
             fail(self.op, f"target contains {low if low < 0 else high}, outside [0, {self.n_classes}) and "
                           f"not ignore_index={self.ignore_index}" + (
@@ -129,6 +146,8 @@ class TargetCheck:
 # CUDA target checks whose verdict had not arrived when their op returned, oldest first
 _PENDING: collections.deque[TargetCheck] = collections.deque()
 _LAUNCH_BLOCKING = os.environ.get("CUDA_LAUNCH_BLOCKING", "0") == "1"
+# device -> CUDA events whose verdict was read, for the next checks to record again
+_FREE_EVENTS: dict[torch.device, list] = {}
 
 
 def raise_pending(wait: bool = False) -> None:
@@ -136,11 +155,10 @@ def raise_pending(wait: bool = False) -> None:
     ones before it; wait: also for verdicts still on their way (else those stay pending)."""
     while _PENDING:
         check = _PENDING[0]
-        if wait:
-            check.event.synchronize()
-        elif not check.event.query():
+        if not (wait or check.event.query()):
             return
         _PENDING.popleft()
+        check._arrived()
         check._raise(late=True)
 
 
@@ -222,34 +240,34 @@ def _backend(op: str, logits: Tensor, target: Tensor) -> str:
     return _dispatch.select(op, logits, triton=serves)
 
 
-# signature -> the Triton launcher (ce_fwd / ce_bwd), or None (the reference path)
+# signature -> the Triton launcher (CeFwd plan / ce_bwd), or None (the reference path)
 PLANS = Plans()
 
 
-def _triton_launcher(op: str, check: Callable[[], None], name: str, logits: Tensor, target: Tensor,
+def _triton_launcher(op: str, check: Callable[[], None], build: Callable, logits: Tensor, target: Tensor,
                      values: tuple) -> Optional[Callable]:
-    """kernels/triton/cross_entropy.<name> where the Triton path serves this call, else None;
-    check() and the choice are made once per signature of real inputs (ops/_plans.py)."""
+    """build(kernels/triton/cross_entropy) where the Triton path serves this call, else None;
+    check(), the choice and build are made once per signature of real inputs (ops/_plans.py)."""
     def make():
         check()
         if _backend(op, logits, target) != "triton":
             return None
         from ..kernels.triton import cross_entropy as kernels
-        return getattr(kernels, name)
+        return build(kernels)
     return PLANS.get(op, values, make)
 
 
 def _forward(op: str, logits: Tensor, target: Tensor, opts: LossOptions, reduction: str):
     """(loss, lse) on the path select() picks."""
-    ce_fwd = _triton_launcher(op, lambda: check_args(op, logits, target, opts, reduction), "ce_fwd",
+    ce_fwd = _triton_launcher(op, lambda: check_args(op, logits, target, opts, reduction),
+                              lambda kernels: kernels.CeFwd(logits, target, **opts._asdict(), reduction=reduction),
                               logits, target, (logits, target, *opts, reduction))
-    targets = TargetCheck(op, target, logits.shape[-1], opts.ignore_index)
     if ce_fwd is not None:
-        loss, lse, _ = ce_fwd(logits, target, **opts._asdict(), reduction=reduction, n_valid=targets.n_valid)
-        targets.raise_if_bad(wait=False)
+        loss, lse, summary = ce_fwd(logits, target)
+        TargetCheck(op, target, logits.shape[-1], opts.ignore_index, summary=summary).raise_if_bad(wait=False)
         # the kernel computes in fp32; the op's contract is logits' dtype above half
         return loss.to(compute_dtype(logits.dtype)), lse
-    targets.raise_if_bad()
+    TargetCheck(op, target, logits.shape[-1], opts.ignore_index).raise_if_bad()
     return ref.cross_entropy_with_lse(logits, target, opts, reduction)
 
 
@@ -289,7 +307,7 @@ def _backward_into(op: str, grad_loss: Tensor, logits: Tensor, target: Tensor, l
     """dlogits into out (None: a new tensor) on the path select() picks."""
     def check():
         check_backward_args(op, grad_loss, logits, target, lse, opts, reduction, vocab_start, vocab_size)
-    ce_bwd = _triton_launcher(op, check, "ce_bwd", logits, target,
+    ce_bwd = _triton_launcher(op, check, lambda kernels: kernels.ce_bwd, logits, target,
                               (grad_loss, logits, target, lse, *opts, reduction, vocab_start, vocab_size, out))
     targets = TargetCheck(op, target, vocab_size or logits.shape[-1], opts.ignore_index)
     shard = dict(vocab_start=vocab_start, vocab_size=vocab_size)

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ...reference.cross_entropy import row_stride
-from .launch import launch, next_power_of_2
+from .launch import launch, launch_as, next_power_of_2
 from .scalars import fp32
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -219,12 +219,15 @@ _SENTINEL: tl.constexpr = tl.constexpr(2**62)
 
 
 @triton.jit
-def _target_summary_kernel(T, Out, n, ignore_index, BLOCK: tl.constexpr):
+def _target_summary_kernel(T, Out, Losses, Loss, n, ignore_index, REDUCE: tl.constexpr, MEAN: tl.constexpr,
+                           BLOCK: tl.constexpr):
     """Out (3,) int64: how many of the n targets T are not ignore_index, and the least and the
-    greatest of those (0 and 0 if none). One program, one pass."""
+    greatest of those (0 and 0 if none). REDUCE: also Loss[0], the sum of the n fp32 Losses
+    (divided by that count where MEAN: NaN if none), in a fixed order. One program, one pass."""
     count = tl.zeros((BLOCK,), tl.int64)
     low = tl.full((BLOCK,), _SENTINEL, tl.int64)
     high = tl.full((BLOCK,), -_SENTINEL, tl.int64)
+    total = tl.zeros((BLOCK,), tl.float32)
     for start in range(0, n, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         t = tl.load(T + offs, mask=offs < n, other=ignore_index).to(tl.int64)
@@ -232,10 +235,23 @@ def _target_summary_kernel(T, Out, n, ignore_index, BLOCK: tl.constexpr):
         count += valid.to(tl.int64)
         low = tl.minimum(low, tl.where(valid, t, _SENTINEL))
         high = tl.maximum(high, tl.where(valid, t, -_SENTINEL))
-    total = tl.sum(count, axis=0)
-    tl.store(Out, total)
-    tl.store(Out + 1, tl.where(total > 0, tl.min(low, axis=0), 0))
-    tl.store(Out + 2, tl.where(total > 0, tl.max(high, axis=0), 0))
+        if REDUCE:
+            total += tl.load(Losses + offs, mask=offs < n, other=0.0)
+    n_valid = tl.sum(count, axis=0)
+    tl.store(Out, n_valid)
+    tl.store(Out + 1, tl.where(n_valid > 0, tl.min(low, axis=0), 0))
+    tl.store(Out + 2, tl.where(n_valid > 0, tl.max(high, axis=0), 0))
+    if REDUCE:
+        loss = tl.sum(total, axis=0)
+        if MEAN:
+            loss = loss / n_valid.to(tl.float32)
+        tl.store(Loss, loss)
+
+
+def _summary_block(n: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) of _target_summary_kernel for n targets."""
+    block = min(SUMMARY_BLOCK, max(64, next_power_of_2(n)))
+    return block, max(1, min(8, block // 512))
 
 
 def target_summary(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -243,7 +259,9 @@ def target_summary(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
     (what the ops' target check and the kernels' mean need; torch ops took six)."""
     t = _flat(target)
     out = torch.empty(3, dtype=torch.int64, device=t.device)
-    launch(_target_summary_kernel, (1,), t, out, t.numel(), ignore_index, BLOCK=SUMMARY_BLOCK, num_warps=8)
+    block, warps = _summary_block(t.numel())
+    launch(_target_summary_kernel, (1,), t, out, None, None, t.numel(), ignore_index, REDUCE=False, MEAN=False,
+           BLOCK=block, num_warps=warps)
     return out
 
 
@@ -314,6 +332,44 @@ def ce_fwd(logits, target, *, ignore_index, label_smoothing, z_loss, softcap, re
     if copy_back:
         grad_logits_out.copy_(dst.view(grad_logits_out.shape))
     return _reduce(losses, target, n_valid, reduction), lse.view(target.shape), grad_logits_out
+
+
+class CeFwd:
+    """The loss forward (ce_fwd without a gradient) for one signature of its arguments, as the
+    op keeps it (ops/_plans.py): two launches, the row losses then one program that reduces them
+    and summarises the targets. Returns (loss, lse, summary): summary as target_summary's."""
+
+    def __init__(self, logits, target, *, ignore_index, label_smoothing, z_loss, softcap, reduction):
+        self.n_cols = n_cols = logits.shape[-1]
+        self.n_rows = target.numel()
+        self.stride = row_stride(logits) if self.n_rows > 0 else None
+        self.reduction, self.shape = reduction, target.shape
+        block, num_warps = _launch_config(n_cols, None, False)
+        self.scalars = (ignore_index, label_smoothing, z_loss, softcap, 1.0 / softcap if softcap > 0 else 0.0)
+        self.consts = dict(FORWARD=True, STATS=False, WRITE_GRAD=False, HAS_GRAD_LOSS=False, MEAN=False,
+                           SUM_Z=label_smoothing > 0, SOFTCAP=softcap > 0, BLOCK=block, num_warps=num_warps)
+        block, warps = _summary_block(self.n_rows)
+        self.summary_consts = dict(REDUCE=reduction != "none", MEAN=reduction == "mean", BLOCK=block,
+                                   num_warps=warps)
+        self.launchers = [None, None]
+
+    def __call__(self, logits, target):
+        n_rows, n_cols = self.n_rows, self.n_cols
+        x = (logits.contiguous().view(-1, n_cols) if self.stride is None
+             else logits.as_strided((n_rows, n_cols), (self.stride, 1)))
+        t = target.view(-1) if target.is_contiguous() else target.reshape(-1).contiguous()
+        losses = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(losses)
+        summary = torch.empty(3, dtype=torch.int64, device=logits.device)
+        reduced = self.reduction != "none"
+        loss = torch.empty((), dtype=torch.float32, device=logits.device) if reduced else losses.view(self.shape)
+        if n_rows > 0:
+            args = (x, t, losses, lse, None, None, None, None, None, n_cols, n_cols, 0, x.stride(0), 0, 0,
+                    *self.scalars)
+            self.launchers[0] = launch_as(self.launchers[0], _ce_kernel, (n_rows,), args, self.consts)
+        args = (t, summary, losses, loss if reduced else None, n_rows, self.scalars[0])
+        self.launchers[1] = launch_as(self.launchers[1], _target_summary_kernel, (1,), args, self.summary_consts)
+        return loss, lse.view(self.shape), summary
 
 
 def ce_stats(logits, target, *, ignore_index, softcap, vocab_start=0, vocab_size=None, block=None):
