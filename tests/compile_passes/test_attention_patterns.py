@@ -390,6 +390,31 @@ def sdpa_math_bool(q, k, v, pad):  # a bool mask as the decomposition turns it i
     return torch.ops.aten._safe_softmax(s + torch.where(pad[:, None, None, :], zero, hide), -1) @ v
 
 
+def sdpa_math_op(q, k, v):  # SDPA's math kernel called as an op: (output, weights)
+    return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, is_causal=True)[0]
+
+
+def sdpa_math_op_mask(q, k, v, mask):  # (a float mask: the op adds a bool one as 0 / 1)
+    return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, mask, scale=0.3, enable_gqa=True)[0]
+
+
+def exp_softmax(q, k, v):  # softmax as core ATen decomposes it: exp(s - amax) / sum
+    s = _scores(q, k)
+    e = torch.exp(s - torch.amax(s, -1, keepdim=True))
+    return (e / e.sum(-1, keepdim=True)) @ v
+
+
+def finfo_fill_padding(q, k, v, pad):  # a sequence of padding only: its rows average v, no q, k gradient
+    return _attend(_scores(q, k).masked_fill(~pad[:, None, None, :], torch.finfo(q.dtype).min), v)
+
+
+def finfo_fill_left_padded(q, k, v, keep):  # GPT-2 style: a (B, 1, S, S) causal & left padding keep-mask
+    n = q.shape[1] // k.shape[1]
+    s = _scores(q, repeat_kv(k, n))
+    s = torch.where(keep, s, torch.finfo(s.dtype).min)
+    return _attend(s, repeat_kv(v, n))
+
+
 def merged_bmm_4d_mask(q, k, v, mask):  # MBart/PLBart: (B*H, S, D) bmm, the mask added in a 4-D view
     b, h, s, d = q.shape
     q3, k3, v3 = (t.reshape(b * h, s, d) for t in (q, k, v))
@@ -413,6 +438,22 @@ def _args(*extra, **qkv_kwargs):
 
 
 PADDING = _pad
+
+
+def _padding_only():
+    """(B, S) keep-mask: sequence 0 is padding on its last 2 keys, sequence 1 everywhere."""
+    pad = _pad()
+    pad[1] = False
+    return pad
+
+
+def _causal_left_padded():
+    """(B, 1, S, S) keep-mask: causal, and keys 0, 1 of sequence 0 padding (its queries 0, 1 see nothing)."""
+    keep = torch.ones(S, S, dtype=torch.bool).tril().expand(B, 1, S, S).clone()
+    keep[0, ..., :2] = False
+    return keep
+
+
 ADDITIVE = lambda: causal_additive_mask(B, S)  # noqa: E731
 SLOPES = lambda: torch.tensor([2.0 ** -(i + 1) for i in range(H)])  # noqa: E731
 # Bloom's: slope per head times key position, (B*H, 1, S)
@@ -471,6 +512,12 @@ SPELLINGS = [
     (sdpa_math, _args(), dict(scale=0.3, causal=False, bias=False)),
     (sdpa_math_mask, _args(ADDITIVE), dict(scale=D ** -0.5, causal=False, bias=True)),
     (sdpa_math_bool, _args(PADDING), dict(scale=D ** -0.5, causal=False, bias=True)),
+    (sdpa_math_op, _args(), dict(causal=True, bias=False, scale=None)),
+    (sdpa_math_op_mask, _args(ADDITIVE, hkv=KV), dict(causal=False, bias=True, scale=0.3, kv_heads=KV)),
+    (exp_softmax, _args(), dict(scale=D ** -0.5, causal=False, bias=False)),
+    # rows hidden entirely average v beside the op, as the model computes them
+    (finfo_fill_padding, _args(_padding_only), dict(causal=False, bias=True)),
+    (finfo_fill_left_padded, _args(_causal_left_padded, hkv=KV), dict(causal=False, bias=True, kv_heads=KV)),
 ]
 
 
@@ -597,8 +644,17 @@ def bias_from_scores(q, k, v):
     return _attend(s + s.detach().amax(-1, keepdim=True), v)
 
 
-def finfo_fill_padding(q, k, v, pad):  # a row padding hides entirely averages v, with no gradient to q, k
-    return _attend(_scores(q, k).masked_fill(~pad[:, None, None, :], torch.finfo(q.dtype).min), v)
+def finfo_fill_and_inf(q, k, v, pad):  # a row both hide entirely averages v over the padding keys only
+    s = _scores(q, k).masked_fill(_ones(q, S, S).triu(1), INF)
+    return _attend(s.masked_fill(~pad[:, None, None, :], torch.finfo(q.dtype).min), v)
+
+
+def sdpa_math_op_weights(q, k, v):
+    return torch.ops.aten._scaled_dot_product_attention_math(q, k, v)
+
+
+def sdpa_math_op_bool(q, k, v, pad):
+    return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, pad[:, None, None, :])[0]
 
 
 def sdpa_causal_fewer_queries(q, k, v):
@@ -618,7 +674,9 @@ NEAR_MISSES = [
     (softcap_after_mask, _args(), "softcap comes after a mask or bias"),
     (relu_scores, _args(), "pass through relu"),
     (bias_from_scores, _args(), "itself computed from the scores"),
-    (finfo_fill_padding, _args(PADDING), "set to the finite -3.40282e+38 where a mask that is not causal"),
+    (finfo_fill_and_inf, _args(PADDING), "set to the finite -3.40282e+38 where a mask that is not causal"),
+    (sdpa_math_op_weights, _args(), "attention weights of _scaled_dot_product_attention_math are used"),
+    (sdpa_math_op_bool, _args(PADDING), "adds it as 0 / 1"),
     (sdpa_causal_fewer_queries, _args(sq=3), "fewer queries than keys"),
     (classifier_softmax, _args(), "scores are 2-D"),
 ]
@@ -763,6 +821,39 @@ def test_export_rewrite():
     (call,) = _calls([ep.graph_module])
     assert call["causal"] and not call["bias"]
     torch.testing.assert_close(ep.module()(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+class CoreAten(torch.nn.Module):
+    """LLaMA-style attention (repeat_kv GQA, causal mask built in the graph, fp32 softmax) for
+    torch.export's run_decompositions(): matmul becomes bmm of expanded (B*H, S, D) views."""
+
+    def forward(self, q, k, v):
+        n = q.shape[1] // k.shape[1]
+        s = torch.matmul(q, repeat_kv(k, n).transpose(2, 3)) / math.sqrt(D)
+        s = s.masked_fill(torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1), INF)
+        return torch.matmul(torch.softmax(s.float(), -1).to(q.dtype), repeat_kv(v, n))
+
+
+@pytest.mark.parametrize("softmax", ["_softmax", "exp"])
+def test_core_aten_decomposition(softmax):
+    """The core-ATen form of attention (torch.export(...).run_decompositions()): one causal
+    GQA flash.attention on the unmerged (B, H, S, D) tensors, with the softmax kept as
+    aten._softmax or decomposed further into amax / sub / exp / sum / div; outputs and
+    gradients equal the model's in float64."""
+    from torch._decomp import decomposition_table
+
+    table = torch.export.default_decompositions()
+    if softmax == "exp":
+        table[torch.ops.aten._softmax.default] = decomposition_table[torch.ops.aten._softmax.default]
+    args = _qkv(hkv=KV)
+    ep = torch_flash.rewrite(torch.export.export(CoreAten(), tuple(args)).run_decompositions(table))
+    (call,) = _calls([ep.graph_module])
+    assert call["causal"] and not call["bias"] and call["kv_heads"] == KV and call["scale"] == pytest.approx(D ** -0.5)
+    ref, ref_grads, w = _out_and_grads(CoreAten(), [_f64(a) for a in args])
+    out, grads, _ = _out_and_grads(ep.module(), args, w)
+    assert_rel_close(out, ref, tol=1e-5)
+    for i, (g, r) in enumerate(zip(grads, ref_grads)):
+        assert_rel_close(g, r, tol=1e-5, what=f"grad {i}")
 
 
 # ------------------------------------------------------------------------- transformers

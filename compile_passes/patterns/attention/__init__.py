@@ -1,8 +1,9 @@
 """Attention spellings -> flash.attention.
 
-Anchors: softmax over the last dim (math SDPA's `_safe_softmax` included), and
-`aten.scaled_dot_product_attention` (its is_causal, attn_mask, scale, dropout_p and
-enable_gqa map onto the op's arguments).
+Anchors: softmax over the last dim (math SDPA's `_safe_softmax` included, and core ATen's
+decomposition `exp(s - amax(s)) / sum(exp(s - amax(s)))`), and `aten.scaled_dot_product_attention`
+or its math kernel `aten._scaled_dot_product_attention_math` (is_causal, attn_mask, scale,
+dropout_p and enable_gqa map onto the op's arguments).
 
 From a softmax the walk goes up a chain of elementwise steps to the q-k product:
 dtype casts; the scale (`* c`, `/ c`, baddbmm's alpha, or folded into q or k before the
@@ -14,8 +15,9 @@ such as finfo.min). The product is `q @ k^T`, bmm/baddbmm on merged (B*H, S, D) 
 (run as B*H heads of one batch, or as (B, H) where the scores or the probabilities are
 viewed so: MBart's mask added in a 4-D view, Bloom's ALiBi as baddbmm's input), or an
 einsum in any layout; k and v may be repeated for GQA (repeat_kv's expand + reshape,
-repeat_interleave over heads, or an expand of one head).
-Down from the softmax: a cast back, dropout, and the product with v.
+repeat_interleave over heads, or an expand of one head). Core ATen's matmul (bmm of (B*H, S, D)
+views of expanded 4-D tensors) reads as the 4-D tensors themselves.
+Down from the softmax: a cast back, copies, dropout, and the product with v.
 
 Masks built inside the graph are read by an index algebra (index.py): a tensor made from
 arange, ones/full, triu/tril, comparisons, where/masked_fill and logical ops is a predicate
@@ -33,8 +35,10 @@ fills hide alike. A row that -inf masks hide entirely gives 0 (as SDPA and Flash
 do) where the model gives NaN. A finite fill makes the model average v over the keys it
 fills on such a row (HF eager, left-padded query rows): where a mask that is not a band
 (padding) may hide a whole row, nothing is split and the model's own terms go in as
-attn_bias, which flash.attention reads alike (masks.py); a finite fill that overwrites the
-scores there (masked_fill) also cuts the rows' gradient to q and k, and is left alone.
+attn_bias, which flash.attention reads alike (masks.py). A finite fill that overwrites the
+scores there (masked_fill(pad, finfo.min)) also cuts the rows' gradient to q and k: where such
+masks, of one fill, are all the scores have, the rows they hide entirely are set to v's mean
+beside the op (rewrite.py), else the site is left alone.
 Dropout draws its own mask (flash.attention's Philox stream), so training with dropout
 matches the model in distribution, not bit for bit.
 

@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from ...graph import A, cast_dtype, number, val
-from .._shared import known_equal
+from .._shared import arg, known_equal
 from .formulas import FALSE, TRUE, Formula, atom, f_and, f_map, f_not, f_or
 from .nodes import MASKED_FILL, SAME, VIEWS, WHERE, concrete, constant, int_arg, op_kind
 
@@ -232,9 +232,8 @@ class Index:
         if t in (A.arange.default, A.arange.start, A.arange.start_step):
             if v.dtype.is_floating_point and v.dtype not in (torch.float32, torch.float64):
                 return None
-            ints = [int_arg(a) for a in n.args]
-            start = ints[0] if t != A.arange.default else 0
-            step = ints[2] if t == A.arange.start_step else 1
+            start = int_arg(n.args[0]) if t != A.arange.default else 0
+            step = int_arg(arg(n, "step", 1)) if t == A.arange.start_step else 1  # core ATen omits step=1
             if start is None or concrete(step) is None:
                 return None
             return Val("int", shape, ((0, concrete(step)),) if not known_equal(shape[0], 1) else (), start)

@@ -201,6 +201,16 @@ class _Masks:
                 self.bands.append((v.formula if p else f_not(v.formula), piece))
 
 
+def _overwrites_alone(m: Match) -> bool:
+    """Every part of m sets the scores it hides to one finite fill (masked_fill(mask,
+    finfo.min)), on (B, H, ...) scores without dropout. A row these masks hide entirely then
+    holds that fill on every key: the model averages v over all keys, with no gradient to q
+    and k; any other row sees its visible keys only, as the op does with the masks as bool."""
+    fills = {p.fill for p in m.parts}
+    return (len(fills) == 1 and all(p.kind == "keep" and p.overwrite for p in m.parts)
+            and not m.dropout_p and not m.merged and not m.heads)
+
+
 def fold_masks(m: Match, shape: tuple) -> Unmatched | None:
     """Move the masks that provably are a band around the bottom-right diagonal from m.parts
     into m.window. Sums are split into their terms and keep conditions into their and-ed
@@ -213,7 +223,8 @@ def fold_masks(m: Match, shape: tuple) -> Unmatched | None:
     split and the model's own terms go in as attn_bias, which the op reads alike (a fill at or
     below -1e9 weighs every such key equally, gradients to q and k as the model's add gives).
     A finite fill that overwrites the scores (masked_fill) gives those rows no gradient to q
-    and k, which the op cannot do: such a site is left alone."""
+    and k: where such masks are all the site has (_overwrites_alone), the rows they hide
+    entirely are computed beside the op (m.uniform_rows), else the site is left alone."""
     sorted_ = _Masks(shape)
     for part in m.parts:
         terms = _summands(part.node, part.mult) if part.kind == "add" else [part]
@@ -238,6 +249,9 @@ def fold_masks(m: Match, shape: tuple) -> Unmatched | None:
             kept += [p for _, p in bands]
     if sorted_.finite and any(p.kind == "keep" for p in kept):
         over = next((p for p in sorted_.finite if p.overwrite), None)
+        if over is not None and _overwrites_alone(m):
+            m.uniform_rows = True
+            return None  # the model's own masks, unsplit
         if over is not None:
             return Unmatched(f"scores are set to the finite {over.fill:g} where a mask that is not causal "
                              "(padding) hides them: a query row it hides entirely averages v in the model with no "

@@ -16,10 +16,14 @@ import torch
 import torch.fx as fx
 
 from ...graph import A, cast_dtype, dtype_of, is_op, last_dim, number, only_user, val
-from .._shared import Unmatched, arg, known_equal
+from .._shared import Unmatched, arg, known_equal, same_value
 from .masks import fold_masks
-from .nodes import MASKED, VIEWS, concrete, constant, op_kind, same_shape, shape_of, target_name
-from .operands import Match, Operand, Part, fill_operands, scale_operand, transposed, unmerged
+from .nodes import MASKED, VIEWS, concrete, constant, copies, merges, op_kind, same_shape, shape_of, target_name
+from .operands import Match, Operand, Part, fill_operands, scale_operand, transposed, unmerged, unviewed
+
+
+# _safe_softmax (math SDPA's) gives 0 on a row of -inf only, as flash.attention does
+SOFTMAX = (A.softmax.int, A._softmax.default, A._safe_softmax.default)
 
 
 @dataclass
@@ -137,12 +141,6 @@ def _pv(node: Any, p: fx.Node, rank: int) -> tuple[Any, tuple] | Unmatched:
 
 # -- the walk
 
-def _merges(src: Any, view: fx.Node) -> bool:
-    """view is src (B, H, X, Y) viewed as (B*H, X, Y)."""
-    a, b = shape_of(src), shape_of(view)
-    return len(a) == 4 and len(b) == 3 and known_equal(a[0] * a[1], b[0]) and same_shape(a[2:], b[1:])
-
-
 def _walk(node: Any, shape: tuple, steps: list) -> fx.Node | Unmatched:
     """Walk up from the softmax input to the q-k product, appending the steps passed (from the
     softmax upwards). shape: the scores' shape, which every step keeps."""
@@ -164,7 +162,7 @@ def _walk(node: Any, shape: tuple, steps: list) -> fx.Node | Unmatched:
             steps.append(Step("heads", cur, shape[:2]))  # (B*H, Sq, Sk) scores viewed as (B, H, Sq, Sk)
             shape, cur = shape_of(src), src
             continue
-        if t in VIEWS and len(shape) == 3 and _merges(src, cur):
+        if t in VIEWS and len(shape) == 3 and merges(src, cur):
             steps.append(Step("merge", cur, shape_of(src)[:2]))  # (B, H, Sq, Sk) scores viewed as (B*H, Sq, Sk)
             shape, cur = shape_of(src), src
             continue
@@ -307,16 +305,37 @@ def _depends_on(x: fx.Node, target: fx.Node, order: dict) -> bool:
     return False
 
 
+def softmax_of(n: fx.Node) -> tuple[Any, Any, list[fx.Node]] | None:
+    """(x, dim, the nodes computing it) when n is softmax(x, dim): a softmax op, or core ATen's
+    decomposition exp(x - amax(x, dim, True)) / sum(exp(x - amax(x, dim, True)), dim, True)."""
+    if is_op(n, *SOFTMAX):
+        return n.args[0], n.args[1], [n]
+    if not is_op(n, A.div.Tensor):
+        return None
+    e, total = n.args[:2]
+    if not (is_op(total, A.sum.dim_IntList) and total.args[0] is e and arg(total, "keepdim")
+            and is_op(e, A.exp.default) and is_op(e.args[0], A.sub.Tensor) and not e.args[0].kwargs):
+        return None
+    x, top = e.args[0].args
+    dim = total.args[1]
+    if not (is_op(top, A.amax.default) and same_value(top.args[0], x) and arg(top, "keepdim")
+            and list(top.args[1]) == list(dim)):
+        return None
+    return x, dim, [n, total, e, e.args[0], top]
+
+
 def match_softmax(softmax: fx.Node, order: dict) -> Match | Unmatched:
-    """The site of softmax(q @ k^T) @ v around a softmax; order: each node's graph position."""
+    """The site of softmax(q @ k^T) @ v around a softmax (softmax_of); order: each node's graph
+    position."""
+    x, dim, nodes = softmax_of(softmax)
     ndim = val(softmax).dim()
-    if not last_dim(softmax.args[1], ndim):
+    if not last_dim(dim, ndim):
         return Unmatched("softmax is not over the last dimension")
     if ndim not in (3, 4):
         return Unmatched(f"the scores are {ndim}-D, not (batch, heads, queries, keys) or "
                          "(batch*heads, queries, keys)")
     steps: list = []
-    product = _walk(softmax.args[0], shape_of(softmax), steps)
+    product = _walk(x, shape_of(softmax), steps)
     if isinstance(product, Unmatched):
         return product
     qk = _qk(product)
@@ -328,11 +347,11 @@ def match_softmax(softmax: fx.Node, order: dict) -> Match | Unmatched:
     if views and isinstance(q, Operand):
         return Unmatched("an einsum over merged batch*heads is viewed back into (batch, heads)")
     m = Match(None, None, None, None, merged=ndim == 3 and not views)
-    # down: casts, dropout, the probabilities viewed as (B*H, Sq, Sk), @ v
-    cur, chain = softmax, [softmax]
+    # down: casts, copies, dropout, the probabilities viewed as (B*H, Sq, Sk), @ v
+    cur, chain = softmax, nodes
     nxt = only_user(cur)
-    while (is_op(nxt, A.dropout.default) or (nxt is not None and cast_dtype(nxt) is not None)
-           or (is_op(nxt, *VIEWS) and _merges(cur, nxt))):
+    while (is_op(nxt, A.dropout.default) or (nxt is not None and cast_dtype(nxt) is not None) or copies(nxt)
+           or (is_op(nxt, *VIEWS) and merges(cur, nxt))):
         if is_op(nxt, A.dropout.default):
             p = number(nxt.args[1])
             if p is None:
@@ -358,6 +377,7 @@ def match_softmax(softmax: fx.Node, order: dict) -> Match | Unmatched:
     v, m.out_ops = pv
     m.out = nxt
     if m.heads:
+        q, kt, v = (unviewed(x, m.heads) for x in (q, kt, v))
         q, kt, v = (unmerged(x, m.heads) for x in (q, transposed(kt), v))
         if val(nxt).dim() == 3:
             m.out_ops += ((A.flatten.using_ints, (0, 1)),)

@@ -1,7 +1,8 @@
 """Reading graph nodes for the attention walk: the functional op a node computes (in-place
-and Scalar overloads as their functional Tensor forms), static shapes, and the Python
-numbers that ints, SymInts and one-value tensors filled by the graph stand for. Every other
-module of the family reads nodes through these."""
+and Scalar overloads as their functional Tensor forms), static shapes, views that merge
+(B, H) into B*H, ops that only copy, and the Python numbers that ints, SymInts and one-value
+tensors filled by the graph stand for. Every other module of the family reads nodes through
+these."""
 from __future__ import annotations
 
 from typing import Any
@@ -81,6 +82,20 @@ def constant(x: Any) -> float | None:
     if cast_dtype(x) is not None or is_op(x, *SAME, A.lift_fresh_copy.default, A.to.device):
         return constant(x.args[0])
     return None
+
+
+def merges(src: Any, view: fx.Node) -> bool:
+    """view is src (B, H, X, Y) viewed as (B*H, X, Y)."""
+    a, b = shape_of(src), shape_of(view)
+    return len(a) == 4 and len(b) == 3 and known_equal(a[0] * a[1], b[0]) and same_shape(a[2:], b[1:])
+
+
+def copies(node: Any) -> bool:
+    """node is a copy of its input, values and shape alike: clone, contiguous, or an expand to
+    the input's own shape (core ATen's matmul expands both operands to the broadcast shape)."""
+    if is_op(node, A.clone.default, A.contiguous.default):
+        return True
+    return is_op(node, A.expand.default) and same_shape(shape_of(node), shape_of(node.args[0]))
 
 
 def target_name(node: fx.Node) -> str:

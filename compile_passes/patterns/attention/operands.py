@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from ...graph import A, dtype_of, is_op, number, val
 from .._shared import Unmatched, arg, known_equal
-from .nodes import FUNCTIONAL, VIEWS, concrete, constant, int_arg, op_kind, same_shape, shape_of
+from .nodes import FUNCTIONAL, VIEWS, concrete, constant, copies, int_arg, merges, op_kind, same_shape, shape_of
 from .windows import Window
 
 
@@ -60,6 +60,7 @@ class Match:
     dropout_p: float = 0.0
     window: Window = Window()
     parts: list = field(default_factory=list)  # what stays attn_bias
+    uniform_rows: bool = False  # rows the parts (finite overwrites) hide entirely average v (masks.py)
     chain: list = field(default_factory=list)  # nodes the op makes dead (in-place ones included)
 
 
@@ -70,7 +71,8 @@ def transposed(kt: Any) -> Operand:
     if isinstance(kt, Operand):
         return kt
     r = val(kt).dim()
-    if is_op(kt, A.transpose.int) and {kt.args[1] % r, kt.args[2] % r} == {r - 2, r - 1}:
+    if (is_op(kt, A.transpose.int) and {kt.args[1] % r, kt.args[2] % r} == {r - 2, r - 1}
+            or is_op(kt, A.permute.default) and [d % r for d in kt.args[1]] == [*range(r - 2), r - 1, r - 2]):
         return Operand(kt.args[0])
     return Operand(kt).then(A.transpose.int, -2, -1)
 
@@ -121,6 +123,8 @@ def unrepeat(op: Operand, head: int = 1) -> tuple[Operand, int] | None:
         return None
     if is_op(node, *VIEWS) or is_op(node, A.flatten.using_ints):
         e = node.args[0]
+        while copies(e):  # core ATen's reshape clones the expand first
+            e = e.args[0]
         if is_op(e, A.expand.default):
             src, ev = e.args[0], val(e)
             # x.unsqueeze(head + 1).expand(..., Hkv, n, ...) merged back into one head dim
@@ -142,6 +146,17 @@ def unrepeat(op: Operand, head: int = 1) -> tuple[Operand, int] | None:
     if is_op(node, A.repeat.default) and any(r != 1 for r in node.args[1]):
         return None
     return op, 1
+
+
+def unviewed(x: Any, heads: int) -> Any:
+    """The (B, heads, S, D) tensor whose (B*heads, S, D) view x is, through copies (core ATen's
+    matmul: expand, then view as bmm's operand); else x."""
+    if not is_op(x, *VIEWS):
+        return x
+    src = x.args[0]
+    while copies(src):
+        src = src.args[0]
+    return src if merges(src, x) and known_equal(shape_of(src)[1], heads) else x
 
 
 def unmerged(x: Any, heads: int) -> Operand:

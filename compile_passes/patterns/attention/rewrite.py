@@ -13,14 +13,12 @@ import torch.fx as fx
 from ...graph import A, dtype_of, insert_call, location, strip_casts, val
 from ...report import Report, Site
 from .._shared import Unmatched, call_checked, conclude, known_equal, replace
-from .match import match_softmax
-from .nodes import shape_of
+from .match import SOFTMAX, match_softmax, softmax_of
+from .nodes import concrete, shape_of
 from .operands import Match, Operand, Part
-from .sdpa import match_sdpa
+from .sdpa import SDPA, match_sdpa
 
 FLASH = torch.ops.flash
-# _safe_softmax (math SDPA's) gives 0 on a row of -inf only, as flash.attention does
-SOFTMAX = (A.softmax.int, A._softmax.default, A._safe_softmax.default)
 
 
 def _emit(graph: fx.Graph, before: fx.Node, op, *args, **kwargs) -> fx.Node:
@@ -62,6 +60,23 @@ def _bias(graph: fx.Graph, before: fx.Node, parts: list[Part]) -> fx.Node | None
     return out
 
 
+def _uniform_rows(graph: fx.Graph, before: fx.Node, parts: list[Part], v: fx.Node, out: fx.Node) -> fx.Node:
+    """out (B, H, Sq, Dv) with the query rows that the keep parts hide on every key set to v's
+    mean over the keys, as the model computes them (Match.uniform_rows); no gradient reaches
+    out there, so none reaches q and k. v: (B, Hkv, Sk, Dv), query head h reading kv head
+    h // (H / Hkv)."""
+    hidden = None
+    for p in parts:
+        h = _emit(graph, before, A.logical_not.default, p.node) if p.positive else p.node
+        hidden = h if hidden is None else _emit(graph, before, A.logical_or.default, hidden, h)
+    rows = _emit(graph, before, A.all.dim, hidden, -1, True)
+    mean = _emit(graph, before, A.mean.dim, v, [-2], True)
+    n = concrete(val(out).shape[1] // val(v).shape[1])  # checked by _replace
+    if n != 1:
+        mean = _emit(graph, before, A.repeat_interleave.self_int, mean, n, 1)
+    return _emit(graph, before, A.where.self, rows, mean, out)
+
+
 def _seed(graph: fx.Graph, before: fx.Node, like: fx.Node) -> fx.Node:
     """A fresh dropout seed per call, drawn as flash.attention's public function draws it."""
     device = val(like).device
@@ -81,6 +96,8 @@ def _replace(gm: fx.GraphModule, m: Match) -> Unmatched | None:
         q, k, v = (strip_casts(x) for x in (q, k, v))
         if len({dtype_of(q), dtype_of(k), dtype_of(v)}) > 1:
             return Unmatched("q, k and v have different dtypes")
+    if m.uniform_rows and concrete(val(q).shape[1] // val(v).shape[1]) is None:
+        return Unmatched("a padding mask hides whole query rows, and the head counts are not constants")
     for c, div in m.runtime:  # q * c keeps q's dtype (a one-value tensor does not promote it)
         q = _emit(g, at, A.div.Tensor if div else A.mul.Tensor, q, c)
     bias = _bias(g, at, m.parts)
@@ -98,6 +115,8 @@ def _replace(gm: fx.GraphModule, m: Match) -> Unmatched | None:
         if seed is not None:
             g.erase_node(seed)  # dead-code elimination keeps random ops
         return node
+    if m.uniform_rows:
+        node = _uniform_rows(g, at, m.parts, v, node)
     out = _emit(g, at, A.squeeze.dim, node, 0) if m.merged else node
     for op, args in m.out_ops:
         out = _emit(g, at, op, out, *args)
@@ -123,9 +142,9 @@ def _erase(graph: fx.Graph, nodes: list) -> None:
 
 def rewrite(gm: fx.GraphModule, report: Report) -> None:
     """Rewrite every attention site of gm to flash.attention, adding each to report."""
-    anchors = [(n, "F.scaled_dot_product_attention")
-               for n in gm.graph.find_nodes(op="call_function", target=A.scaled_dot_product_attention.default)]
-    anchors += [(n, "softmax") for t in SOFTMAX for n in gm.graph.find_nodes(op="call_function", target=t)]
+    anchors = [(n, name) for t, name in SDPA.items() for n in gm.graph.find_nodes(op="call_function", target=t)]
+    anchors += [(n, "softmax") for t in (*SOFTMAX, A.div.Tensor)
+                for n in gm.graph.find_nodes(op="call_function", target=t) if softmax_of(n) is not None]
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for n, anchor in anchors:
         site = Site("attention", location(n), anchor)

@@ -1,14 +1,17 @@
 """Existing SDPA calls: `aten.scaled_dot_product_attention` (F.scaled_dot_product_attention)
-read as a Match. is_causal, attn_mask, scale, dropout_p and enable_gqa map onto the op's
+and `aten._scaled_dot_product_attention_math` (its math kernel, when its attention weights go
+unused) read as a Match. is_causal, attn_mask, scale, dropout_p and enable_gqa map onto the op's
 arguments: SDPA's top-left causal diagonal becomes the op's bottom-right one where Sq >= Sk
 (a right window of Sq - Sk), k and v repeated for GQA before the call are read unrepeated,
 and the mask goes through the same proofs as masks built before a softmax (masks.py)."""
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
-from ...graph import dtype_of, number, val
+from ...graph import A, dtype_of, is_op, number, val
 from .._shared import Unmatched, arg
 from .masks import fold_masks
 from .nodes import concrete
@@ -16,8 +19,30 @@ from .operands import Match, Operand, Part, unrepeat
 from .windows import Window
 
 
+# the SDPA ops and the names explain gives their sites
+SDPA = {A.scaled_dot_product_attention.default: "F.scaled_dot_product_attention",
+        A._scaled_dot_product_attention_math.default: "aten._scaled_dot_product_attention_math"}
+
+
+def _math_output(n: fx.Node) -> fx.Node | Unmatched:
+    """The node reading the output of a _scaled_dot_product_attention_math call n, which
+    returns (output, attention weights)."""
+    if arg(n, "dropout_mask") is not None:
+        return Unmatched("_scaled_dot_product_attention_math is given its own dropout_mask")
+    outs = [u for u in n.users if is_op(u, operator.getitem) and u.args[1] == 0]
+    if len(outs) != 1 or any(not is_op(u, operator.getitem) or u.args[1] != 0 and u.users for u in n.users):
+        return Unmatched("the attention weights of _scaled_dot_product_attention_math are used")
+    return outs[0]
+
+
 def match_sdpa(n: fx.Node) -> Match | Unmatched:
-    """The site of an SDPA call n."""
+    """The site of an SDPA call n (one of SDPA)."""
+    out, chain = n, []
+    if is_op(n, A._scaled_dot_product_attention_math.default):
+        out = _math_output(n)
+        if isinstance(out, Unmatched):
+            return out
+        chain = [n, *n.users]
     q, k, v = n.args[:3]
     mask = arg(n, "attn_mask")
     dropout_p = number(arg(n, "dropout_p", 0.0))
@@ -30,8 +55,8 @@ def match_sdpa(n: fx.Node) -> Match | Unmatched:
         return Unmatched("dropout_p is not a constant")
     if causal and mask is not None:
         return Unmatched("both attn_mask and is_causal are given")
-    m = Match(Operand(q), Operand(k), Operand(v), n, merged=val(q).dim() == 3,
-              scale=None if scale is None else number(scale), dropout_p=dropout_p)
+    m = Match(Operand(q), Operand(k), Operand(v), out, merged=val(q).dim() == 3,
+              scale=None if scale is None else number(scale), dropout_p=dropout_p, chain=chain)
     if not m.merged:  # k and v repeated for GQA before the call
         uk, uv = unrepeat(m.k), unrepeat(m.v)
         if uk is not None and uv is not None and uk[1] == uv[1]:
@@ -45,6 +70,11 @@ def match_sdpa(n: fx.Node) -> Match | Unmatched:
                              "the diagonal top-left, flash.attention bottom-right")
         m.window = Window(-1, right)
     if mask is not None:
+        if out is not n and dtype_of(mask) == torch.bool:
+            # F.scaled_dot_product_attention turns a bool mask into 0 / -inf before its math
+            # kernel, which itself adds the mask's values as they are
+            return Unmatched("a bool attn_mask given to _scaled_dot_product_attention_math itself, which adds "
+                             "it as 0 / 1 (SDPA's meaning needs it as 0 / -inf)")
         m.parts = [Part("keep", mask) if dtype_of(mask) == torch.bool else Part("add", mask)]
         return fold_masks(m, tuple(val(q).shape[:-2]) + (sq, sk)) or m
     return m
