@@ -18,7 +18,8 @@ query head h reads key/value head h // (Hq // Hkv).
 ALiBi is FlashAttention 2's: the distance to the bottom-right diagonal, per sequence for
 varlen (FlashAttention's causal kernels add slope * (j - Sk + 1) instead, which differs by a
 constant per row: the same out, an lse that differs by slope * (Sq - 1 - i)).
-A row with no visible key gets out 0 and lse -inf. lse is fp32 (fp64 for fp64 inputs).
+A row with no visible key gets out 0 and lse -inf (its sink, with sinks). lse is fp32 (fp64 for
+fp64 inputs).
 Dropout keeps p[b, h, i, j] iff u >= dropout_p and scales kept entries by 1 / (1 - dropout_p),
 where u = tl.uint_to_uniform_float(first word of tl.philox(seed, j, i, b*Hq + h, 0)), i.e.
 Philox 4x32-10 keyed by the 64-bit seed on the counter (j, i, b*Hq + h, 0): a pure function
