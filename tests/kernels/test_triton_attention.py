@@ -34,9 +34,10 @@ def flags(**kw):
 
 
 def reference(q, k, v, bias=None, *, scale=None, causal=False, window_left=-1, window_right=-1,
-              softcap=0.0, dropout_p=0.0, keep=None, alibi_slopes=None, **_):
+              softcap=0.0, dropout_p=0.0, keep=None, alibi_slopes=None, sinks=None, **_):
     """(out, lse) in float64, differentiable. keep: dropout keep mask (B, Hq, Sq, Sk);
-    alibi_slopes (Hq,) or (B, Hq): -slope * |i + Sk - Sq - j| added as a dense bias."""
+    alibi_slopes (Hq,) or (B, Hq): -slope * |i + Sk - Sq - j| added as a dense bias; sinks (Hq,):
+    one more softmax column per head, without value."""
     q, k, v = q.double(), k.double(), v.double()
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
@@ -67,6 +68,10 @@ def reference(q, k, v, bias=None, *, scale=None, causal=False, window_left=-1, w
     s = torch.where(seen, s, 0.0)  # rows that see no key: out 0, lse -inf
     p = torch.softmax(s, -1) * seen
     lse = torch.where(seen[..., 0], torch.logsumexp(s, -1), float("-inf"))
+    if sinks is not None:
+        total = torch.logaddexp(lse, sinks.double().view(1, -1, 1))
+        p = p * torch.exp(lse - total).nan_to_num(0.0)[..., None]
+        lse = total
     if keep is not None:
         p = p * keep / (1.0 - dropout_p)
     return p @ v, lse
@@ -210,6 +215,24 @@ def test_alibi(per_batch, deterministic, kw, sq, sk):
     slopes = torch.rand((2, 4) if per_batch else (4,), device=DEVICE)
     run_case(rand(2, 4, sq, 16), rand(2, 2, sk, 16), rand(2, 2, sk, 16), rand(2, 1, 1, sk), alibi_slopes=slopes,
              deterministic=deterministic, **kw)
+
+
+def test_sinks():
+    """Sinks start the forward's online softmax (rows without keys put all mass on them); the
+    backward kernels, with atomic dQ here, need only the lse."""
+    sinks = torch.randn(4, device=DEVICE)
+    q, k, v = rand(2, 4, 19, 16), rand(2, 2, 6, 16), rand(2, 2, 6, 16)
+    f = flags(causal=True)
+    out, lse = A.attention_fwd(q, k, v, None, **f, sinks=sinks)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = reference(*leaves, **f, sinks=sinks)
+    check_close(out, ref_out, TOL[torch.float32], "out")
+    check_close(lse, ref_lse, 1e-5, "lse")
+    dout = torch.randn_like(out)
+    grads = A.attention_bwd(dout, None, q, k, v, None, out, lse, **f, bias_requires_grad=False)
+    ref_grads = torch.autograd.grad((ref_out * dout.double()).sum(), leaves)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        check_close(g, r, TOL[torch.float32], name)
 
 
 def test_empty_rows_grad_lse_no_nan():
