@@ -34,15 +34,16 @@ def test_normal_install(tmp_path):
     # build isolation where this environment can build wheels; a fresh venv's own setuptools (the
     # one ensurepip brings) cannot without the wheel package, so there pip isolates the build
     build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path / "dist"), str(src)]
-    env = {**os.environ, "TORCH_FLASH_BUILD_EXT": "0"}
+    # PYTHONPATH (a checkout run from, say) would shadow the installed package in the venv
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"TORCH_FLASH_BUILD_EXT": "0"}
     if subprocess.run(build + ["--no-build-isolation"], cwd=tmp_path, env=env, capture_output=True).returncode:
         subprocess.run(build, check=True, cwd=tmp_path, env=env)
     wheel = next((tmp_path / "dist").glob("torch_flash-*.whl"))
-    subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True, cwd=tmp_path)
-    code = ("import torch, torch_flash, torch_flash.meta_kernels as m, torch_flash.compile_passes as c; "
-            "print(torch_flash.__file__, m.__file__, c.__file__); "
+    subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True, cwd=tmp_path, env=env)
+    code = ("import torch, torch_flash, torch_flash.meta_kernels as m, torch_flash.compile_passes as c, "
+            "torch_flash.testing.llama as t; print(torch_flash.__file__, m.__file__, c.__file__, t.__file__); "
             "assert hasattr(torch.ops.flash, 'rms_norm')")
-    out = subprocess.run([py, "-c", code], check=True, cwd=tmp_path, capture_output=True, text=True).stdout
+    out = subprocess.run([py, "-c", code], check=True, cwd=tmp_path, env=env, capture_output=True, text=True).stdout
     site = str(env_dir)
     assert all(p.startswith(site) for p in out.split()), out
     assert sys.prefix != site
