@@ -30,8 +30,12 @@ pytestmark = pytest.mark.filterwarnings("error:torch_flash")
 B, S, VOCAB, LABELS = 2, 8, 128, 10
 FAMILIES = ("attention", "norm", "loss", "rotary")
 # dropout 0 and no KV cache (a cache is an output that ends the graph before the loss);
-# weights larger than the default 0.02 so attention is far from uniform
-COMMON = dict(num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64, use_cache=False,
+# weights larger than the default 0.02 so attention is far from uniform. One layer: within it
+# a norm already reads a residual sum that the next residual add reads too, as a later layer's
+# first norm does, so a second layer adds no spelling, only tracing time. Two where it does:
+# parallel blocks (GPT-NeoX, Phi: the sum that reaches a layer's two norms), T5 (the first
+# layer's position bias reused) and Llama 4 (its per-layer choices)
+COMMON = dict(num_hidden_layers=1, num_attention_heads=4, max_position_embeddings=64, use_cache=False,
               initializer_range=0.2)
 DECODER = dict(COMMON, vocab_size=VOCAB, hidden_size=32, intermediate_size=64)
 ENCODER = dict(COMMON, hidden_size=32, intermediate_size=64, hidden_dropout_prob=0.0,
@@ -105,20 +109,22 @@ MODELS = {
     "gemma": Spec("GemmaConfig", dict(DECODER, num_key_value_heads=2, head_dim=8), "GemmaForCausalLM", "causal",
                   _llama_like),
     # complex rotary (view_as_complex), MoE MLPs of 2 experts
-    "llama4": Spec("Llama4TextConfig", dict(DECODER, num_key_value_heads=2, head_dim=8, intermediate_size_mlp=64,
-                                            num_local_experts=2), "Llama4ForCausalLM", "causal", _llama4),
+    "llama4": Spec("Llama4TextConfig", dict(DECODER, num_hidden_layers=2, num_key_value_heads=2, head_dim=8,
+                                            intermediate_size_mlp=64, num_local_experts=2),
+                   "Llama4ForCausalLM", "causal", _llama4),
     # positions (1, S, D) against tokens (B, S, D): the first norm stays unfused
-    "gpt2": Spec("GPT2Config", dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
+    "gpt2": Spec("GPT2Config", dict(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=64, resid_pdrop=0.0,
                                     embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, initializer_range=0.2),
                  "GPT2LMHeadModel", "causal", lambda c: _layer_norms(c, first_fused=False)),
-    "gpt_neox": Spec("GPTNeoXConfig", dict(DECODER, rotary_pct=0.5, hidden_dropout=0.0, attention_dropout=0.0),
+    "gpt_neox": Spec("GPTNeoXConfig", dict(DECODER, num_hidden_layers=2, rotary_pct=0.5, hidden_dropout=0.0,
+                                           attention_dropout=0.0),
                      "GPTNeoXForCausalLM", "causal", lambda c: _parallel(c, norms_per_layer=2)),
     # OPT flattens the tokens around the MLP: its residual sums reach the norms through views
     "opt": Spec("OPTConfig", dict(COMMON, vocab_size=VOCAB, hidden_size=32, ffn_dim=64, word_embed_proj_dim=32,
                                   dropout=0.0, attention_dropout=0.0),
                 "OPTForCausalLM", "causal", lambda c: _layer_norms(c, first_fused=True)),
-    "phi": Spec("PhiConfig", dict(DECODER, partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0,
-                                  attention_dropout=0.0),
+    "phi": Spec("PhiConfig", dict(DECODER, num_hidden_layers=2, partial_rotary_factor=0.5, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attention_dropout=0.0),
                 "PhiForCausalLM", "causal", lambda c: _parallel(c, norms_per_layer=1)),
     # post-norm encoders, plus the MLM head's norm; BERT's positions are (1, S, D), RoBERTa's
     # (B, S, D)
@@ -131,7 +137,7 @@ MODELS = {
                 "ViTForImageClassification", "image", lambda c: _layer_norms(c, first_fused=False)),
     # its GeLU is a custom autograd.Function (GeLUFunction): the gradients of the MLP below it
     # come only through that Function's backward; ALiBi through baddbmm
-    "bloom": Spec("BloomConfig", dict(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4, hidden_dropout=0.0,
+    "bloom": Spec("BloomConfig", dict(vocab_size=VOCAB, hidden_size=32, n_layer=1, n_head=4, hidden_dropout=0.0,
                                       attention_dropout=0.0, use_cache=False, initializer_range=0.2),
                   "BloomForCausalLM", "causal", _bloom),
     "t5": Spec("T5Config", dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,

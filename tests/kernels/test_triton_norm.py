@@ -175,13 +175,13 @@ def test_cast_before_weight_rounds_xhat(block_n):
     assert rel_err(dw, (gy * rounded).sum(0)) < 0.3 * rel_err(dw, (gy * unrounded).sum(0))
 
 
-@pytest.mark.parametrize("n,is_rms", [(12000, True), (12000, False), (70000, True)],
-                         ids=["rms-12000", "ln-12000", "rms-70000"])
+@pytest.mark.parametrize("n,is_rms", [(12000, True), (12000, False), (20000, True)],
+                         ids=["rms-12000", "ln-12000", "rms-20000"])
 def test_large_hidden(n, is_rms):
     """Rows wider than the whole-row blocks, default blocks: the column loop of both kernels, no
     register limit; the backward's two loop shapes (one row of 8192-column blocks for RMSNorm at
     12000; tiles of several rows of narrower blocks, more rows than the tensor has, for
-    LayerNorm with a bias and for 70000)."""
+    LayerNorm with a bias and for RMSNorm past 16384)."""
     x, w = torch.randn(2, n, device=DEV), torch.randn(n, device=DEV)
     b = None if is_rms else torch.randn(n, device=DEV)
     kw = dict(eps=1e-6, is_rms=is_rms, weight_offset=0.0, cast_before_weight=is_rms)
@@ -228,8 +228,8 @@ def test_layouts_and_inputs_untouched(layout):
 
 @pytest.mark.parametrize("block_n", [None, 16], ids=["one-block", "column-loop"])
 def test_param_grads_deterministic(block_n, monkeypatch):
-    monkeypatch.setattr(K, "TILE", block_n or 128)  # one-row tiles: many per program
-    x, w, b = torch.randn(37, 80, device=DEV), torch.randn(80, device=DEV), torch.randn(80, device=DEV)
+    monkeypatch.setattr(K, "TILE", block_n or 128)  # one-row tiles: several per program
+    x, w, b = torch.randn(13, 80, device=DEV), torch.randn(80, device=DEV), torch.randn(80, device=DEV)
     gy = torch.randn_like(x)
     kw = dict(eps=1e-5, is_rms=False, weight_offset=0.0, cast_before_weight=False, out_dtype=FP32,
               block_n=block_n)
