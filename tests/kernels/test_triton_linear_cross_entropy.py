@@ -187,10 +187,10 @@ def test_lce_cols_grid_one_wave(monkeypatch):
 
 @pytest.mark.parametrize("opts", [OPTIONS["plain"], OPTIONS["all"]], ids=["plain", "all"])
 def test_lce_cols_partial_class_block(monkeypatch, opts):
-    """1003 classes in 8-class blocks on 8 SMs: in both passes the last split holds whole blocks,
+    """283 classes in 8-class blocks on 8 SMs: in both passes the last split holds whole blocks,
     which _ce_cols_kernel's main loop reads masked by row only, then a partial one (its tail)."""
     monkeypatch.setattr(K._dispatch, "sm_count", lambda device: 8)
-    n_cols, block = 1003, 8
+    n_cols, block = 283, 8
     h, w, b, t = _lce_inputs(9, 16, n_cols, FP32, True, opts.ignore_index)
     for config in (K.LCE_COLS_STATS, K.LCE_COLS_GRAD):
         (_, n_splits), split, *_ = K._cols_grid(config, n_cols, 9, h.device, block)
