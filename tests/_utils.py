@@ -1,19 +1,16 @@
-"""Shared test helpers: relative error against a float64 reference, opcheck samples."""
+"""Shared test helpers: relative error against a float64 reference, where opcheck samples are."""
 from __future__ import annotations
 
 import importlib.util
 import os
 import types
-from typing import Callable, Iterable
 
 import torch
 
+from torch_flash.testing import samples
+
 # docs/design.md, "Numerics": relative error ||out - ref|| / ||ref|| against a float64 reference.
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1e-2}
-
-# op name -> callable returning [(args, kwargs), ...]; each tests/ops/test_<stem>.py
-# defines OPCHECK_SAMPLES covering its ops and their backward ops (the registry test checks).
-Samples = dict[str, Callable[[], Iterable[tuple[tuple, dict]]]]
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -34,15 +31,6 @@ def assert_rel_close(out: torch.Tensor, ref: torch.Tensor, tol: float | None = N
     return err
 
 
-def randn_rows(shape, dtype, rg=False, noncontig=False) -> torch.Tensor:
-    """Fresh random (..., N) input; noncontig: a strided view over a wider buffer."""
-    if noncontig:
-        x = torch.randn(*shape[:-1], shape[-1] * 2, dtype=dtype)[..., ::2]
-    else:
-        x = torch.randn(shape, dtype=dtype)
-    return x.requires_grad_(rg)
-
-
 def to64(*ts):
     return tuple(None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in ts)
 
@@ -50,10 +38,13 @@ def to64(*ts):
 OPS_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ops")
 
 
-def stem_tests(stem: str) -> types.ModuleType:
-    """tests/ops/test_<stem>.py as a module: its OPCHECK_SAMPLES and, optionally,
-    FULL_OPCHECKS (how many samples per op get every opcheck test; the rest get the cheap
-    ones, since each full check compiles the op)."""
+def samples_of(stem: str) -> types.ModuleType:
+    """The module with stem's OPCHECK_SAMPLES (torch_flash.testing.samples' docstring):
+    torch_flash.testing.samples.<stem>, else tests/ops/test_<stem>.py loaded by path, where the
+    attention stems' samples still are."""
+    mod = samples.module(stem)
+    if mod is not None:
+        return mod
     path = os.path.join(OPS_TESTS, f"test_{stem}.py")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"missing {path}")

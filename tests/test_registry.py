@@ -9,7 +9,7 @@ from torch._library.custom_ops import OPDEFS
 import torch_flash
 from torch_flash._registry import OPS, backward_ops
 from torch_flash.ops import _autograd
-from _utils import stem_tests
+from _utils import samples_of
 
 def _opdef(name):
     qual = f"flash::{name}"
@@ -39,10 +39,10 @@ def test_op_is_complete(entry):
     mutated = {a.name for a in opdef._opoverload._schema.arguments
                if a.alias_info is not None and a.alias_info.is_write}
     assert mutated == set(entry.mutates)
-    samples = getattr(stem_tests(entry.stem), "OPCHECK_SAMPLES", {})
+    samples = getattr(samples_of(entry.stem), "OPCHECK_SAMPLES", {})
     for op in (entry.name, entry.backward):
         if op is not None:
-            assert op in samples and list(samples[op]()), f"tests/ops/test_{entry.stem}.py has no opcheck samples for {op}"
+            assert op in samples and list(samples[op]()), f"{entry.stem}: no opcheck samples for {op}"
 
 
 def test_no_unlisted_ops():

@@ -14,116 +14,17 @@ import torch_flash  # noqa: F401  (registers the ops)
 from torch_flash.ops import cross_entropy as ops_ce
 from torch_flash.ops.cross_entropy import cross_entropy
 from torch_flash.reference import cross_entropy as ref
+from torch_flash.testing.samples.cross_entropy import (DTYPES, OPTIONS, REDUCTIONS, make_logits, make_target,
+                                                      naive_loss)
 from _utils import TOL, assert_rel_close, rel_err
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernels' device (CPU: interpreter)
-REDUCTIONS = ["mean", "sum", "none"]
-OPTIONS = [{}, {"label_smoothing": 0.1}, {"z_loss": 1e-2}, {"softcap": 3.0},
-           {"label_smoothing": 0.2, "z_loss": 1e-3, "softcap": 5.0, "ignore_index": 0}]
-
-
-def _logits(shape, dtype=torch.float32, rg=False, noncontig=False):
-    if noncontig:  # a strided view over a wider buffer
-        x = (torch.randn(*shape[:-1], shape[-1] * 2) * 3).to(dtype)[..., ::2]
-    else:
-        x = (torch.randn(shape) * 3).to(dtype)
-    return x.requires_grad_(rg)
-
-
-def _target(batch_shape, n_classes, ignore_index=-100, dtype=torch.int64):
-    """Random classes, about a quarter of them ignore_index (and at least one valid row)."""
-    t = torch.randint(0, n_classes, batch_shape, dtype=dtype)
-    ignored = torch.rand(batch_shape) < 0.25
-    ignored.view(-1)[:1] = False
-    return t.masked_fill(ignored, ignore_index)
-
-
-def _naive(x, t, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=0.0, reduction="mean"):
-    """The op's formula, written out whole in float64 (the ground truth)."""
-    z = x.double()
-    if softcap > 0:
-        z = softcap * torch.tanh(z / softcap)
-    logp, lse = z.log_softmax(-1), z.logsumexp(-1)
-    valid = t != ignore_index
-    nll = -logp.gather(-1, torch.where(valid, t, 0).long().unsqueeze(-1)).squeeze(-1)
-    loss = (1 - label_smoothing) * nll - label_smoothing * logp.mean(-1) + z_loss * lse**2
-    loss = torch.where(valid, loss, 0.0)
-    if reduction == "none":
-        return loss
-    return loss.sum() if reduction == "sum" else loss.sum() / valid.sum()
-
-
-def _samples_fwd():
-    cases = [((6,), 11), ((2, 3), 32), ((2, 3, 2), 7), ((5,), 64), ((3, 4), 17)]
-    i = 0
-    for batch, n_classes in cases:
-        for dtype in DTYPES:
-            opts = OPTIONS[i % len(OPTIONS)]
-            # inplace_backward only with inputs that need no grad: opcheck copies inputs into
-            # leaves, whose values an in-place backward must not destroy (it refuses them)
-            inplace = {"inplace_backward": True} if i % 5 == 3 else {}
-            x = _logits((*batch, n_classes), dtype, rg=i % 2 == 0 and not inplace,
-                        noncontig=i % 3 == 0 and not inplace)
-            t = _target(batch, n_classes, opts.get("ignore_index", -100),
-                        torch.int32 if i % 4 == 1 else torch.int64)
-            yield (x, t), {**opts, "reduction": REDUCTIONS[i % 3], **inplace}
-            i += 1
-
-
-def _shard(n_classes, i):
-    """(vocab_start, vocab_size) of a shard of n_classes columns: the whole vocabulary, the
-    first, a middle or the last shard."""
-    return [(0, None), (0, 3 * n_classes), (n_classes, 3 * n_classes), (2 * n_classes, 3 * n_classes)][i % 4]
-
-
-def _samples_bwd(inplace=False):
-    for i, (reduction, dtype, opts) in enumerate(zip(REDUCTIONS * 2, DTYPES * 2, OPTIONS)):
-        batch = (2, 3) if i % 2 else (5,)
-        vocab_start, vocab_size = _shard(13, i)
-        x = _logits((*batch, 13), dtype, noncontig=i == 1 and not inplace)
-        if inplace and i == 1:  # rows 26 apart: written in place
-            x = _logits((*batch, 26), dtype)[..., 13:]
-        grad = torch.randn(batch if reduction == "none" else ())
-        t = _target(batch, vocab_size or 13, opts.get("ignore_index", -100))
-        lse = None
-        if vocab_size is not None:  # a whole-row log-sum-exp, as the vocab-parallel forward gives
-            lse = torch.ops.flash.cross_entropy_with_lse(_logits((*batch, vocab_size), dtype), t, **opts)[1]
-        elif i % 2:
-            lse = torch.ops.flash.cross_entropy_with_lse(x, t, **opts)[1]
-        shard = {} if vocab_size is None else {"vocab_start": vocab_start, "vocab_size": vocab_size}
-        yield (grad, x, t, lse), {**opts, "reduction": reduction, **shard}
-
-
-def _samples_with_lse():
-    for (x, t), kw in list(_samples_fwd())[::2]:
-        kw.pop("inplace_backward", None)
-        yield (x.detach(), t), kw
-
-
-def _samples_shard_stats():
-    for i, dtype in enumerate(DTYPES * 2):
-        opts = OPTIONS[i % len(OPTIONS)]
-        vocab_start, vocab_size = _shard(9, i)
-        x = _logits((2, 3, 9) if i % 2 else (5, 9), dtype, noncontig=i % 3 == 2)
-        t = _target(x.shape[:-1], vocab_size or 9, opts.get("ignore_index", -100), torch.int32 if i == 1 else torch.int64)
-        kw = {"ignore_index": opts.get("ignore_index", -100), "softcap": opts.get("softcap", 0.0)}
-        yield (x, t), {**kw, **({} if vocab_size is None else {"vocab_start": vocab_start, "vocab_size": vocab_size})}
-
-
-OPCHECK_SAMPLES = {
-    "cross_entropy": _samples_fwd,
-    "cross_entropy_with_lse": _samples_with_lse,
-    "cross_entropy_backward": _samples_bwd,
-    "cross_entropy_backward_inplace": lambda: _samples_bwd(inplace=True),
-    "cross_entropy_shard_stats": _samples_shard_stats,
-}
 
 
 @pytest.mark.parametrize("opts", OPTIONS, ids=str)
 def test_gradcheck(opts):
     x = torch.randn(2, 3, 7, dtype=torch.float64, requires_grad=True)
-    t = _target((2, 3), 7, opts.get("ignore_index", -100))
+    t = make_target((2, 3), 7, opts.get("ignore_index", -100))
     for reduction in REDUCTIONS:
         assert torch.autograd.gradcheck(lambda a: cross_entropy(a, t, reduction=reduction, **opts), (x,))
 
@@ -131,7 +32,7 @@ def test_gradcheck(opts):
 def test_gradcheck_across_chunks(monkeypatch):
     monkeypatch.setattr(ref, "CHUNK_BYTES", 2 * 9 * 8)  # 2 rows of fp64 per chunk
     x = torch.randn(7, 9, dtype=torch.float64, requires_grad=True)
-    t = _target((7,), 9, OPTIONS[-1]["ignore_index"])
+    t = make_target((7,), 9, OPTIONS[-1]["ignore_index"])
     assert torch.autograd.gradcheck(lambda a: cross_entropy(a, t, **OPTIONS[-1]), (x,))
 
 
@@ -139,8 +40,8 @@ def test_gradcheck_across_chunks(monkeypatch):
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.3])
 def test_matches_torch(dtype, reduction, label_smoothing):
-    x = _logits((4, 5, 33), dtype)
-    t = _target((4, 5), 33)
+    x = make_logits((4, 5, 33), dtype)
+    t = make_target((4, 5), 33)
     mine, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
     out = cross_entropy(mine, t, label_smoothing=label_smoothing, reduction=reduction)
     expect = F.cross_entropy(theirs.flatten(0, 1), t.flatten(), label_smoothing=label_smoothing,
@@ -155,11 +56,11 @@ def test_matches_torch(dtype, reduction, label_smoothing):
 @pytest.mark.parametrize("opts", OPTIONS, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_numerics_vs_float64(opts, dtype):
-    x = _logits((3, 6, 50), dtype)
-    t = _target((3, 6), 50, opts.get("ignore_index", -100))
+    x = make_logits((3, 6, 50), dtype)
+    t = make_target((3, 6), 50, opts.get("ignore_index", -100))
     leaf, leaf64 = x.clone().requires_grad_(), x.double().requires_grad_()
     out = cross_entropy(leaf, t, reduction="none", **opts)
-    exact = _naive(leaf64, t, reduction="none", **opts)
+    exact = naive_loss(leaf64, t, reduction="none", **opts)
     assert out.dtype == (torch.float32 if dtype != torch.float64 else dtype)
     assert_rel_close(out, exact, TOL[torch.float32])  # fp32 math whatever the input dtype
     grad = torch.rand_like(out)
@@ -171,8 +72,8 @@ def test_numerics_vs_float64(opts, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_no_worse_than_torch(dtype):
-    x = _logits((64, 1000), dtype)
-    t = _target((64,), 1000)
+    x = make_logits((64, 1000), dtype)
+    t = make_target((64,), 1000)
     exact_in = x.double().requires_grad_()
     exact = F.cross_entropy(exact_in, t, reduction="none", label_smoothing=0.1)
     exact.sum().backward()
@@ -188,9 +89,9 @@ def test_half_no_worse_than_torch(dtype):
 
 
 def test_chunked_equals_whole(monkeypatch):
-    x = _logits((10, 3, 21), rg=True)
+    x = make_logits((10, 3, 21), rg=True)
     opts = OPTIONS[-1]
-    t = _target((10, 3), 21, opts["ignore_index"])
+    t = make_target((10, 3), 21, opts["ignore_index"])
     whole = cross_entropy(x, t, reduction="none", **opts)
     (dwhole,) = torch.autograd.grad(whole.sum(), x)
     monkeypatch.setattr(ref, "CHUNK_BYTES", 4 * 21 * 4)  # 4 rows of fp32
@@ -214,12 +115,12 @@ def test_chunk_budget_for_huge_vocab():
 
 
 def test_vocab_256k():
-    x = _logits((3, 262147), torch.bfloat16, rg=True)
+    x = make_logits((3, 262147), torch.bfloat16, rg=True)
     t = torch.tensor([5, 262146, -100])
     out = cross_entropy(x, t, reduction="sum", z_loss=1e-4)
     out.backward()
     exact_in = x.detach().double().requires_grad_()
-    exact = _naive(exact_in, t, reduction="sum", z_loss=1e-4)
+    exact = naive_loss(exact_in, t, reduction="sum", z_loss=1e-4)
     exact.backward()
     assert_rel_close(out, exact, TOL[torch.float32])
     assert_rel_close(x.grad, exact_in.grad, TOL[torch.bfloat16], what="dlogits")
@@ -228,7 +129,7 @@ def test_vocab_256k():
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
 def test_all_ignored_like_torch(label_smoothing):
     """reduction="mean" over no valid rows is nan with zero gradients, as F.cross_entropy."""
-    x = _logits((4, 9), rg=True)
+    x = make_logits((4, 9), rg=True)
     t = torch.full((4,), -100)
     out = cross_entropy(x, t, label_smoothing=label_smoothing)
     assert torch.isnan(out) and torch.isnan(F.cross_entropy(x, t, label_smoothing=label_smoothing))
@@ -373,7 +274,7 @@ def test_empty_batch(reduction):
 
 @pytest.mark.parametrize("softcap", [0.0, 2.0])
 def test_inputs_untouched(softcap):
-    x, t = torch.randn(5, 12, requires_grad=True), _target((5,), 12)
+    x, t = torch.randn(5, 12, requires_grad=True), make_target((5,), 12)
     copies = x.detach().clone(), t.clone()
     cross_entropy(x, t, softcap=softcap, z_loss=1e-2, label_smoothing=0.1).backward()
     assert torch.equal(x.detach(), copies[0]) and torch.equal(t, copies[1])
@@ -382,7 +283,7 @@ def test_inputs_untouched(softcap):
 def test_with_lse_and_saved_lse_backward():
     """cross_entropy_with_lse's lse is each row's logsumexp (0 on ignored rows); the backward
     gives the same gradient from it as when it recomputes it."""
-    x, t = _logits((4, 3, 29), torch.float64), _target((4, 3), 29, -100)
+    x, t = make_logits((4, 3, 29), torch.float64), make_target((4, 3), 29, -100)
     loss, lse = torch.ops.flash.cross_entropy_with_lse(x, t, softcap=4.0, z_loss=1e-2)
     valid = t != -100
     want = (4.0 * torch.tanh(x / 4.0)).logsumexp(-1)
@@ -400,7 +301,7 @@ def test_with_lse_and_saved_lse_backward():
 def _producer(batch, n_classes, dtype=torch.float32, device="cpu"):
     """A leaf that requires grad and the logits computed from it (an intermediate, as a model's
     lm-head output is; doubling is exact): (leaf, logits)."""
-    leaf = _logits((*batch, n_classes), dtype).to(device).requires_grad_()
+    leaf = make_logits((*batch, n_classes), dtype).to(device).requires_grad_()
     return leaf, leaf * 2
 
 
@@ -432,7 +333,7 @@ def test_inplace_backward_matches(force_backend, backend, opts, reduction):
     force_backend(backend)
     dtype = torch.float32 if backend == "reference" else torch.bfloat16
     device = DEV if backend == "triton" else "cpu"
-    t = _target((3, 4), 70, opts.get("ignore_index", -100))
+    t = make_target((3, 4), 70, opts.get("ignore_index", -100))
     seed = torch.seed()
 
     def make(device=device):
@@ -442,7 +343,7 @@ def test_inplace_backward_matches(force_backend, backend, opts, reduction):
     (loss, dleaf, dlogits), (loss_i, dleaf_i, dlogits_i) = _both_ways(make, t.to(device), reduction=reduction, **opts)
     assert torch.equal(loss, loss_i) and torch.equal(dleaf, dleaf_i) and torch.equal(dlogits, dlogits_i)
     leaf64 = make("cpu")[0].detach().double().requires_grad_()
-    exact = _naive(leaf64 * 2, t, reduction=reduction, **opts)
+    exact = naive_loss(leaf64 * 2, t, reduction=reduction, **opts)
     exact.backward(_grad_like(exact))
     assert_rel_close(loss_i, exact, TOL[torch.float32])
     assert_rel_close(dleaf_i, leaf64.grad, TOL[dtype], what="dleaf")
@@ -451,8 +352,8 @@ def test_inplace_backward_matches(force_backend, backend, opts, reduction):
 def test_inplace_backward_row_strided_view():
     """logits viewed out of a wider intermediate (rows 2V apart, a batch dim): written in place,
     the rest of the buffer untouched."""
-    t = _target((2, 3), 20)
-    x = _logits((2, 3, 40))
+    t = make_target((2, 3), 20)
+    x = make_logits((2, 3, 40))
     leaves = [x.clone().requires_grad_() for _ in range(2)]
     wide = [leaf * 2 for leaf in leaves]
     made = iter(zip(leaves, (w[..., 10:30] for w in wide)))
@@ -465,14 +366,14 @@ def test_inplace_backward_row_strided_view():
 
 
 def test_inplace_backward_rejects_leaves_and_layouts():
-    leaf = _logits((4, 10), rg=True)
-    t = _target((4,), 10)
+    leaf = make_logits((4, 10), rg=True)
+    t = make_target((4,), 10)
     with pytest.raises(ValueError, match="flash.cross_entropy: .*logits is a leaf tensor that requires grad"):
         cross_entropy(leaf, t, inplace_backward=True)
     with pytest.raises(ValueError, match="flash.cross_entropy: .*a leaf tensor that requires grad \\(or a view of one\\)"):
         cross_entropy(leaf[1:], t[1:], inplace_backward=True)
     with pytest.raises(ValueError, match="flash.cross_entropy: inplace_backward=True writes the gradient over logits"):
-        cross_entropy((leaf * 2).t(), _target((10,), 4), inplace_backward=True)  # columns 10 apart
+        cross_entropy((leaf * 2).t(), make_target((10,), 4), inplace_backward=True)  # columns 10 apart
     with pytest.raises(ValueError, match="non-overlapping rows"):
         cross_entropy((leaf[:1] * 2).expand(4, 10), t, inplace_backward=True)
     # without a backward, nothing is overwritten: a leaf is fine
@@ -487,9 +388,9 @@ def test_inplace_backward_rejects_leaves_and_layouts():
 def test_inplace_backward_rejects_leaves_under_compile(view):
     """torch.compile refuses a leaf that requires grad (or a view of one) as eager does; it used
     to overwrite the leaf, a parameter say, with its gradient silently."""
-    leaf = _logits((6, 10) if view else (4, 10), rg=True)
+    leaf = make_logits((6, 10) if view else (4, 10), rg=True)
     before = leaf.detach().clone()
-    t = _target((4,), 10)
+    t = make_target((4,), 10)
     compiled = torch.compile(lambda x: cross_entropy(x, t, inplace_backward=True), backend="aot_eager",
                              fullgraph=True)
     with pytest.raises(RuntimeError, match="flash.cross_entropy: .*logits is a leaf tensor that requires grad"):
@@ -505,10 +406,10 @@ def test_create_graph_second_derivative_raises(force_backend, backend, inplace):
     (autograd took the overwritten logits for the logits, history and all)."""
     force_backend(backend)
     leaf, logits = _producer((4,), 10, device=DEV if backend == "triton" else "cpu")
-    t = _target((4,), 10).to(leaf.device)
+    t = make_target((4,), 10).to(leaf.device)
     (got,) = torch.autograd.grad(cross_entropy(logits, t, inplace_backward=inplace), leaf, create_graph=True)
     leaf64 = leaf.detach().double().requires_grad_()
-    (want,) = torch.autograd.grad(_naive(leaf64 * 2, t), leaf64)
+    (want,) = torch.autograd.grad(naive_loss(leaf64 * 2, t), leaf64)
     assert_rel_close(got, want, TOL[torch.float32], what="dleaf")
     with pytest.raises(RuntimeError, match="flash.cross_entropy_backward"):
         torch.autograd.grad(got.square().sum() + leaf.sum(), leaf)
@@ -517,9 +418,9 @@ def test_create_graph_second_derivative_raises(force_backend, backend, inplace):
 def test_inplace_backward_detects_logits_needed_later():
     """An op that saved the logits for its own backward sees them overwritten: PyTorch's
     version-counter error, never a wrong gradient."""
-    x = _logits((4, 10), rg=True)
+    x = make_logits((4, 10), rg=True)
     logits = x.exp()  # exp saves its output, the logits
-    loss = cross_entropy(logits, _target((4,), 10), inplace_backward=True)
+    loss = cross_entropy(logits, make_target((4,), 10), inplace_backward=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
 
@@ -547,10 +448,10 @@ def test_inplace_backward_allocates_no_logits_sized_buffer(monkeypatch):
     """Measured: the backward's peak allocation is a chunk's temporaries (4 rows here), where the
     out-of-place backward also allocates the logits-sized dlogits."""
     monkeypatch.setattr(ref, "CHUNK_BYTES", 4 * 1000 * 4)
-    t = _target((64,), 1000)
+    t = make_target((64,), 1000)
     peaks = {}
     for inplace in (False, True):
-        logits = _logits((64, 1000), rg=True) * 1.0
+        logits = make_logits((64, 1000), rg=True) * 1.0
         loss = cross_entropy(logits, t, z_loss=1e-3, inplace_backward=inplace)
         peaks[inplace] = _peak_allocated(lambda: torch.autograd.grad(loss, logits))
     logits_bytes = 64 * 1000 * 4
@@ -564,7 +465,7 @@ def test_inplace_backward_compiles(backend):
     mutation then reaches the caller's tensor, as in eager)."""
     h = torch.randn(6, 8, requires_grad=True)
     w = torch.randn(30, 8, requires_grad=True)
-    t = _target((6,), 30)
+    t = make_target((6,), 30)
 
     def model(h, w, inplace):
         return cross_entropy(h @ w.t(), t, label_smoothing=0.1, inplace_backward=inplace)
@@ -592,8 +493,8 @@ def test_shards_combine_to_whole(force_backend, backend, opts):
     force_backend(backend)
     dtype = torch.float64 if backend == "reference" else torch.float32
     device = DEV if backend == "triton" else "cpu"
-    x = _logits((3, 5, 3 * 11), dtype).to(device)
-    t = _target((3, 5), 33, opts.get("ignore_index", -100)).to(device)
+    x = make_logits((3, 5, 3 * 11), dtype).to(device)
+    t = make_target((3, 5), 33, opts.get("ignore_index", -100)).to(device)
     lo = ref.LossOptions(**opts)
     shards = x.split(11, -1)
     stats = [torch.ops.flash.cross_entropy_shard_stats(s, t, vocab_start=11 * r, vocab_size=33,

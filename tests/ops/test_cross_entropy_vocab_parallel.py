@@ -8,7 +8,6 @@ The two processes run every case once (one spawn: starting them costs most of th
 save what they got; the tests compare it with the reference here.
 """
 import datetime
-import functools
 import os
 import re
 import tempfile
@@ -18,7 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from _utils import TOL, assert_rel_close, stem_tests
+from torch_flash.testing.samples import cross_entropy as ce
+from _utils import TOL, assert_rel_close
 
 WORLD = 2
 V_LOCAL = 8
@@ -26,15 +26,9 @@ FP64, FP32, BF16 = torch.float64, torch.float32, torch.bfloat16
 PLAIN, ALL = {}, {"ignore_index": 0, "label_smoothing": 0.2, "z_loss": 1e-3, "softcap": 5.0}
 
 
-@functools.cache
-def _ce_tests():
-    return stem_tests("cross_entropy")
-
-
 def _cases():
     """name -> (batch shape, dtype, loss options, reduction, inplace_backward, how): how is
     "eager", "triton" (use_backend("triton")) or "compile" (torch.compile, aot_eager)."""
-    ce = _ce_tests()
     cases = {}
     for i, opts in enumerate(ce.OPTIONS):
         for reduction in ce.REDUCTIONS:
@@ -153,7 +147,7 @@ def _reference(name, case):
     batch, dtype, opts, reduction, _, _ = case
     x, t, grad = _inputs(name, batch, dtype, opts, reduction)
     x64 = x.double().requires_grad_()
-    loss = _ce_tests()._naive(x64, t, reduction=reduction, **_loss_options(opts))
+    loss = ce.naive_loss(x64, t, reduction=reduction, **_loss_options(opts))
     loss.backward(grad)
     return loss.detach(), x64.grad
 

@@ -7,105 +7,10 @@ import torch.nn.functional as F
 import torch_flash  # noqa: F401  (registers the ops)
 from torch_flash.kernels.triton import norm as K
 from torch_flash.ops.layer_norm import add_layer_norm, layer_norm
-from _utils import TOL, assert_rel_close, randn_rows, rel_err, to64
+from torch_flash.testing.samples.layer_norm import DTYPES, param
+from _utils import TOL, assert_rel_close, rel_err, to64
 
-SHAPES = [(2, 8, 64), (1, 3, 16), (5, 32), (7, 1, 96)]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # tests of the Triton path (CPU: the interpreter)
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def _p(n, dtype, rg=False):
-    return torch.randn(n, dtype=dtype, requires_grad=rg)
-
-
-def _samples_ln():
-    for shape in SHAPES:
-        for dtype in DTYPES:
-            for rg in (False, True):
-                for nc in (False, True):
-                    n = shape[-1]
-                    yield (randn_rows(shape, dtype, rg, nc), _p(n, dtype, rg), _p(n, dtype, rg), 1e-5), {}
-    yield (randn_rows((3, 16), torch.float32, True), None, None, 1e-6), {}
-    yield (randn_rows((3, 16), torch.float32, True), _p(16, torch.float32, True), None, 1e-6), {"weight_offset": 1.0}
-    yield (randn_rows((3, 16), torch.bfloat16, True), None, _p(16, torch.float32, True), 1e-6), {}
-    yield (randn_rows((3, 16), torch.float32, True), _p(16, torch.float32, True), None, 1e-6), {"out_dtype": torch.bfloat16}
-    yield (randn_rows((3, 16), torch.float32, True).t(), _p(3, torch.float32, True), _p(3, torch.float32), 1e-5), {}
-
-
-def _stats(x, eps=1e-5):
-    """The forward's (mean, rstd) of x, as the autograd forward saves them."""
-    return torch.ops.flash.layer_norm_with_stats(x.detach(), None, None, eps)[1:]
-
-
-def _samples_ln_with_stats():
-    for i, ((x, w, b, eps), kw) in enumerate(_samples_ln()):
-        if i % 3 == 0:
-            yield tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in (x, w, b, eps)), kw
-
-
-def _samples_ln_bwd():
-    for shape in SHAPES[:2]:
-        for dtype in DTYPES:
-            x, n = randn_rows(shape, dtype), shape[-1]
-            yield (torch.randn_like(x), x, _p(n, dtype), _p(n, dtype), 1e-5, 0.0), {}
-            yield (torch.randn_like(x), x, _p(n, dtype), _p(n, dtype), 1e-5, 0.0, *_stats(x)), {}
-    x = randn_rows((2, 3, 32), torch.float32, noncontig=True)
-    mean, rstd = _stats(x)  # as keywords, rstd column-major
-    yield (torch.randn_like(x), x, None, _p(32, torch.float32), 1e-5, 0.0), {"mean": mean, "rstd": rstd.t().contiguous().t()}
-    x = randn_rows((4, 32), torch.float32)
-    yield (torch.randn_like(x), x, None, None, 1e-5, 0.0), {}
-    yield (torch.randn_like(x), x, _p(32, torch.float32), None, 1e-5, 1.0), {}
-    yield (torch.randn_like(x), x, None, _p(32, torch.float32), 1e-5, 0.0), {}
-    # dx has empty_like(x)'s strides whatever the layouts of x and grad_y (the reference's own
-    # result was contiguous for a permuted x, and strided like a last-dim-strided grad_y)
-    x = torch.randn(6, 4, 32).transpose(0, 1)
-    yield (torch.randn(4, 6, 32), x, _p(32, torch.float32), _p(32, torch.float32), 1e-5, 0.0), {}
-    yield (torch.randn(4, 32, 6).transpose(1, 2), torch.randn(4, 6, 32), None, None, 1e-5, 0.0), {}
-
-
-def _samples_add():
-    for shape in SHAPES[:3]:
-        for dtype in DTYPES:
-            for rg in (False, True):
-                n = shape[-1]
-                yield ((randn_rows(shape, dtype, rg), randn_rows(shape, dtype, rg, noncontig=True), _p(n, dtype, rg),
-                        _p(n, dtype, rg), 1e-5), {"residual_in_fp32": rg})
-    yield (randn_rows((3, 16), torch.float32, True), randn_rows((3, 16), torch.float32, True), None, None, 1e-5), {}
-    yield ((randn_rows((3, 16), torch.float32, True), randn_rows((3, 16), torch.bfloat16, True),
-            _p(16, torch.float32, True), _p(16, torch.float32, True), 1e-5), {"out_dtype": torch.bfloat16})
-
-
-def _samples_add_with_stats():
-    for i, ((x, r, w, b, eps), kw) in enumerate(_samples_add()):
-        if i % 3 == 0:
-            yield tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in (x, r, w, b, eps)), kw
-
-
-def _samples_add_bwd():
-    for dtype in DTYPES:
-        s = randn_rows((3, 5, 32), torch.float32)
-        yield ((torch.randn_like(s, dtype=dtype), torch.randn_like(s), s, _p(32, dtype), _p(32, dtype),
-                1e-5, 0.0), {})
-        yield ((torch.randn_like(s, dtype=dtype), torch.randn_like(s), s, _p(32, dtype), _p(32, dtype),
-                1e-5, 0.0, *_stats(s)), {})
-    yield (torch.randn(4, 16), None, randn_rows((4, 16), torch.float32), None, None, 1e-5, 1.0), {}
-    yield (torch.randn(4, 16), None, randn_rows((4, 16), torch.float32), _p(16, torch.float32), None, 1e-5, 0.0), {}
-    s = randn_rows((4, 16), torch.bfloat16)
-    yield (torch.randn_like(s), None, s, None, None, 1e-5, 0.0), dict(zip(("mean", "rstd"), _stats(s)))
-    s = torch.randn(6, 4, 16).transpose(0, 1)  # permuted residual_out: d(x + residual) keeps its strides
-    yield (torch.randn(4, 6, 16), torch.randn(4, 6, 16), s, _p(16, torch.float32), None, 1e-5, 0.0), {}
-
-
-OPCHECK_SAMPLES = {
-    "layer_norm": _samples_ln,
-    "layer_norm_with_stats": _samples_ln_with_stats,
-    "layer_norm_backward": _samples_ln_bwd,
-    "add_layer_norm": _samples_add,
-    "add_layer_norm_with_stats": _samples_add_with_stats,
-    "add_layer_norm_backward": _samples_add_bwd,
-}
-
-
 
 
 @pytest.mark.parametrize("offset", [0.0, 1.0])
@@ -133,7 +38,7 @@ def test_matches_f_layer_norm(dtype):
     """Same values and dtype as F.layer_norm, within tolerance of a float64 mean/var
     LayerNorm, and no further from it than PyTorch's own path."""
     x = torch.randn(4, 7, 256, dtype=dtype) * 3 + 1
-    w, b = _p(256, dtype), _p(256, dtype)
+    w, b = param(256, dtype), param(256, dtype)
     out, theirs = layer_norm(x, w, b, 1e-5), F.layer_norm(x, (256,), w, b, 1e-5)
     exact = _mean_var_ln(*to64(x, w, b), 1e-5)
     assert out.dtype == theirs.dtype == dtype
@@ -144,7 +49,7 @@ def test_matches_f_layer_norm(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_grads_match_f_layer_norm(dtype):
-    x, w, b = torch.randn(3, 5, 128, dtype=dtype), _p(128, dtype), _p(128, dtype)
+    x, w, b = torch.randn(3, 5, 128, dtype=dtype), param(128, dtype), param(128, dtype)
     leaves = [t.clone().requires_grad_() for t in (x, w, b)]
     leaves64 = [t.double().requires_grad_() for t in (x, w, b)]
     y = layer_norm(*leaves, 1e-5, weight_offset=0.5)
@@ -159,7 +64,7 @@ def test_grads_match_f_layer_norm(dtype):
 
 def test_mixed_param_dtype():
     """Half x with fp32 parameters: y stays in x's dtype, as F.layer_norm."""
-    x, w, b = torch.randn(4, 64, dtype=torch.bfloat16), _p(64, torch.float32), _p(64, torch.float32)
+    x, w, b = torch.randn(4, 64, dtype=torch.bfloat16), param(64, torch.float32), param(64, torch.float32)
     out = layer_norm(x, w, b)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, F.layer_norm(x, (64,), w, b))
@@ -168,7 +73,7 @@ def test_mixed_param_dtype():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_add_layer_norm_numerics_and_grads(dtype):
     x, r = torch.randn(3, 9, 128, dtype=dtype), torch.randn(3, 9, 128, dtype=dtype)
-    w, b = _p(128, dtype), _p(128, dtype)
+    w, b = param(128, dtype), param(128, dtype)
     leaves = [t.clone().requires_grad_() for t in (x, r, w, b)]
     y, s = add_layer_norm(leaves[0], leaves[1], leaves[2], leaves[3], 1e-5)
     leaves64 = [t.double().requires_grad_() for t in (x, r, w, b)]
@@ -205,7 +110,7 @@ def test_out_dtype(force_backend, backend):
 
 def test_residual_in_fp32():
     x, r = torch.randn(2, 64, dtype=torch.bfloat16), torch.randn(2, 64, dtype=torch.float32)
-    w = _p(64, torch.bfloat16)
+    w = param(64, torch.bfloat16)
     y, s = add_layer_norm(x, r, w, None, residual_in_fp32=True)
     assert s.dtype == torch.float32 and y.dtype == torch.bfloat16
     torch.testing.assert_close(s, x.float() + r)
@@ -213,7 +118,7 @@ def test_residual_in_fp32():
 
 
 def test_large_hidden():
-    x, w, b = torch.randn(2, 70000) + 5, _p(70000, torch.float32), _p(70000, torch.float32)
+    x, w, b = torch.randn(2, 70000) + 5, param(70000, torch.float32), param(70000, torch.float32)
     assert_rel_close(layer_norm(x, w, b), _mean_var_ln(*to64(x, w, b), 1e-5), TOL[torch.float32])
 
 
@@ -254,7 +159,7 @@ def test_add_outputs_have_x_layout(stats):
     permuted residual when x was expanded."""
     x, r = torch.randn(16).expand(4, 6, 16), torch.randn(6, 4, 16).transpose(0, 1)
     op = torch.ops.flash.add_layer_norm_with_stats if stats else torch.ops.flash.add_layer_norm
-    for out in op(x, r, _p(16, torch.float32), None)[:2]:
+    for out in op(x, r, param(16, torch.float32), None)[:2]:
         assert out.stride() == torch.empty_like(x).stride()
 
 
@@ -269,7 +174,7 @@ def test_inputs_untouched():
 
 def test_compile_fullgraph():
     """The op traces (fake + autograd) under torch.compile and gives the eager result."""
-    x, w, b = torch.randn(4, 32, requires_grad=True), _p(32, torch.float32), _p(32, torch.float32)
+    x, w, b = torch.randn(4, 32, requires_grad=True), param(32, torch.float32), param(32, torch.float32)
     fn = torch.compile(lambda a: layer_norm(a, w, b).sum(), backend="aot_eager", fullgraph=True)
     fn(x).backward()
     g = x.grad.clone()

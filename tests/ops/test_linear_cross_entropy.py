@@ -9,81 +9,14 @@ from torch_flash.ops.cross_entropy import cross_entropy
 from torch_flash.ops.linear_cross_entropy import linear_cross_entropy
 from torch_flash.reference import cross_entropy as ce_ref
 from torch_flash.reference import linear_cross_entropy as ref
+from torch_flash.testing.samples.linear_cross_entropy import DTYPES, OPTIONS, REDUCTIONS, lce_inputs
 from _utils import TOL, assert_rel_close, rel_err
-
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-REDUCTIONS = ["mean", "sum", "none"]
-OPTIONS = [{}, {"label_smoothing": 0.1}, {"z_loss": 1e-2}, {"softcap": 3.0},
-           {"label_smoothing": 0.2, "z_loss": 1e-3, "softcap": 5.0, "ignore_index": 0}]
-
-
-def _inputs(batch, hidden_size, n_classes, dtype=torch.float32, bias=True, rg=(False, False, False),
-            noncontig=False, ignore_index=-100, target_dtype=torch.int64):
-    """(hidden, weight, target, bias); about a quarter of the targets are ignore_index."""
-    if noncontig:  # hidden as a strided view over a wider buffer
-        h = torch.randn(*batch, hidden_size * 2).to(dtype)[..., ::2]
-    else:
-        h = torch.randn(*batch, hidden_size).to(dtype)
-    w = (torch.randn(n_classes, hidden_size) / hidden_size**0.5 * 3).to(dtype)
-    b = torch.randn(n_classes).to(dtype) if bias else None
-    t = torch.randint(0, n_classes, batch, dtype=target_dtype)
-    ignored = torch.rand(batch) < 0.25
-    ignored.view(-1)[:1] = False
-    t = t.masked_fill(ignored, ignore_index)
-    for tensor, flag in zip((h, w, b), rg):
-        if tensor is not None:
-            tensor.requires_grad_(flag)
-    return h, w, t, b
-
-
-def _samples_fwd():
-    cases = [((6,), 8, 13), ((2, 3), 16, 7), ((2, 2, 3), 4, 33), ((5,), 12, 64)] * 2
-    rgs = [(True, True, True), (False, False, False), (True, False, False), (False, True, True)]
-    for i, (batch, hidden_size, n_classes) in enumerate(cases):
-        opts = OPTIONS[i % len(OPTIONS)]
-        h, w, t, b = _inputs(batch, hidden_size, n_classes, DTYPES[i % 3], bias=i % 2 == 0, rg=rgs[i % 4],
-                             noncontig=i % 3 == 0, ignore_index=opts.get("ignore_index", -100),
-                             target_dtype=torch.int32 if i % 5 == 1 else torch.int64)
-        yield (h, w, t, b), {**opts, "reduction": REDUCTIONS[i // 3], "chunk_size": (0, 2, 5, 1)[i % 4]}
-
-
-def _samples_bwd():
-    for i, (reduction, dtype, opts) in enumerate(zip(REDUCTIONS * 2, DTYPES * 2, OPTIONS)):
-        batch = (2, 3) if i % 2 else (5,)
-        h, w, t, b = _inputs(batch, 8, 11, dtype, bias=i % 2 == 0, noncontig=i == 1,
-                             ignore_index=opts.get("ignore_index", -100))
-        grad = torch.randn(batch if reduction == "none" else ())
-        flags = dict(zip(("grad_hidden", "grad_weight", "grad_bias"), ((True,) * 3, (True, False, False),
-                                                                      (False, True, False))[i % 3]))
-        yield (grad, h, w, t, b), {**opts, "reduction": reduction, "chunk_size": i % 3, **flags}
-
-
-def _samples_with_grads():
-    for i, (dtype, opts) in enumerate(zip(DTYPES * 2, OPTIONS)):
-        h, w, t, b = _inputs((2, 3) if i % 2 else (5,), 8, 11, dtype, bias=i % 2 == 0, noncontig=i == 1,
-                             ignore_index=opts.get("ignore_index", -100))
-        flags = dict(zip(("grad_hidden", "grad_weight", "grad_bias"), ((True,) * 3, (False, True, True),
-                                                                      (True, False, False))[i % 3]))
-        yield (h, w, t, b), {**opts, "reduction": REDUCTIONS[i % 2], "chunk_size": i % 3, **flags}
-
-
-def _samples_scale():
-    for dtype, g in zip(DTYPES, (0.37, 1.0, -2.5)):
-        yield (torch.randn(3, 5, dtype=dtype), torch.tensor(g)), {}
-
-
-OPCHECK_SAMPLES = {
-    "linear_cross_entropy": _samples_fwd,
-    "linear_cross_entropy_backward": _samples_bwd,
-    "linear_cross_entropy_with_grads": _samples_with_grads,
-    "linear_cross_entropy_scale_": _samples_scale,
-}
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_with_grads_matches_backward(reduction):
     """The fused forward's gradients are the backward op's for an upstream gradient of 1."""
-    h, w, t, b = _inputs((3, 4), 8, 19, torch.float64)
+    h, w, t, b = lce_inputs((3, 4), 8, 19, torch.float64)
     loss, dh, dw, db = torch.ops.flash.linear_cross_entropy_with_grads(h, w, t, b, reduction=reduction,
                                                                         chunk_size=5)
     ref = torch.ops.flash.linear_cross_entropy_backward(torch.ones(()), h, w, t, b, reduction=reduction,
@@ -95,12 +28,10 @@ def test_with_grads_matches_backward(reduction):
         torch.ops.flash.linear_cross_entropy_with_grads(h, w, t, b, reduction="none")
 
 
-
-
 @pytest.mark.parametrize("opts", OPTIONS, ids=str)
 def test_gradcheck(opts):
-    h, w, t, b = _inputs((2, 3), 4, 7, torch.float64, rg=(True, True, True),
-                         ignore_index=opts.get("ignore_index", -100))
+    h, w, t, b = lce_inputs((2, 3), 4, 7, torch.float64, rg=(True, True, True),
+                            ignore_index=opts.get("ignore_index", -100))
     for reduction, chunk_size in zip(REDUCTIONS, (0, 2, 4)):
         assert torch.autograd.gradcheck(
             lambda *a: linear_cross_entropy(*a[:2], t, a[2], reduction=reduction, chunk_size=chunk_size,
@@ -112,7 +43,7 @@ def test_gradcheck(opts):
 @pytest.mark.parametrize("opts", OPTIONS, ids=str)
 def test_equals_cross_entropy_of_logits(dtype, opts):
     """Same loss and gradients as the unfused flash.cross_entropy(hidden @ W.T + b)."""
-    h, w, t, b = _inputs((3, 5), 32, 19, dtype, ignore_index=opts.get("ignore_index", -100))
+    h, w, t, b = lce_inputs((3, 5), 32, 19, dtype, ignore_index=opts.get("ignore_index", -100))
     fused = [x.clone().requires_grad_() for x in (h, w, b)]
     plain = [x.clone().requires_grad_() for x in (h, w, b)]
     out = linear_cross_entropy(fused[0], fused[1], t, fused[2], reduction="none", chunk_size=4, **opts)
@@ -129,7 +60,7 @@ def test_equals_cross_entropy_of_logits(dtype, opts):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_no_worse_than_torch(dtype):
-    h, w, t, b = _inputs((64,), 64, 500, dtype)
+    h, w, t, b = lce_inputs((64,), 64, 500, dtype)
     exact_in = [x.double().requires_grad_() for x in (h, w, b)]
     exact = F.cross_entropy(F.linear(*exact_in), t, reduction="none")
     exact.sum().backward()
@@ -157,7 +88,7 @@ def test_full_logits_never_exist(monkeypatch):
         return logits
 
     monkeypatch.setattr(ref, "chunk_logits", recording)
-    h, w, t, b = _inputs((n_rows,), 8, n_classes, rg=(True, True, True))
+    h, w, t, b = lce_inputs((n_rows,), 8, n_classes, rg=(True, True, True))
     out = linear_cross_entropy(h, w, t, b)
     out.backward()
     rows = budget // (n_classes * 4)
@@ -223,14 +154,14 @@ def test_bad_target_values_raise_on_every_op(device):
 
 def test_backward_grad_loss_on_another_device():
     """The backward op refuses a grad_loss on another device (it read a meta one as garbage)."""
-    h, w, t, b = _inputs((4,), 8, 10)
+    h, w, t, b = lce_inputs((4,), 8, 10)
     with pytest.raises(ValueError, match="flash.linear_cross_entropy_backward: .*one device, got .*grad_loss on meta"):
         torch.ops.flash.linear_cross_entropy_backward(torch.ones((), device="meta"), h, w, t, b)
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_empty_batch(reduction):
-    h, w, t, b = _inputs((0, 3), 8, 10, rg=(True, True, True))
+    h, w, t, b = lce_inputs((0, 3), 8, 10, rg=(True, True, True))
     out = linear_cross_entropy(h, w, t, b, reduction=reduction)
     expect = F.cross_entropy(F.linear(h, w, b).reshape(0, 10), t.reshape(0), reduction=reduction)
     torch.testing.assert_close(out, expect.reshape(out.shape), equal_nan=True)
@@ -245,7 +176,7 @@ def test_zero_hidden_size(force_backend, backend):
     force_backend(backend)
     dev = DEV if backend == "triton" else "cpu"
     h, w, t, b = (x.detach().to(dev).requires_grad_(x.requires_grad)  # leaves on dev
-                  for x in _inputs((2, 3), 0, 10, rg=(True, True, True)))
+                  for x in lce_inputs((2, 3), 0, 10, rg=(True, True, True)))
     out = linear_cross_entropy(h, w, t, b)
     b64 = b.detach().cpu().double().requires_grad_()
     expect = F.cross_entropy(b64.expand(6, 10), t.reshape(-1).cpu())
@@ -257,7 +188,7 @@ def test_zero_hidden_size(force_backend, backend):
 
 
 def test_inputs_untouched():
-    h, w, t, b = _inputs((5, 2), 8, 12, rg=(True, True, True))
+    h, w, t, b = lce_inputs((5, 2), 8, 12, rg=(True, True, True))
     copies = [x.detach().clone() for x in (h, w, t, b)]
     linear_cross_entropy(h, w, t, b, softcap=2.0, z_loss=1e-2, label_smoothing=0.1, chunk_size=3).backward()
     assert all(torch.equal(x.detach(), c) for x, c in zip((h, w, t, b), copies))
@@ -276,7 +207,7 @@ def _leaves(backend="reference"):
     """fp32 (hidden, weight, target, bias) requiring grad; on the GPU for the Triton path if
     there is one (CPU tensors run it under the interpreter)."""
     device = DEV if backend == "triton" else "cpu"
-    h, w, t, b = (x.to(device) for x in _inputs((3, 4), 16, 37))
+    h, w, t, b = (x.to(device) for x in lce_inputs((3, 4), 16, 37))
     return h.requires_grad_(), w.requires_grad_(), t, b.requires_grad_()
 
 
@@ -423,7 +354,7 @@ def test_frozen_weight_traced_graph_carries_the_flags():
     alone when the weight is frozen, and the graph's gradient is right."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    h, w, t, _ = _inputs((6,), 16, 40)
+    h, w, t, _ = lce_inputs((6,), 16, 40)
 
     def grads(h, w):
         leaf = h.detach().requires_grad_()
@@ -439,7 +370,7 @@ def test_frozen_weight_traced_graph_carries_the_flags():
 
 def test_gradient_flags_return_empty():
     """grad_*=False: that output is an empty tensor, not computed; the others are unchanged."""
-    h, w, t, b = _inputs((3, 4), 8, 19, torch.float64)
+    h, w, t, b = lce_inputs((3, 4), 8, 19, torch.float64)
     full = torch.ops.flash.linear_cross_entropy_with_grads(h, w, t, b, chunk_size=5)
     for flags in ((False, True, True), (True, False, False), (False, False, True)):
         kw = dict(zip(("grad_hidden", "grad_weight", "grad_bias"), flags))
@@ -607,7 +538,7 @@ def test_inductor_many_chunks(reduction):
     """Under Inductor, which traces into the launcher, every chunk's losses reach the output
     (the chunks once wrote slices of one buffer, which torch 2.11's Inductor miscompiled into
     an out-of-bounds read: an illegal memory access in HF LLaMA at 8 chunks on the H100)."""
-    h, w, t, b = (x.cuda() for x in _inputs((4, 40), 64, 1000))
+    h, w, t, b = (x.cuda() for x in lce_inputs((4, 40), 64, 1000))
     t[0, :7] = -100
 
     def model(h, w, b):
@@ -687,7 +618,7 @@ def test_cuda_backward_allocates_no_second_dweight(scale):
 def test_cuda_backward_never_waits_for_the_gpu(scale):
     """The eager backward reads the upstream gradient on the device: with CUDA's sync debug
     mode set to error, a host read (.item()) would raise."""
-    h, w, t, b = (x.cuda() for x in _inputs((64,), 32, 1000))
+    h, w, t, b = (x.cuda() for x in lce_inputs((64,), 32, 1000))
     h.requires_grad_(), w.requires_grad_(), b.requires_grad_()
     loss = linear_cross_entropy(h, w, t, b, chunk_size=16)
     grad_loss = torch.tensor(scale, device="cuda")

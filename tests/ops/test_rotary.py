@@ -8,10 +8,8 @@ import torch
 from torch_flash import _dispatch
 from torch_flash.ops.rotary import rotary, rotary_cos_sin, rotary_qk
 from torch_flash.testing.llama import rotate_half
+from torch_flash.testing.samples.rotary import DTYPES, make_packed, make_qk, make_tables, make_x
 from _utils import TOL, assert_rel_close, rel_err
-
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
 
 def rotate_every_two(x):  # GPT-J's rotate_every_two
     return torch.stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)
@@ -32,100 +30,10 @@ def rope_model(x, cos, sin, pos, interleaved=False):
     return torch.cat((xr * c.to(x.dtype) + rot(xr) * s.to(x.dtype), x[..., rd:]), -1)
 
 
-def _x(shape, dtype=torch.float32, rg=False, flash_layout=False):
-    """(B, H, S, D); flash_layout gives the .transpose(1, 2) view of a (B, S, H, D) tensor."""
-    if flash_layout:
-        B, H, S, D = shape
-        x = torch.randn(B, S, H, D, dtype=dtype).transpose(1, 2)
-    else:
-        x = torch.randn(shape, dtype=dtype)
-    return x.requires_grad_(rg)
-
-
-def _tables(n, rd, dtype=torch.float32):
-    return rotary_cos_sin(n, rd, dtype=dtype)
-
-
-def _packed(lengths, H, D, dtype=torch.float32, rg=False):
-    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    return torch.randn(sum(lengths), H, D, dtype=dtype).requires_grad_(rg), cu
-
-
-def _samples_rotary():
-    for dtype in DTYPES:
-        for interleaved in (False, True):
-            for rg in (False, True):
-                rd = 16 if interleaved == rg else 8  # full and partial rotary
-                c, s = _tables(12, rd, dtype if rg else torch.float32)
-                yield ((_x((2, 3, 5, 16), dtype, rg, flash_layout=rg), c, s),
-                       {"interleaved": interleaved, "seqlen_offset": 3 * rg})
-    c, s = _tables(12, 8)
-    yield (_x((2, 2, 4, 8), rg=True), c, s, torch.tensor([0, 7])), {}
-    x, cu = _packed([3, 0, 5], 2, 8, rg=True)
-    yield (x, c, s, torch.tensor([1, 2, 4], dtype=torch.int32), cu), {"interleaved": True}
-    yield (x, c, s, None, cu), {"seqlen_offset": 2}
-    pos = torch.randint(0, 12, (2, 4))
-    yield (_x((2, 3, 4, 8), rg=True), c[pos], s[pos]), {}
-    yield (_x((2, 3, 4, 12), torch.bfloat16), c[None, :4].expand(2, 4, 4), s[None, :4].expand(2, 4, 4)), {}
-
-
-def _samples_rotary_bwd():
-    for dtype in DTYPES:
-        c, s = _tables(10, 8)
-        yield (_x((2, 2, 4, 12), dtype, flash_layout=True), c, s), {"seqlen_offset": 1, "conjugate": True}
-    x, cu = _packed([2, 4], 2, 8)
-    yield (x, c, s, torch.tensor([3, 0]), cu), {"interleaved": True}
-    yield (_x((1, 2, 3, 8), rg=True), c, s), {}
-
-
-def _qk(B, Hq, Hk, S, D, dtype=torch.float32, rg=False, flash_layout=False):
-    """q (B, Hq, S, D) and k (B, Hk, S, D); rg makes them non-leaf (in-place ops may write them)."""
-    q, k = (_x((B, h, S, D), dtype, flash_layout=flash_layout) for h in (Hq, Hk))
-    if rg:
-        q, k = (t.requires_grad_() * 1 for t in (q, k))  # mul keeps the (B, S, H, D) strides
-    return q, k
-
-
-def _samples_qk():
-    """Shared by rotary_qk and rotary_qk_ (inputs that require grad are non-leaf, writable)."""
-    c, s = _tables(12, 8)
-    for dtype, rg, interleaved in ((torch.float32, True, False), (torch.bfloat16, False, True)):
-        yield ((*_qk(2, 4, 2, 5, 12, dtype, rg, flash_layout=True), c, s),
-               {"interleaved": interleaved, "seqlen_offset": 2})
-    yield (*_qk(2, 2, 1, 4, 8, rg=True), c, s, torch.tensor([0, 7])), {}
-    (q, cu), (k, _) = _packed([3, 0, 5], 4, 8), _packed([3, 0, 5], 1, 8)
-    yield (q, k, c, s, torch.tensor([1, 2, 4], dtype=torch.int32), cu), {"interleaved": True}
-    pos = torch.randint(0, 12, (2, 4))
-    yield (*_qk(2, 3, 1, 4, 8), c[pos], s[pos]), {"conjugate": True}
-
-
-def _samples_qk_bwd():
-    c, s = _tables(10, 8)
-    yield (*_qk(2, 4, 2, 4, 12, torch.bfloat16, flash_layout=True), c, s), {"seqlen_offset": 1}
-    (q, cu), (k, _) = _packed([2, 4], 2, 8), _packed([2, 4], 1, 8)
-    yield (q, k, c, s, torch.tensor([3, 0]), cu), {"interleaved": True, "conjugate": True}
-    yield (*_qk(1, 2, 2, 3, 8, rg=True), c, s), {}
-
-
-def _samples_rotary_inplace():
-    c, s = _tables(12, 8)
-    yield (_x((2, 3, 5, 12), torch.bfloat16, flash_layout=True), c, s), {"interleaved": True, "seqlen_offset": 3}
-    yield (_x((2, 2, 4, 8), rg=True) * 1, c, s, torch.tensor([0, 7])), {"conjugate": True}
-    x, cu = _packed([3, 0, 5], 2, 8)
-    yield (x, c, s, None, cu), {"seqlen_offset": 2}
-
-
-OPCHECK_SAMPLES = {"rotary": _samples_rotary, "rotary_backward": _samples_rotary_bwd,
-                   "rotary_qk": _samples_qk, "rotary_qk_backward": _samples_qk_bwd,
-                   "rotary_": _samples_rotary_inplace, "rotary_qk_": _samples_qk}
-
-
-
-
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("rd", [8, 4])
 def test_gradcheck(interleaved, rd):
-    c, s = _tables(9, rd, torch.float64)
+    c, s = make_tables(9, rd, torch.float64)
     x = torch.randn(2, 2, 3, 8, dtype=torch.float64, requires_grad=True)
     offsets = torch.tensor([2, 5])
     for fn in (lambda a: rotary(a, c, s, interleaved=interleaved, seqlen_offsets=1),
@@ -145,7 +53,7 @@ def test_matches_model_code(dtype, interleaved, rd):
     fp64, and no worse than the same formula run in dtype."""
     B, H, S, D, off = 2, 4, 33, 64, 5
     x = torch.randn(B, H, S, D, dtype=dtype)
-    c, s = _tables(S + off, rd)
+    c, s = make_tables(S + off, rd)
     pos = torch.arange(S) + off
     out = rotary(x, c, s, interleaved=interleaved, seqlen_offsets=off)
     exact = rope_model(x.double(), c.double(), s.double(), pos, interleaved)
@@ -159,8 +67,8 @@ def test_matches_model_code(dtype, interleaved, rd):
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_offsets_and_layouts(interleaved):
     """Per-sequence offsets, packed sequences and per-token tables agree with plain calls."""
-    c, s = _tables(20, 8)
-    x = _x((3, 2, 5, 8), flash_layout=True)
+    c, s = make_tables(20, 8)
+    x = make_x((3, 2, 5, 8), flash_layout=True)
     offsets = torch.tensor([0, 4, 15], dtype=torch.int32)
     out = rotary(x, c, s, interleaved=interleaved, seqlen_offsets=offsets)
     assert out.stride() == x.stride()  # the (B, S, H, D) layout is kept
@@ -171,7 +79,7 @@ def test_offsets_and_layouts(interleaved):
     for b in range(3):
         torch.testing.assert_close(out[b:b + 1], rotary(x[b:b + 1], c, s, interleaved=interleaved,
                                                         seqlen_offsets=int(offsets[b])))
-    xp, cu = _packed([5, 0, 3], 2, 12)
+    xp, cu = make_packed([5, 0, 3], 2, 12)
     outp = rotary(xp, c, s, interleaved=interleaved, seqlen_offsets=offsets, cu_seqlens=cu)
     for b in range(3):
         lo, hi = cu[b].item(), cu[b + 1].item()
@@ -181,8 +89,8 @@ def test_offsets_and_layouts(interleaved):
 
 
 def test_conjugate_inverts_and_backward():
-    c, s = _tables(8, 16)
-    x = _x((2, 2, 8, 16), rg=True)
+    c, s = make_tables(8, 16)
+    x = make_x((2, 2, 8, 16), rg=True)
     y = rotary(x, c, s)
     back = torch.ops.flash.rotary(y, c, s, conjugate=True)
     torch.testing.assert_close(back, x)
@@ -205,9 +113,9 @@ def test_cos_sin_tables():
 
 
 def _bad_cases():
-    c, s = _tables(8, 8)
+    c, s = make_tables(8, 8)
     x = torch.randn(2, 2, 4, 8)
-    xp, cu = _packed([3, 2], 2, 8)
+    xp, cu = make_packed([3, 2], 2, 8)
     return [
         (lambda: rotary(x[..., :6], c, s), "rotary_dim 8 .* exceeds the head dim 6"),
         (lambda: rotary(x, c, s[:, :2]), "cos shape .* differs from sin shape"),
@@ -238,10 +146,10 @@ def _bad_cases():
 
 
 def _bad_qk_cases():
-    c, s = _tables(8, 8)
-    q, k = _qk(2, 4, 2, 4, 8)
-    bshd = _x((2, 4, 4, 8), flash_layout=True)
-    qp, cu = _packed([3, 2], 2, 8)
+    c, s = make_tables(8, 8)
+    q, k = make_qk(2, 4, 2, 4, 8)
+    bshd = make_x((2, 4, 4, 8), flash_layout=True)
+    qp, cu = make_packed([3, 2], 2, 8)
     return [
         (lambda: rotary_qk(q, k[:, :, :3], c, s),
          "k shape \\(2, 2, 3, 8\\) must equal q shape \\(2, 4, 4, 8\\) but for the heads"),
@@ -298,8 +206,8 @@ def _unwritable_k(k):
 @pytest.mark.parametrize("case", range(5))
 def test_bad_inplace_writes_nothing(case):
     """A refused in-place call leaves both tensors as they were, q too when k is refused."""
-    c, s = _tables(8, 8)
-    q, k = _qk(2, 4, 2, 4, 8, rg=True)
+    c, s = make_tables(8, 8)
+    q, k = make_qk(2, 4, 2, 4, 8, rg=True)
     k, match, q_grad = _unwritable_k(k)[case]
     q = q if q_grad else q.detach()
     q_before = q.detach().clone()
@@ -309,7 +217,7 @@ def test_bad_inplace_writes_nothing(case):
 
 
 def test_empty_batch():
-    c, s = _tables(4, 8)
+    c, s = make_tables(4, 8)
     x = torch.randn(0, 2, 4, 8, requires_grad=True)
     y = rotary(x, c, s, seqlen_offsets=torch.zeros(0, dtype=torch.int32))
     assert y.shape == x.shape
@@ -324,7 +232,7 @@ def test_empty_batch():
 
 
 def test_inputs_untouched():
-    c, s = _tables(10, 8)
+    c, s = make_tables(10, 8)
     x, offsets = torch.randn(2, 2, 4, 8), torch.tensor([1, 2])
     k = torch.randn(2, 1, 4, 8)
     copies = [t.clone() for t in (x, k, c, s, offsets)]
@@ -347,7 +255,7 @@ def backend(request, force_backend):
 
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_qk_gradcheck(interleaved):
-    c, s = _tables(9, 4, torch.float64)
+    c, s = make_tables(9, 4, torch.float64)
     q, k = (torch.randn(2, h, 3, 8, dtype=torch.float64, requires_grad=True) for h in (2, 1))
     offsets = torch.tensor([2, 5])
 
@@ -375,8 +283,8 @@ def test_qk_matches_model_code(backend, dtype, interleaved, inplace):
     than that code in dtype), layouts kept, pass-through dims exact, in place the very
     tensors returned."""
     B, Hq, Hk, S, D, rd, off = 2, 4, 2, 9, 24, 16, 3
-    q, k = (t.to(backend) for t in _qk(B, Hq, Hk, S, D, dtype, flash_layout=True))
-    c, s = (t.to(backend) for t in _tables(S + off, rd))
+    q, k = (t.to(backend) for t in make_qk(B, Hq, Hk, S, D, dtype, flash_layout=True))
+    c, s = (t.to(backend) for t in make_tables(S + off, rd))
     qi, ki = (q.clone(), k.clone()) if inplace else (q, k)
     outs = rotary_qk(qi, ki, c, s, interleaved=interleaved, seqlen_offsets=off, inplace=inplace)
     pos = torch.arange(S, device=backend) + off
@@ -397,10 +305,10 @@ def test_qk_matches_model_code(backend, dtype, interleaved, inplace):
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_qk_agrees_with_rotary(backend, interleaved):
     """rotary_qk and rotary_, in every layout rotary takes, give rotary's results exactly."""
-    c, s = (t.to(backend) for t in _tables(20, 8))
+    c, s = (t.to(backend) for t in make_tables(20, 8))
     offsets = torch.tensor([0, 4, 11], device=backend)
-    q, k = (t.to(backend) for t in _qk(3, 3, 1, 5, 12, flash_layout=True))
-    (qp, cu), (kp, _) = _packed([5, 0, 3], 2, 8), _packed([5, 0, 3], 1, 8)
+    q, k = (t.to(backend) for t in make_qk(3, 3, 1, 5, 12, flash_layout=True))
+    (qp, cu), (kp, _) = make_packed([5, 0, 3], 2, 8), make_packed([5, 0, 3], 1, 8)
     pos = torch.randint(0, 20, (3, 5), device=backend)
     cases = [((q, k, c, s), {"seqlen_offsets": 2}),
              ((q, k, c, s), {"seqlen_offsets": offsets}),
@@ -421,8 +329,8 @@ def test_one_launch(launches, force_backend):
     force_backend("triton")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     qk = "_rotary_qk_kernel"
-    c, s = (t.to(dev) for t in _tables(8, 8))
-    q, k = (t.to(dev).requires_grad_() for t in _qk(2, 4, 1, 5, 12, flash_layout=True))
+    c, s = (t.to(dev) for t in make_tables(8, 8))
+    q, k = (t.to(dev).requires_grad_() for t in make_qk(2, 4, 1, 5, 12, flash_layout=True))
     qr, kr = rotary_qk(q, k, c, s, seqlen_offsets=1)
     assert launches == [qk]
     gq, gk = torch.randn_like(qr), torch.randn_like(kr)
@@ -453,7 +361,7 @@ def test_inplace_rewrites_storage(backend):
                    for a, b in ((0, Hq * D), (Hq * D, (Hq + Hk) * D), ((Hq + Hk) * D, None)))
         return q, k, v
 
-    c, s = (t.to(backend) for t in _tables(S, rd))
+    c, s = (t.to(backend) for t in make_tables(S, rd))
     q, k, v = views(qkv)
     version, ptrs = q._version, (q.data_ptr(), k.data_ptr())
     want = rotary_qk(*views(before)[:2], c, s)
@@ -482,7 +390,7 @@ def _attention_block(w, c, s, inplace):
 
 def test_inplace_autograd(backend):
     """Gradients through in-place rotations of views equal those of the copy_ spelling."""
-    c, s = (t.to(backend) for t in _tables(8, 4))
+    c, s = (t.to(backend) for t in make_tables(8, 4))
     w = torch.randn(2, 5, 48, device=backend, requires_grad=True)
     want, = torch.autograd.grad(_attention_block(w, c, s, inplace=False), w)
     got, = torch.autograd.grad(_attention_block(w, c, s, inplace=True), w)
@@ -497,13 +405,13 @@ def test_inplace_compiles():
     """Under torch.compile (functionalization, then Inductor) the inputs are written as
     eagerly, and a training graph gives eager's gradients. The reference path: under
     TRITON_INTERPRET=1 compile cannot trace into the Triton kernel."""
-    c, s = _tables(8, 4)
+    c, s = make_tables(8, 4)
 
     def infer(q, k, offsets):
         rotary_qk(q, k, c, s, seqlen_offsets=offsets, inplace=True)
         return rotary(q, c, s, inplace=True)
 
-    q, k = _qk(2, 4, 2, 5, 8, flash_layout=True)
+    q, k = make_qk(2, 4, 2, 5, 8, flash_layout=True)
     offsets = torch.tensor([1, 3])
     qe, ke = q.clone(), k.clone()
     infer(qe, ke, offsets)
@@ -522,7 +430,7 @@ def test_cuda_compiled_triton_path():
     """torch.compile traces into the Triton kernel (functionalization copies back each argument
     it writes): eager's results for rotary, rotary_qk and their in-place forms on views of one
     qkv buffer, and eager's gradients."""
-    c, s = (t.cuda() for t in _tables(64, 32))
+    c, s = (t.cuda() for t in make_tables(64, 32))
 
     def infer(qkv, offsets):
         q, k, v = (qkv[..., a:a + 128].unflatten(-1, (-1, 64)).transpose(1, 2) for a in (0, 128, 256))
