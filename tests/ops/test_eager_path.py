@@ -139,3 +139,10 @@ def test_plans_check_once_per_signature(monkeypatch, force_backend):
     with FakeTensorMode() as mode:  # traced: checked every time, nothing kept
         torch_flash.rms_norm(mode.from_tensor(x), mode.from_tensor(w))
     assert _norm.FORWARD_PLANS._plans == kept
+
+
+def test_unhashable_argument_gets_the_op_error():
+    """A list where a tensor belongs cannot key a plan: the op's own check names it."""
+    x, _ = _inputs()
+    with pytest.raises(TypeError, match="flash.rms_norm: weight must be a Tensor, got list"):
+        torch_flash.rms_norm(x, [1.0] * 32)

@@ -50,7 +50,10 @@ class Plans:
         if sig is None:
             return make()
         key = (op, _dispatch.forced_backend(), sig)
-        plan = self._plans.get(key, _MISSING)
+        try:
+            plan = self._plans.get(key, _MISSING)
+        except TypeError:  # an unhashable argument (a list for a tensor): make() raises the op's error
+            return make()
         if plan is _MISSING:
             plan = make()
             if len(self._plans) >= MAX_PLANS:
