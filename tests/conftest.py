@@ -1,5 +1,8 @@
 import contextlib
 import os
+import shutil
+import subprocess
+import sys
 import zlib
 
 import pytest
@@ -39,6 +42,29 @@ def force_backend():
     import torch_flash  # here: TRITON_INTERPRET above must come first
     with contextlib.ExitStack() as stack:
         yield lambda name: stack.enter_context(torch_flash.use_backend(name))
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory):
+    """A wheel of this checkout without the CUDA extension, built once for the tests of a normal
+    install (tests/test_install.py, tests/test_extension_build.py)."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    # from a copy: an in-tree build leaves build/ and torch_flash.egg-info in the checkout, whose stale
+    # metadata (entry points) would shadow the installed package's for anything run from there
+    src = tmp / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", "*.so",
+                                                              ".snap", ".wheels", ".gpu-peers", "bench_results"))
+    # Without build isolation where this environment can build wheels; a fresh venv's own setuptools
+    # (the one ensurepip brings) cannot without the wheel package, so there pip isolates the build.
+    # PYTHONPATH (a checkout run from, say) would shadow the installed package where it is used.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"TORCH_FLASH_BUILD_EXT": "0"}
+    build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp / "dist"), str(src)]
+    if subprocess.run(build + ["--no-build-isolation"], cwd=tmp, env=env, capture_output=True).returncode:
+        subprocess.run(build, check=True, cwd=tmp, env=env)
+    return next((tmp / "dist").glob("torch_flash-*.whl"))
 
 
 @pytest.fixture

@@ -1,7 +1,6 @@
 """The optional CUDA extension torch_flash._C: its build spec, the build and info commands, and
 loading (or not) at import. CPU-only and fast, except the marked ones; nvidia-cutlass optional."""
 import os
-import shutil
 import subprocess
 import sys
 
@@ -201,15 +200,12 @@ def test_check_commands(csrc):
 
 
 @pytest.mark.slow
-def test_installed_package_ships_the_sources(tmp_path):
+def test_installed_package_ships_the_sources(tmp_path, wheel):
     """A normal install carries csrc/ inside torch_flash, so `python -m torch_flash build` works there."""
     if _build.find_csrc() is None:
         pytest.skip("no csrc/ sources in this checkout")
-    src, target = tmp_path / "src", tmp_path / "site"
-    # from a copy: an in-tree build leaves build/ and egg-info in the checkout
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", "*.so"))
-    out = _run("-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target), str(src),
-               env={"TORCH_FLASH_BUILD_EXT": "0"}, cwd=tmp_path)
+    target = tmp_path / "site"
+    out = _run("-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel), cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     shipped = sorted(os.path.relpath(p, target / "torch_flash" / "csrc")
                      for p in _build._sources_under(str(target / "torch_flash" / "csrc")))
