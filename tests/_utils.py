@@ -5,7 +5,9 @@ import importlib.util
 import os
 import types
 
+import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch_flash.testing import samples
 
@@ -52,3 +54,52 @@ def samples_of(stem: str) -> types.ModuleType:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the most elements of any tensor an op produced inside the block (no S x S tensor
+    may appear where the attention ops promise none)."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+def force_triton_kernels(force_backend) -> None:
+    """Forces the Triton attention kernels (on CPU under TRITON_INTERPRET=1, set by conftest
+    before triton is imported), or skips."""
+    pytest.importorskip("triton")
+    from torch_flash.kernels.triton import attention as kernels
+    if not torch.cuda.is_available() and not kernels._INTERPRET:
+        pytest.skip("the Triton kernels were imported before TRITON_INTERPRET=1 was set")
+    force_backend("triton")
+
+
+def hopper_dispatch_check(force_backend, monkeypatch, **extra) -> None:
+    """A call that the Hopper kernels (forward, and cuDNN's backward by default) serve goes to Triton
+    with `extra` (ALiBi or sinks, which they lack), and forcing the CUDA extension raises."""
+    import torch_flash
+    from torch_flash.ops.attention import attention
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper forward and cuDNN's backward serve sm_90 only")
+    monkeypatch.setenv("TORCH_FLASH_CUDNN_BACKWARD", "1")
+    q, k, v = (torch.randn(2, 4, 1024, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    last = torch_flash._dispatch.LAST
+    attention(q, k, v).sum().backward()
+    assert last["attention_backward"] == "cudnn"
+    info = torch_flash._extension.build_info()
+    plain_fwd = "cuda" if info and "flash::attention_fwd_sm90" in info["ops"] and 128 in info["hdims"] else "triton"
+    assert last["attention_with_lse"] == plain_fwd
+    attention(q, k, v, **extra).sum().backward()
+    assert last["attention_with_lse"] == "triton" and last["attention_backward"] == "triton"
+    force_backend("cuda")
+    with pytest.raises(RuntimeError, match="backend 'cuda' forced"):
+        attention(q, k, v, **extra)

@@ -9,12 +9,11 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_flash  # noqa: F401  (registers the ops)
 from torch_flash.ops.attention import attention, attention_with_lse
 from torch_flash.reference import attention as ref
-from _utils import TOL, assert_rel_close, rel_err, to64
+from _utils import TOL, LargestTensor, assert_rel_close, rel_err, to64
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -375,17 +374,7 @@ def test_dropout_mask_is_triton_philox():
 
 # ---------------------------------------------------------------------------- memory
 
-class _LargestTensor(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.numel = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.numel = max(self.numel, t.numel())
-        return out
 
 
 def test_long_sequence_no_square_buffer():
@@ -394,7 +383,7 @@ def test_long_sequence_no_square_buffer():
     s = 4096
     q, k, v = _qkv(b=1, hq=1, hkv=1, sq=s, sk=s, d=16)
     spec = ref.Spec(0.25, causal=True, window_left=512, softcap=10.0)
-    with _LargestTensor() as mode:
+    with LargestTensor() as mode:
         out, lse = ref.forward(q, k, v, None, spec)
         ref.backward(torch.randn_like(out), None, q, k, v, None, out, lse, spec, False)
     assert mode.numel <= ref.CHUNK_ELEMENTS and mode.numel < s * s // 2

@@ -11,7 +11,8 @@ from torch_flash.ops.attention import attention, attention_with_lse
 from torch_flash.ops.attention_decode import attention_decode
 from torch_flash.ops.attention_varlen import attention_varlen
 from torch_flash.reference import attention as ref
-from _utils import TOL, assert_rel_close, rel_err
+from _utils import (TOL, LargestTensor, assert_rel_close, force_triton_kernels, hopper_dispatch_check,
+                    rel_err)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -140,17 +141,7 @@ def _op_kw(kw):
     return kw | dict(window_left=window[0], window_right=window[1])
 
 
-class _LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.numel = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.numel = max(self.numel, t.numel())
-        return out
 
 
 def test_reference_memory_and_chunks(monkeypatch):
@@ -159,7 +150,7 @@ def test_reference_memory_and_chunks(monkeypatch):
     s = 384
     q, k, v = (torch.randn(1, 2, s, 16, requires_grad=True) for _ in range(3))
     slopes = _slopes(1, 2, True)
-    with _LargestTensor() as mode:
+    with LargestTensor() as mode:
         out, lse = attention_with_lse(q, k, v, alibi_slopes=slopes, causal=True)
         out.sum().backward()
     assert mode.numel <= max(4096, q.numel()) < s * s  # chunks of scores, or the inputs' size
@@ -313,17 +304,9 @@ def test_decode_reference_path(case, dtype):
 # ---------------------------------------------------------------------------- Triton kernels
 # Under TRITON_INTERPRET=1 (set by conftest before triton is imported) on CPU tensors: tiny sizes.
 
-def _triton(force_backend):
-    pytest.importorskip("triton")
-    from torch_flash.kernels.triton import attention as A
-    if DEVICE == "cpu" and not A._INTERPRET:
-        pytest.skip("the Triton kernels were imported before TRITON_INTERPRET=1 was set")
-    force_backend("triton")
-
-
 @pytest.mark.parametrize("case,dtype", [(c, torch.float32) for c in CASES] + [("batch_causal_sq<sk", torch.bfloat16)])
 def test_triton(case, dtype, force_backend):
-    _triton(force_backend)
+    force_triton_kernels(force_backend)
     check_dense(case, dtype, DEVICE, with_attention=False)
     assert torch_flash._dispatch.LAST["attention_with_lse"] == "triton"
     assert torch_flash._dispatch.LAST["attention_backward"] == "triton"
@@ -331,14 +314,14 @@ def test_triton(case, dtype, force_backend):
 
 @pytest.mark.parametrize("case", ["heads", "batch_window"])
 def test_triton_varlen(case, force_backend):
-    _triton(force_backend)
+    force_triton_kernels(force_backend)
     check_varlen(case, torch.float32, DEVICE)
     assert torch_flash._dispatch.LAST["attention_varlen_backward"] == "triton"
 
 
 @pytest.mark.parametrize("case", list(DECODE_CASES))
 def test_triton_decode(case, force_backend):
-    _triton(force_backend)
+    force_triton_kernels(force_backend)
     check_decode(case, torch.float32, DEVICE)
     assert torch_flash._dispatch.LAST["attention_decode"] == "triton"
 
@@ -435,30 +418,9 @@ def test_gpu_dense(case, dtype):
     assert rel_err(ours, exact) <= 1.1 * rel_err(sdpa, exact) + 1e-6
 
 
-def _hopper_dispatch_check(force_backend, monkeypatch, **extra):
-    """A call that the Hopper kernels (forward, and cuDNN's backward by default) serve goes to Triton
-    with `extra` (ALiBi or sinks, which they lack), and forcing the CUDA extension raises."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Hopper forward and cuDNN's backward serve sm_90 only")
-    monkeypatch.setenv("TORCH_FLASH_CUDNN_BACKWARD", "1")
-    q, k, v = (torch.randn(2, 4, 1024, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
-    last = torch_flash._dispatch.LAST
-    attention(q, k, v).sum().backward()
-    assert last["attention_backward"] == "cudnn"
-    info = torch_flash._extension.build_info()
-    plain_fwd = "cuda" if info and "flash::attention_fwd_sm90" in info["ops"] and 128 in info["hdims"] else "triton"
-    assert last["attention_with_lse"] == plain_fwd
-    attention(q, k, v, **extra).sum().backward()
-    assert last["attention_with_lse"] == "triton" and last["attention_backward"] == "triton"
-    force_backend("cuda")
-    with pytest.raises(RuntimeError, match="backend 'cuda' forced"):
-        attention(q, k, v, **extra)
-
-
 @pytest.mark.cuda
 def test_gpu_dispatch(force_backend, monkeypatch):
-    _hopper_dispatch_check(force_backend, monkeypatch, alibi_slopes=_slopes(2, 4, True, "cuda"))
+    hopper_dispatch_check(force_backend, monkeypatch, alibi_slopes=_slopes(2, 4, True, "cuda"))
 
 
 @pytest.mark.cuda

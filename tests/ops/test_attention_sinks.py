@@ -13,7 +13,7 @@ import torch_flash
 from torch_flash.ops.attention import attention, attention_with_lse
 from torch_flash.ops.attention_decode import attention_decode
 from torch_flash.ops.attention_varlen import attention_varlen
-from _utils import TOL, assert_rel_close
+from _utils import TOL, assert_rel_close, force_triton_kernels, hopper_dispatch_check
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -252,31 +252,23 @@ def test_decode_reference_path(case, dtype):
 
 # ---------------------------------------------------------------------------- Triton kernels
 
-def _triton(force_backend):
-    pytest.importorskip("triton")
-    from torch_flash.kernels.triton import attention as A
-    if DEVICE == "cpu" and not A._INTERPRET:
-        pytest.skip("the Triton kernels were imported before TRITON_INTERPRET=1 was set")
-    force_backend("triton")
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_triton(case, force_backend):
-    _triton(force_backend)
+    force_triton_kernels(force_backend)
     check_dense(case, torch.float32, DEVICE, with_attention=False)
     assert torch_flash._dispatch.LAST["attention_with_lse"] == "triton"
     assert torch_flash._dispatch.LAST["attention_backward"] == "triton"
 
 
 def test_triton_varlen(force_backend):
-    _triton(force_backend)
+    force_triton_kernels(force_backend)
     check_varlen([3, 17, 0], [9, 18, 4], dict(causal=True), torch.float32, DEVICE)
     assert torch_flash._dispatch.LAST["attention_varlen"] == "triton"
 
 
 @pytest.mark.parametrize("case", list(DECODE_CASES))
 def test_triton_decode(case, force_backend):
-    _triton(force_backend)
+    force_triton_kernels(force_backend)
     check_decode(case, torch.float32, DEVICE)
     assert torch_flash._dispatch.LAST["attention_decode"] == "triton"
 
@@ -324,9 +316,8 @@ def test_gpu_dense(shape, kw, dtype):
 @pytest.mark.cuda
 def test_gpu_dispatch(force_backend, monkeypatch):
     """With sinks, neither the Hopper forward nor cuDNN's backward runs (they have none)."""
-    import test_attention_alibi
-    test_attention_alibi._hopper_dispatch_check(force_backend, monkeypatch,
-                                                sinks=torch.randn(4, device="cuda", requires_grad=True))
+    hopper_dispatch_check(force_backend, monkeypatch,
+                          sinks=torch.randn(4, device="cuda", requires_grad=True))
 
 
 @pytest.mark.cuda
