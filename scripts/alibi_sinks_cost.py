@@ -17,7 +17,7 @@ from torch_flash.bench._common import env_info
 
 
 def main(out_dir: str) -> None:
-    rows = {}
+    rows = []
     dev = torch.device("cuda")
     for s in (4096, 16384):
         b, h, d = 32768 // s, 16, 128
@@ -37,10 +37,9 @@ def main(out_dir: str) -> None:
                     with torch_flash.use_backend(backend):
                         times = {"fwd_ms": triton.testing.do_bench(fwd, rep=200),
                                  "fwd_bwd_ms": triton.testing.do_bench(fwd_bwd, rep=300)}
-                    key = f"s={s} causal={causal} backend={backend or 'default'} {name}"
-                    rows[key] = times
-                    print(f"{key:48s} fwd {times['fwd_ms']:7.3f} ms  fwd+bwd {times['fwd_bwd_ms']:7.3f} ms",
-                          flush=True)
+                    rows.append({"s": s, "causal": causal, "backend": backend or "default", "variant": name,
+                                 **times})
+                    print(*(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
     with open(f"{out_dir}/alibi_sinks.json", "w") as f:
         json.dump({"suite": "alibi_sinks", "env": env_info(), "rows": rows}, f, indent=1)
 

@@ -484,8 +484,8 @@ def main(out_dir: str) -> None:
                 env[dist.replace("-", "_")] = importlib.metadata.version(dist)
             except importlib.metadata.PackageNotFoundError:
                 pass
-        json.dump({"env": env, "calls": CALLS, "rounds": ROUNDS, "rows": rows,
-                   "layers": layer_times, "parts": part_times, "bound": bounds}, f, indent=1)
+        json.dump({"suite": "host_overhead", "env": env, "calls": CALLS, "rounds": ROUNDS, "layers": layer_times,
+                   "parts": part_times, "bound": bounds, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
