@@ -1,8 +1,6 @@
 """Shared test helpers: relative error against a float64 reference, where opcheck samples are."""
 from __future__ import annotations
 
-import importlib.util
-import os
 import types
 
 import pytest
@@ -37,22 +35,12 @@ def to64(*ts):
     return tuple(None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in ts)
 
 
-OPS_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ops")
-
 
 def samples_of(stem: str) -> types.ModuleType:
-    """The module with stem's OPCHECK_SAMPLES (torch_flash.testing.samples' docstring):
-    torch_flash.testing.samples.<stem>, else tests/ops/test_<stem>.py loaded by path, where the
-    attention stems' samples still are."""
+    """torch_flash.testing.samples.<stem>, the module with stem's OPCHECK_SAMPLES."""
     mod = samples.module(stem)
-    if mod is not None:
-        return mod
-    path = os.path.join(OPS_TESTS, f"test_{stem}.py")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"missing {path}")
-    spec = importlib.util.spec_from_file_location(f"_samples_of_{stem}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    if mod is None:
+        raise FileNotFoundError(f"no torch_flash/testing/samples/{stem}.py")
     return mod
 
 

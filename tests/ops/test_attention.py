@@ -3,7 +3,6 @@ numerics against float64 and SDPA, dropout, memory of the chunked CPU path, bad 
 import math
 import os
 import subprocess
-import itertools
 import sys
 
 import pytest
@@ -13,127 +12,12 @@ import torch.nn.functional as F
 import torch_flash  # noqa: F401  (registers the ops)
 from torch_flash.ops.attention import attention, attention_with_lse
 from torch_flash.reference import attention as ref
+from torch_flash.testing.samples.attention import CASES, make_bias, make_qkv, make_seed
 from _utils import TOL, LargestTensor, assert_rel_close, rel_err, to64
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def _qkv(b=2, hq=4, hkv=2, sq=5, sk=7, d=8, dv=None, dtype=torch.float32, rg=False, bshd=False):
-    """q, k, v; bshd=True gives (B, S, H, D) buffers viewed as (B, H, S, D)."""
-    def make(h, s, dd):
-        t = torch.randn(b, s, h, dd, dtype=dtype).transpose(1, 2) if bshd else \
-            torch.randn(b, h, s, dd, dtype=dtype)
-        return t.requires_grad_(rg)
-    return make(hq, sq, d), make(hkv, sk, d), make(hkv, sk, dv or d)
-
-
-def _seed(value=1234):
-    return torch.tensor(value, dtype=torch.int64)
-
-
-# (shape kwargs of _qkv, op kwargs, bias shape or None, bias dtype)
-CASES = [
-    (dict(), dict(), None, None),
-    (dict(sq=6, sk=6, hkv=4), dict(causal=True), None, None),
-    (dict(sq=3, sk=9), dict(causal=True), None, None),
-    (dict(sq=9, sk=3), dict(causal=True), None, None),
-    (dict(sq=1, sk=7, hkv=1), dict(causal=True), None, None),
-    (dict(dv=4), dict(window_left=2, window_right=1), None, None),
-    (dict(), dict(softcap=3.0, scale=0.5), None, None),
-    (dict(), dict(), (5, 7), "float"),
-    (dict(), dict(causal=True), (2, 1, 5, 7), "bool"),
-    (dict(hkv=1), dict(window_left=3, window_right=-1), (4, 1, 7), "float"),
-    (dict(bshd=True, sq=4, sk=4), dict(causal=True, softcap=2.0), (1, 4), "float"),
-]
-
-
-def _bias(shape, kind, dtype, rg=False):
-    if shape is None:
-        return None
-    if kind == "bool":
-        return torch.rand(shape) > 0.2
-    return torch.randn(shape, dtype=dtype).requires_grad_(rg)
-
-
-# (case index in CASES, dtype, requires_grad); together they cover every feature
-FWD_SAMPLES = [
-    (10, torch.float32, True), (0, torch.float32, True), (1, torch.bfloat16, False),
-    (2, torch.float16, True), (4, torch.float32, False), (5, torch.float32, True),
-    (6, torch.bfloat16, True), (8, torch.float16, False),
-]
-
-
-# every feature at once: transposed bf16 GQA inputs, D != Dv, bias, window, softcap, dropout, ALiBi,
-# sinks
-_ALL = dict(b=2, hq=4, hkv=2, sq=5, sk=7, d=8, dv=4, dtype=torch.bfloat16, bshd=True)
-_ALL_KW = dict(causal=True, window_left=3, softcap=2.0, dropout_p=0.3)
-
-
-def _slopes(*shape):
-    return torch.rand(shape)
-
-
-def _samples_fwd():
-    q, k, v = _qkv(**_ALL, rg=True)
-    sinks = torch.randn(4, requires_grad=True)
-    yield (q, k, v, _bias((4, 1, 7), "float", torch.bfloat16, True), _seed(), _slopes(2, 4), sinks), _ALL_KW
-    for i, dtype, rg in FWD_SAMPLES:
-        shape, kw, bshape, bkind = CASES[i]
-        q, k, v = _qkv(**shape, dtype=dtype, rg=rg)
-        yield (q, k, v, _bias(bshape, bkind, dtype, rg)), kw
-    q, k, v = _qkv(sq=9, sk=4, dtype=torch.float32, rg=True)  # ALiBi (Hq,), Sq > Sk
-    yield (q, k, v, None, None, _slopes(4)), dict(causal=True)
-
-
-def _samples_bwd():
-    q, k, v = _qkv(**_ALL)
-    bias, slopes, sinks = _bias((4, 1, 7), "float", torch.bfloat16), _slopes(2, 4), torch.randn(4)
-    out, lse = torch.ops.flash.attention_with_lse(q, k, v, bias, _seed(), slopes, sinks, **_ALL_KW)
-    yield (torch.randn_like(out), torch.randn_like(lse), q, k, v, bias, out, lse, 8 ** -0.5, True,
-           3, -1, 2.0, 0.3, _seed(), True, slopes, sinks), {}
-    for i, dtype, with_grad_lse in ((7, torch.float32, True), (2, torch.bfloat16, False),
-                                    (9, torch.float16, True), (10, torch.float32, False)):
-        shape, kw, bshape, bkind = CASES[i]
-        q, k, v = _qkv(**shape, dtype=dtype)
-        bias = _bias(bshape, bkind, dtype)
-        out, lse = torch.ops.flash.attention_with_lse(q, k, v, bias, **kw)
-        scalars = (kw.get("scale", q.shape[-1] ** -0.5), kw.get("causal", False),
-                   kw.get("window_left", -1), kw.get("window_right", -1), kw.get("softcap", 0.0))
-        grad_lse = torch.randn_like(lse) if with_grad_lse else None
-        yield (torch.randn_like(out), grad_lse, q, k, v, bias, out, lse, *scalars, 0.0, None,
-               bkind == "float"), {}
-
-
-def _samples_fwd_sm90():
-    """The Hopper kernel's cases (on CPU the op's reference body runs): GQA, transposed
-    layouts, causal, Sk not a multiple of the key tile; CUDA tensors too where there is a GPU."""
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    for device, (dtype, hq, hkv, sq, sk, d, causal, bshd) in itertools.product(devices, (
-            (torch.bfloat16, 2, 2, 8, 24, 64, False, False),
-            (torch.float16, 4, 2, 16, 16, 64, True, True),
-            (torch.bfloat16, 4, 2, 8, 40, 64, True, False),
-            (torch.bfloat16, 4, 1, 136, 200, 128, False, True))):
-        q, k, v = (t.to(device) for t in _qkv(b=2, hq=hq, hkv=hkv, sq=sq, sk=sk, d=d, dtype=dtype, bshd=bshd))
-        yield (q, k, v, 0.3, causal), {}
-
-
-def _samples_bwd_sm90():
-    """The Hopper backward's cases: its forward's, with the forward's out and lse."""
-    for (q, k, v, scale, causal), _ in _samples_fwd_sm90():
-        out, lse = torch.ops.flash.attention_fwd_sm90(q, k, v, scale, causal)
-        yield (torch.randn_like(out), q, k, v, out, lse, scale, causal), {}
-
-
-OPCHECK_SAMPLES = {
-    "attention_fwd_sm90": _samples_fwd_sm90,
-    "attention_bwd_sm90": _samples_bwd_sm90,
-    "attention": _samples_fwd,
-    "attention_with_lse": _samples_fwd,
-    "attention_backward": _samples_bwd,
-}
-
-
-FULL_OPCHECKS = 1  # opcheck compiles each sample (aot_dispatch): in full only the first
 
 
 
@@ -158,9 +42,9 @@ GRAD_CASES = {
 def test_gradcheck(case):
     shape, kw, bshape = GRAD_CASES[case]
     dims = dict(b=1, hq=2, hkv=1, sq=3, sk=5, d=4) | shape
-    q, k, v = _qkv(**dims, dtype=torch.float64, rg=True)
+    q, k, v = make_qkv(**dims, dtype=torch.float64, rg=True)
     inputs = [q, k, v] + ([torch.randn(bshape, dtype=torch.float64, requires_grad=True)] if bshape else [])
-    seed = _seed() if kw.get("dropout_p") else None
+    seed = make_seed() if kw.get("dropout_p") else None
 
     def fn(q, k, v, bias=None):
         out, lse = torch.ops.flash.attention_with_lse(q, k, v, bias, seed, **kw)
@@ -171,7 +55,7 @@ def test_gradcheck(case):
 
 
 def test_gradcheck_bool_bias():
-    q, k, v = _qkv(b=1, hq=2, hkv=1, sq=3, sk=5, d=4, dtype=torch.float64, rg=True)
+    q, k, v = make_qkv(b=1, hq=2, hkv=1, sq=3, sk=5, d=4, dtype=torch.float64, rg=True)
     bias = torch.rand(3, 5) > 0.3
     bias[:, 0] = True
     assert torch.autograd.gradcheck(lambda q, k, v: attention(q, k, v, bias), (q, k, v))
@@ -192,8 +76,8 @@ def _leaves(ts, dtype=None):
 
 def _check_against_fp64(shape, kw, bshape, bkind, dtype):
     """out, lse and all gradients of both ops against the fp64 formula."""
-    q, k, v = _qkv(**shape, dtype=dtype)
-    bias = _bias(bshape, bkind, dtype)
+    q, k, v = make_qkv(**shape, dtype=dtype)
+    bias = make_bias(bshape, bkind, dtype)
     pkw, grad_bias = _public_kw(kw), bkind == "float"
     inputs = (q, k, v, bias) if grad_bias else (q, k, v)
     names = ("dq", "dk", "dv", "dbias")
@@ -262,7 +146,7 @@ def _sdpa_mask(sq, sk, kw):
 ])
 def test_vs_sdpa(kw, sq, sk, dtype):
     """Same as SDPA (with an explicit bottom-right mask), and in bf16 no further from fp64."""
-    q, k, v = _qkv(b=2, hq=4, hkv=2, sq=sq, sk=sk, d=32, dtype=dtype, bshd=True)
+    q, k, v = make_qkv(b=2, hq=4, hkv=2, sq=sq, sk=sk, d=32, dtype=dtype, bshd=True)
     mask = _sdpa_mask(sq, sk, kw)
     sdpa_kw = dict(scale=kw.get("scale"), enable_gqa=True)
     theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **sdpa_kw)
@@ -279,7 +163,7 @@ def test_vs_sdpa(kw, sq, sk, dtype):
 
 
 def test_bias_float_and_bool_vs_sdpa():
-    q, k, v = _qkv(sq=6, sk=9, d=16)
+    q, k, v = make_qkv(sq=6, sk=9, d=16)
     fbias = torch.randn(2, 1, 6, 9)
     bbias = torch.rand(6, 9) > 0.3
     bbias[:, 0] = True
@@ -289,7 +173,7 @@ def test_bias_float_and_bool_vs_sdpa():
 
 
 def test_softcap_formula():
-    q, k, v = _qkv(dtype=torch.float64)
+    q, k, v = make_qkv(dtype=torch.float64)
     s = (q @ k.repeat_interleave(2, 1).transpose(-1, -2)) * 0.4
     s = 5.0 * torch.tanh(s / 5.0)
     expected = torch.softmax(s, -1) @ v.repeat_interleave(2, 1)
@@ -298,7 +182,7 @@ def test_softcap_formula():
 
 def test_rows_without_keys():
     """causal with Sq > Sk: the first Sq - Sk queries see nothing -> out 0, lse -inf, no NaN."""
-    q, k, v = _qkv(sq=6, sk=2, rg=True)
+    q, k, v = make_qkv(sq=6, sk=2, rg=True)
     out, lse = attention_with_lse(q, k, v, causal=True)
     assert torch.isinf(lse[:, :, :4]).all() and (lse[:, :, :4] < 0).all()
     assert not out[:, :, :4].any() and torch.isfinite(lse[:, :, 4:]).all()
@@ -309,7 +193,7 @@ def test_rows_without_keys():
 # ---------------------------------------------------------------------------- dropout
 
 def test_dropout_reproducible():
-    q, k, v = _qkv(sq=16, sk=16, rg=True)
+    q, k, v = make_qkv(sq=16, sk=16, rg=True)
 
     def run():
         out = attention(q, k, v, dropout_p=0.4)
@@ -329,8 +213,8 @@ def test_dropout_reproducible():
 @pytest.mark.parametrize("chunk", [ref.CHUNK_ELEMENTS, 100])
 def test_dropout_matches_reference_and_keep_fraction(chunk, monkeypatch):
     monkeypatch.setattr(ref, "CHUNK_ELEMENTS", chunk)
-    q, k, v = _qkv(sq=9, dtype=torch.float64)
-    out = torch.ops.flash.attention(q, k, v, None, _seed(99), dropout_p=0.3, causal=True)
+    q, k, v = make_qkv(sq=9, dtype=torch.float64)
+    out = torch.ops.flash.attention(q, k, v, None, make_seed(99), dropout_p=0.3, causal=True)
     expected = ref.attention(q, k, v, causal=True, dropout_p=0.3, dropout_seed=99)
     torch.testing.assert_close(out, expected)
     for p in (0.1, 0.5):
@@ -381,7 +265,7 @@ def test_long_sequence_no_square_buffer():
     """Sq = Sk = 4096 through the chunked path (window and softcap): no tensor of the
     reference's forward or backward comes near Sq * Sk elements."""
     s = 4096
-    q, k, v = _qkv(b=1, hq=1, hkv=1, sq=s, sk=s, d=16)
+    q, k, v = make_qkv(b=1, hq=1, hkv=1, sq=s, sk=s, d=16)
     spec = ref.Spec(0.25, causal=True, window_left=512, softcap=10.0)
     with LargestTensor() as mode:
         out, lse = ref.forward(q, k, v, None, spec)
@@ -398,7 +282,7 @@ def test_long_sequence_no_square_buffer():
 
 @pytest.mark.parametrize("b,sq,sk", [(0, 5, 7), (2, 0, 7), (2, 5, 0), (2, 0, 0)])
 def test_empty(b, sq, sk):
-    q, k, v = _qkv(b=b, sq=sq, sk=sk, rg=True)
+    q, k, v = make_qkv(b=b, sq=sq, sk=sk, rg=True)
     bias = torch.randn(5 if sq else 0, 7 if sk else 0).requires_grad_() if sq and sk else None
     out, lse = attention_with_lse(q, k, v, bias, causal=True)
     assert out.shape == (b, 4, sq, 8) and lse.shape == (b, 4, sq)
@@ -411,7 +295,7 @@ def test_empty(b, sq, sk):
 
 
 def test_inputs_untouched_and_contiguous_out():
-    q, k, v = _qkv(bshd=True, dv=4)
+    q, k, v = make_qkv(bshd=True, dv=4)
     bias = torch.randn(5, 7)
     copies = [t.clone() for t in (q, k, v, bias)]
     out, lse = attention_with_lse(q, k, v, bias, softcap=1.0)
@@ -422,7 +306,7 @@ def test_inputs_untouched_and_contiguous_out():
 
 
 def test_forced_backend(force_backend):
-    q, k, v = _qkv()
+    q, k, v = make_qkv()
     force_backend("reference")
     attention(q, k, v)
     force_backend("triton")
@@ -431,7 +315,7 @@ def test_forced_backend(force_backend):
 
 
 def _bad(**over):
-    q, k, v = _qkv()
+    q, k, v = make_qkv()
     args = dict(q=q, k=k, v=v, attn_bias=None) | over
     kw = {n: args.pop(n) for n in list(args) if n not in ("q", "k", "v", "attn_bias")}
     return lambda: attention(args["q"], args["k"], args["v"], args["attn_bias"], **kw)
@@ -457,9 +341,9 @@ def _bad(**over):
     (_bad(window=(0, -5)), "window_right must be >= -1"),
     (_bad(window=3), "window must be a pair"),
     (_bad(q=torch.randn(2, 4, 5, 0), k=torch.randn(2, 2, 7, 0)), "head dims must be > 0"),
-    (lambda: torch.ops.flash.attention(*_qkv(), dropout_p=0.5), "dropout_seed is required"),
-    (lambda: torch.ops.flash.attention(*_qkv(), None, torch.tensor([1.0])), "dropout_seed has dtype"),
-    (lambda: torch.ops.flash.attention(*_qkv(), None, torch.tensor([1, 2])), "dropout_seed must hold one"),
+    (lambda: torch.ops.flash.attention(*make_qkv(), dropout_p=0.5), "dropout_seed is required"),
+    (lambda: torch.ops.flash.attention(*make_qkv(), None, torch.tensor([1.0])), "dropout_seed has dtype"),
+    (lambda: torch.ops.flash.attention(*make_qkv(), None, torch.tensor([1, 2])), "dropout_seed must hold one"),
 ])
 def test_bad_inputs(bad, match):
     with pytest.raises(ValueError, match=f"flash.attention: .*{match}"):
@@ -477,7 +361,7 @@ def test_backward_checks_saved_tensors_and_gradients(change, match):
     """The backward op is public: mis-shaped or mistyped out, lse or upstream gradients raise
     (a smaller one would broadcast into a silently wrong answer, or make a kernel read out of
     bounds; a float32 grad_out with bf16 q broke the Triton kernel's compilation)."""
-    q, k, v = _qkv()
+    q, k, v = make_qkv()
     out, lse = torch.ops.flash.attention_with_lse(q, k, v)
     args = dict(grad_out=torch.randn_like(out), grad_lse=torch.randn_like(lse), out=out, lse=lse)
     (name, f), = change.items()
@@ -488,7 +372,7 @@ def test_backward_checks_saved_tensors_and_gradients(change, match):
 
 
 def test_bad_inputs_fail_at_trace_time():
-    q, k, v = _qkv()
+    q, k, v = make_qkv()
     with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
         fq, fk = mode.from_tensor(q), mode.from_tensor(torch.randn(2, 2, 7, 6))
         with pytest.raises(ValueError, match="flash.attention_with_lse: k has head dim 6"):
@@ -509,7 +393,7 @@ def _features_step(q, k, v, bias):
 
 
 def _compile_inputs(device, dtype):
-    q, k, v = (t.to(device) for t in _qkv(b=2, hq=4, hkv=2, sq=40, sk=40, d=64, dtype=dtype))
+    q, k, v = (t.to(device) for t in make_qkv(b=2, hq=4, hkv=2, sq=40, sk=40, d=64, dtype=dtype))
     bias = torch.zeros(2, 1, 1, 40, device=device)
     bias[1, ..., 33:] = float("-inf")
     return [t.requires_grad_() for t in (q, k, v)], bias
@@ -570,7 +454,7 @@ def test_cuda_graphs_reduce_overhead():
     step = torch.compile(lambda q, k, v: attention(q, k, v, causal=True), mode="reduce-overhead",
                          fullgraph=True)
     for _ in range(4):  # warm-up, record, replays
-        q, k, v = (t.cuda() for t in _qkv(b=2, hq=8, hkv=2, sq=256, sk=256, d=128, dtype=torch.bfloat16))
+        q, k, v = (t.cuda() for t in make_qkv(b=2, hq=8, hkv=2, sq=256, sk=256, d=128, dtype=torch.bfloat16))
         out = step(q, k, v).clone()
         assert_rel_close(out, attention(q, k, v, causal=True), TOL[torch.bfloat16])
 
@@ -622,7 +506,7 @@ def test_cudnn_backward(case, monkeypatch):
     if not _hopper():
         pytest.skip("cuDNN's backward is taken on sm_90 only")
     b, hq, hkv, s, d, causal, bshd = case
-    q, k, v = (t.cuda() for t in _qkv(b, hq, hkv, s, s, d, dtype=torch.bfloat16, bshd=bshd))
+    q, k, v = (t.cuda() for t in make_qkv(b, hq, hkv, s, s, d, dtype=torch.bfloat16, bshd=bshd))
     g = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     exact = _leaves((q, k, v), torch.float64)
     ref.attention(*exact, causal=causal).backward(g.double())
@@ -669,7 +553,7 @@ def test_cudnn_backward_shares_no_graph_with_sdpa(sdpa_first, monkeypatch):
         pytest.skip("cuDNN's backward is taken on sm_90 only")
     from torch.nn.attention import SDPBackend, sdpa_kernel
     s = 2048 + 64 * (1 + sdpa_first)
-    q, k, v = (t.cuda() for t in _qkv(2, 4, 4, s, s, 64, dtype=torch.bfloat16, bshd=True))
+    q, k, v = (t.cuda() for t in make_qkv(2, 4, 4, s, s, 64, dtype=torch.bfloat16, bshd=True))
     g = torch.randn(2, 4, s, 64, device="cuda", dtype=torch.bfloat16)
     exact = _leaves((q, k, v), torch.float64)
     ref.attention(*exact, causal=True).backward(g.double())
@@ -707,7 +591,7 @@ def test_cudnn_backward_only_where_it_agrees(monkeypatch, force_backend):
     calls = _count_cudnn(monkeypatch)
 
     def run(sq=64, sk=64, dtype=torch.bfloat16, bias=False, with_lse=False, kv_pad=0, kv_offset=0, **kw):
-        q, k, v = (t.cuda() for t in _qkv(1, 4, 4, sq, sk, 64, dtype=dtype))
+        q, k, v = (t.cuda() for t in make_qkv(1, 4, 4, sq, sk, 64, dtype=dtype))
         # k and v as views of wider rows (kv_pad), or starting kv_offset elements in
         k, v = (torch.zeros(1, 4, sk, 64 + kv_pad + kv_offset, device="cuda", dtype=dtype)
                 [..., kv_offset:kv_offset + 64].copy_(t) for t in (k, v))

@@ -9,9 +9,8 @@ import torch.nn.functional as F
 import torch_flash  # noqa: F401  (registers the ops)
 from torch_flash.ops.attention_decode import attention_decode
 from torch_flash.ops.rotary import rotary_cos_sin
+from torch_flash.testing.samples.attention_decode import CONFIGS, S_MAX, make, to_paged
 from _utils import TOL, assert_rel_close, rel_err
-
-S_MAX, BLOCK = 16, 4
 
 
 def rope_complex(x, cos, sin, pos, interleaved):
@@ -62,70 +61,14 @@ def naive(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *, scale=N
     return out, lse, kc, vc
 
 
-def to_paged(k_cache, v_cache, block_size=BLOCK, spare=3):
-    """Scatter contiguous (B, H, S_max, D) caches over shuffled pools of blocks with spare
-    blocks; returns (k_pool, v_pool, block_table)."""
-    B, H, S, _ = k_cache.shape
-    nb = S // block_size
-    phys = torch.randperm(B * nb + spare)[:B * nb]
-    pools = []
-    for cache in (k_cache, v_cache):
-        pool = torch.randn(B * nb + spare, H, block_size, cache.shape[-1], dtype=cache.dtype)
-        pool[phys] = cache.reshape(B, H, nb, block_size, -1).transpose(1, 2).reshape(B * nb, H, block_size, -1)
-        pools.append(pool)
-    return pools[0], pools[1], phys.view(B, nb).int()
-
-
 def from_paged(pool, block_table):
     B, nb = block_table.shape
     blocks = pool[block_table.long()]  # (B, nb, H, block_size, D)
     return blocks.transpose(1, 2).reshape(B, pool.shape[1], nb * pool.shape[2], pool.shape[3])
 
 
-def make(B=3, Hq=2, Hkv=2, Sq=1, Snew=1, D=16, Dv=None, dtype=torch.float32, rotary_dim=0,
-         flash_layout=False, **flags):
-    """Inputs of one call: (args, kwargs). cache_seqlens leave every query a visible key."""
-    Dv = Dv or D
-
-    def t(*shape):  # (B, H, S, D), or the .transpose(1, 2) view of (B, S, H, D)
-        if flash_layout:
-            return torch.randn(shape[0], shape[2], shape[1], shape[3], dtype=dtype).transpose(1, 2)
-        return torch.randn(shape, dtype=dtype)
-
-    q, kc, vc = t(B, Hq, Sq, D), t(B, Hkv, S_MAX, D), t(B, Hkv, S_MAX, Dv)
-    low = max(Sq - Snew, 0)
-    cache_seqlens = torch.randint(low, S_MAX - Snew + 1, (B,), dtype=torch.int32)
-    cache_seqlens[0] = low
-    kn, vn = (t(B, Hkv, Snew, D), t(B, Hkv, Snew, Dv)) if Snew else (None, None)
-    if rotary_dim:
-        flags["rotary_cos"], flags["rotary_sin"] = rotary_cos_sin(S_MAX + Sq, rotary_dim)
-    return (q, kc, vc, cache_seqlens, kn, vn), flags
-
-
-CONFIGS = {
-    "decode": {},
-    "gqa": dict(Hq=4, Hkv=2),
-    "mqa_sq3": dict(Hq=4, Hkv=1, Sq=3, Snew=3),
-    "no_append": dict(Sq=2, Snew=0),
-    "window": dict(Sq=2, Snew=2, window=(3, -1)),
-    "window_noncausal": dict(Sq=3, Snew=1, causal=False, window=(2, 1)),
-    "noncausal": dict(Sq=2, Snew=2, causal=False),
-    "softcap": dict(Hq=4, softcap=2.0, scale=0.7),
-    "rotary_neox_partial": dict(Hq=4, Sq=2, Snew=2, rotary_dim=8),
-    "rotary_gptj": dict(Sq=1, Snew=1, rotary_dim=16, rotary_interleaved=True),
-    "dv": dict(Hq=4, D=16, Dv=8, Sq=2, Snew=2),
-}
-
-
 def _clone(args):
     return tuple(None if a is None else a.clone() for a in args)
-
-
-def op_kwargs(kwargs):
-    """The op's keyword arguments from the public function's (window -> window_left/right)."""
-    kwargs = dict(kwargs)
-    kwargs["window_left"], kwargs["window_right"] = kwargs.pop("window", (-1, -1))
-    return kwargs
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -210,25 +153,6 @@ def test_compile_appends():
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(compiled_args[1], eager_args[1])
     torch.testing.assert_close(compiled_args[2], eager_args[2])
-
-
-def _samples_decode():
-    for name, dtype in (("decode", torch.float32), ("mqa_sq3", torch.bfloat16), ("no_append", torch.float16),
-                        ("window_noncausal", torch.float32), ("softcap", torch.bfloat16),
-                        ("rotary_gptj", torch.float32), ("dv", torch.float16)):
-        (q, kc, vc, cs, kn, vn), kw = make(dtype=dtype, flash_layout=dtype == torch.float16, **CONFIGS[name])
-        cos, sin = kw.pop("rotary_cos", None), kw.pop("rotary_sin", None)
-        yield (q, kc, vc, cs, kn, vn, None, cos, sin), op_kwargs(kw)
-    (q, kc, vc, cs, kn, vn), kw = make(Hq=4, Sq=2, Snew=2, rotary_dim=8)
-    kp, vp, table = to_paged(kc, vc)
-    yield (q, kp, vp, cs, kn, vn, table, *rotary_cos_sin(S_MAX + 2, 8)), {"window_left": 4, "num_splits": 2}
-    # ALiBi slopes (B, Hq) and sinks on a paged cache
-    (q, kc, vc, cs, kn, vn), kw = make(Hq=4, Hkv=2, Sq=2, Snew=1)
-    kp, vp, table = to_paged(kc, vc)
-    yield (q, kp, vp, cs, kn, vn, table, None, None, torch.rand(q.shape[0], 4), torch.randn(4)), {"causal": False}
-
-
-OPCHECK_SAMPLES = {"attention_decode": _samples_decode}
 
 
 def _bad_cases():

@@ -1,7 +1,5 @@
 """flash.attention_varlen / flash.attention_varlen_backward: opcheck, gradcheck, numerics
 against the float64 formula and per-sequence flash.attention, dropout, bad inputs."""
-import itertools
-
 import pytest
 import torch
 
@@ -10,79 +8,8 @@ from torch_flash.ops.attention import attention_with_lse
 from torch_flash.ops.attention_varlen import attention_varlen
 from torch_flash.reference import attention as dense_ref
 from torch_flash.reference import attention_varlen as ref
+from torch_flash.testing.samples.attention_varlen import CASES, DTYPES, make_cu, make_packed, make_seed
 from _utils import TOL, assert_rel_close
-
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def _cu(lengths, dtype=torch.int32):
-    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=dtype)
-
-
-def _packed(lens_q, lens_k, hq=4, hkv=2, d=8, dv=None, dtype=torch.float32, rg=False,
-            cu_dtype=torch.int32, strided=False):
-    """(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k); strided=True
-    gives tensors whose heads are every other head of a wider buffer."""
-    def make(t, h, dd):
-        x = torch.randn(t, 2 * h, dd, dtype=dtype)[:, ::2] if strided else torch.randn(t, h, dd, dtype=dtype)
-        return x.requires_grad_(rg)
-    return (make(sum(lens_q), hq, d), make(sum(lens_k), hkv, d), make(sum(lens_k), hkv, dv or d),
-            _cu(lens_q, cu_dtype), _cu(lens_k, cu_dtype), max(lens_q, default=0), max(lens_k, default=0))
-
-
-def _seed(value=4321):
-    return torch.tensor(value, dtype=torch.int64)
-
-
-# (lengths of q, lengths of k, _packed kwargs, op kwargs)
-CASES = [
-    ([3, 5, 2], [3, 5, 2], dict(), dict()),
-    ([2, 4, 1], [5, 4, 3], dict(hkv=4), dict(causal=True)),
-    ([4, 0, 3], [2, 3, 6], dict(hkv=1, dv=4), dict(window_left=1, window_right=2)),
-    ([3, 3], [4, 0], dict(strided=True), dict(softcap=2.0, scale=0.4)),
-    ([1, 1, 1, 1], [6, 1, 2, 3], dict(cu_dtype=torch.int64), dict(causal=True, window_left=2)),
-]
-
-# every feature at once: bf16 strided GQA inputs, D != Dv, empty sequences, causal, window,
-# softcap, dropout, ALiBi slopes per sequence, sinks
-_ALL = (([3, 0, 4, 2], [5, 2, 0, 3]), dict(hq=4, hkv=2, dv=4, dtype=torch.bfloat16, strided=True))
-_ALL_KW = dict(causal=True, window_left=2, softcap=3.0, dropout_p=0.2)
-
-
-def _slopes():
-    return torch.rand(len(_ALL[0][0]), 4)
-
-
-def _samples_fwd():
-    yield (*_packed(*_ALL[0], **_ALL[1], rg=True), _seed(), _slopes(), torch.randn(4, requires_grad=True)), _ALL_KW
-    for i, (lq, lk, pk, kw) in enumerate(CASES):
-        dtype = DTYPES[i % 3]
-        yield _packed(lq, lk, **pk, dtype=dtype, rg=i % 2 == 0), kw
-
-
-def _backward_args(packed, kw, seed=None, with_grad_lse=True, slopes=None, sinks=None):
-    q, k, v, cu_q, cu_k, mq, mk = packed
-    out, lse = torch.ops.flash.attention_varlen(*packed, seed, slopes, sinks, **kw)
-    scalars = (kw.get("scale", q.shape[-1] ** -0.5), kw.get("causal", False), kw.get("window_left", -1),
-               kw.get("window_right", -1), kw.get("softcap", 0.0), kw.get("dropout_p", 0.0))
-    grad_lse = torch.randn_like(lse) if with_grad_lse else None
-    return (torch.randn_like(out), grad_lse, q, k, v, cu_q, cu_k, mq, mk, out, lse, *scalars, seed, slopes, sinks)
-
-
-def _samples_bwd():
-    yield _backward_args(_packed(*_ALL[0], **_ALL[1]), _ALL_KW, _seed(), slopes=_slopes(), sinks=torch.randn(4)), {}
-    for i, (lq, lk, pk, kw) in enumerate(CASES):
-        yield _backward_args(_packed(lq, lk, **pk, dtype=DTYPES[i % 3]), kw, None, i % 2 == 1), {}
-
-
-OPCHECK_SAMPLES = {
-    "attention_varlen": _samples_fwd,
-    "attention_varlen_backward": _samples_bwd,
-}
-
-FULL_OPCHECKS = 1  # opcheck compiles each sample (aot_dispatch): in full only the first
-
-
 
 
 # every query sees a key in these, so lse is finite and differentiable
@@ -99,9 +26,9 @@ GRAD_CASES = {
 @pytest.mark.parametrize("case", list(GRAD_CASES))
 def test_gradcheck(case):
     lq, lk, pk, kw = GRAD_CASES[case]
-    q, k, v, cu_q, cu_k, mq, mk = _packed(lq, lk, **(dict(hq=2, hkv=1, d=4) | pk),
+    q, k, v, cu_q, cu_k, mq, mk = make_packed(lq, lk, **(dict(hq=2, hkv=1, d=4) | pk),
                                           dtype=torch.float64, rg=True)
-    seed = _seed() if kw.get("dropout_p") else None
+    seed = make_seed() if kw.get("dropout_p") else None
     assert torch.autograd.gradcheck(
         lambda q, k, v: torch.ops.flash.attention_varlen(q, k, v, cu_q, cu_k, mq, mk, seed, **kw),
         (q, k, v))
@@ -114,7 +41,7 @@ def _public_kw(kw):
 
 
 def _check_against_fp64(lq, lk, pk, kw, dtype):
-    q, k, v, cu_q, cu_k, mq, mk = _packed(lq, lk, **pk, dtype=dtype)
+    q, k, v, cu_q, cu_k, mq, mk = make_packed(lq, lk, **pk, dtype=dtype)
     mine = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
     out, lse = attention_varlen(*mine, cu_q, cu_k, mq, mk, return_lse=True, **_public_kw(kw))
@@ -147,7 +74,7 @@ def test_numerics_many_chunks(monkeypatch):
 def test_equals_per_sequence_attention(kw):
     """Each sequence gives what flash.attention gives on it alone."""
     lq, lk = [3, 6, 2], [5, 6, 4]
-    q, k, v, cu_q, cu_k, mq, mk = _packed(lq, lk)
+    q, k, v, cu_q, cu_k, mq, mk = make_packed(lq, lk)
     out, lse = attention_varlen(q, k, v, cu_q, cu_k, mq, mk, return_lse=True, **kw)
     for b in range(len(lq)):
         qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
@@ -157,7 +84,7 @@ def test_equals_per_sequence_attention(kw):
 
 
 def test_dropout():
-    packed = _packed([4, 6], [5, 7], rg=True)
+    packed = make_packed([4, 6], [5, 7], rg=True)
     q, k, v = packed[:3]
 
     def run():
@@ -170,23 +97,23 @@ def test_dropout():
     for a, b in zip(first, run()):
         assert torch.equal(a, b)
     assert not torch.equal(first[0], run()[0])
-    out = torch.ops.flash.attention_varlen(*packed, _seed(11), dropout_p=0.3)
+    out = torch.ops.flash.attention_varlen(*packed, make_seed(11), dropout_p=0.3)
     expected = ref.attention_varlen(*(t.detach() for t in packed[:5]), dropout_p=0.3, dropout_seed=11)
     torch.testing.assert_close(out, expected)
 
 
 def test_dropout_mask_is_dense_batch_mask():
     """Sequence b gets the mask of batch row b: equal-length sequences match dense attention."""
-    q, k, v, cu_q, cu_k, mq, mk = _packed([4, 4, 4], [6, 6, 6])
+    q, k, v, cu_q, cu_k, mq, mk = make_packed([4, 4, 4], [6, 6, 6])
     kw = dict(causal=True, softcap=3.0, dropout_p=0.4)
-    out, _ = torch.ops.flash.attention_varlen(q, k, v, cu_q, cu_k, mq, mk, _seed(8), **kw)
+    out, _ = torch.ops.flash.attention_varlen(q, k, v, cu_q, cu_k, mq, mk, make_seed(8), **kw)
     q4, k4, v4 = (t.unflatten(0, (3, -1)).transpose(1, 2) for t in (q, k, v))
-    dense = torch.ops.flash.attention(q4, k4, v4, None, _seed(8), **kw)
+    dense = torch.ops.flash.attention(q4, k4, v4, None, make_seed(8), **kw)
     torch.testing.assert_close(out, dense.transpose(1, 2).flatten(0, 1))
 
 
 def test_max_seqlen_defaults_and_hint():
-    packed = _packed([3, 7, 2], [4, 4, 9])
+    packed = make_packed([3, 7, 2], [4, 4, 9])
     out = attention_varlen(*packed[:5], causal=True)
     torch.testing.assert_close(out, attention_varlen(*packed, causal=True))
     torch.testing.assert_close(out, attention_varlen(*packed[:5], 100, 100, causal=True))
@@ -194,7 +121,7 @@ def test_max_seqlen_defaults_and_hint():
 
 @pytest.mark.parametrize("lq,lk", [([], []), ([0, 0], [0, 0]), ([0, 3], [2, 0]), ([3], [0])])
 def test_empty(lq, lk):
-    q, k, v, cu_q, cu_k, mq, mk = _packed(lq, lk, rg=True)
+    q, k, v, cu_q, cu_k, mq, mk = make_packed(lq, lk, rg=True)
     out, lse = attention_varlen(q, k, v, cu_q, cu_k, mq, mk, return_lse=True, causal=True)
     assert out.shape == (sum(lq), 4, 8) and lse.shape == (4, sum(lq))
     assert not out.any() and (lse == -float("inf")).all()  # no query here sees a key
@@ -204,7 +131,7 @@ def test_empty(lq, lk):
 
 
 def test_inputs_untouched():
-    packed = _packed([3, 4], [2, 5], strided=True)
+    packed = make_packed([3, 4], [2, 5], strided=True)
     copies = [t.clone() for t in packed[:5]]
     attention_varlen(*packed, dropout_p=0.1, softcap=1.0)
     for a, b in zip(packed, copies):
@@ -212,7 +139,7 @@ def test_inputs_untouched():
 
 
 def _bad(**over):
-    q, k, v, cu_q, cu_k, mq, mk = _packed([3, 4], [2, 5])
+    q, k, v, cu_q, cu_k, mq, mk = make_packed([3, 4], [2, 5])
     args = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=mq,
                 max_seqlen_k=mk) | over
     kw = {n: args.pop(n) for n in ("window", "dropout_p", "softcap") if n in args}
@@ -226,8 +153,8 @@ def _bad(**over):
     (_bad(k=torch.randn(7, 3, 8), v=torch.randn(7, 3, 8)), "not a multiple of the 3 heads"),
     (_bad(cu_seqlens_q=torch.tensor([0.0, 3.0, 7.0])), "cu_seqlens_q has dtype torch.float32"),
     (_bad(cu_seqlens_k=torch.tensor([[0, 2, 7]], dtype=torch.int32)), "cu_seqlens_k must have 1 dim"),
-    (_bad(cu_seqlens_k=_cu([2, 2, 3])), "cu_seqlens_q has 3 offsets but cu_seqlens_k has 4"),
-    (_bad(cu_seqlens_q=_cu([3, 3])), "cu_seqlens_q must run from 0 to the 7 tokens, got 0 .. 6"),
+    (_bad(cu_seqlens_k=make_cu([2, 2, 3])), "cu_seqlens_q has 3 offsets but cu_seqlens_k has 4"),
+    (_bad(cu_seqlens_q=make_cu([3, 3])), "cu_seqlens_q must run from 0 to the 7 tokens, got 0 .. 6"),
     (_bad(cu_seqlens_k=torch.tensor([1, 2, 7], dtype=torch.int32)), "cu_seqlens_k must run from 0"),
     (_bad(cu_seqlens_k=torch.tensor([0, 8, 7], dtype=torch.int32), max_seqlen_k=8), "must be non-decreasing"),
     (_bad(max_seqlen_q=3), "cu_seqlens_q holds a sequence of 4 tokens, more than max_seqlen_q=3"),
@@ -247,7 +174,7 @@ def test_compile_fullgraph_no_host_sync(device):
     max_seqlen, and forward and backward equal eager."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     q, k, v, cu_q, cu_k, _, _ = (t.to(device) if torch.is_tensor(t) else t
-                                 for t in _packed([37, 5, 64], [37, 70, 1], d=64, dtype=dtype))
+                                 for t in make_packed([37, 5, 64], [37, 70, 1], d=64, dtype=dtype))
     leaves = [t.requires_grad_() for t in (q, k, v)]
 
     def step(q, k, v, cu_q, cu_k):

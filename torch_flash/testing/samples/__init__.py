@@ -12,7 +12,7 @@ import torch
 
 
 def module(stem: str) -> types.ModuleType | None:
-    """The samples module of stem; None where the stem's samples are still in its test file."""
+    """The samples module of stem, or None where it has none."""
     try:
         return importlib.import_module(f"{__name__}.{stem}")
     except ModuleNotFoundError as e:
