@@ -357,7 +357,7 @@ class CeFwd:
         n_rows, n_cols = self.n_rows, self.n_cols
         x = (logits.contiguous().view(-1, n_cols) if self.stride is None
              else logits.as_strided((n_rows, n_cols), (self.stride, 1)))
-        t = target.view(-1) if target.is_contiguous() else target.reshape(-1).contiguous()
+        t = _flat(target)
         losses = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(losses)
         summary = torch.empty(3, dtype=torch.int64, device=logits.device)
