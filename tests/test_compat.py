@@ -212,8 +212,73 @@ def test_with_kvcache_alibi():
     assert_rel_close(out[1:], _sdpa(q[1:], kc[1:, :9], vc[1:, :9], attn_mask=bias), 1e-5)
 
 
+def _leftpad_ref(q, kc, vc, lengths, leftpad, causal, window):
+    """FlashAttention 2's test reference for cache_leftpad (attention_ref with key_leftpad), in
+    float64: slot j of row b is key position j - leftpad[b], of lengths[b] - leftpad[b] keys;
+    query i sits at position sk - Sq + i; causal and window relative to those positions."""
+    B, Sq = q.shape[:2]
+    col = torch.arange(kc.shape[1])[None, None] - leftpad.long()[:, None, None]  # (B, 1, S)
+    sk = (lengths - leftpad).long()[:, None, None]
+    pos = torch.arange(Sq)[None, :, None] + sk - Sq  # (B, Sq, 1)
+    left, right = window[0], 0 if causal else window[1]
+    hidden = (col < 0) | (col >= sk)
+    if right >= 0:
+        hidden = hidden | (col > pos + right)
+    if left >= 0:
+        hidden = hidden | (col < pos - left)
+    return _sdpa(*(t.double() for t in (q, kc, vc)), attn_mask=~hidden[:, None])
+
+
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, -1)), (True, (3, -1)), (False, (2, 1))])
+@pytest.mark.parametrize("paged", [False, True])
+def test_with_kvcache_leftpad(causal, window, paged):
+    """cache_leftpad: sequence b's keys start at slot cache_leftpad[b]; new keys land at
+    cache_seqlens[b]; masks as FlashAttention's reference defines them."""
+    q, kc, vc, k, v = _kvcache_inputs(B=3, Sq=2, Snew=2, S=12)
+    cs = torch.tensor([5, 9, 4], dtype=torch.int32)
+    leftpad = torch.tensor([2, 0, 4], dtype=torch.int32)
+    kc_after, vc_after = kc.clone(), vc.clone()
+    for b, n in enumerate(cs.tolist()):
+        kc_after[b, n:n + 2], vc_after[b, n:n + 2] = k[b], v[b]
+    want = _leftpad_ref(q, kc_after, vc_after, cs + 2, leftpad, causal, window)
+    kw = dict(cache_seqlens=cs, cache_leftpad=leftpad, causal=causal, window_size=window)
+    if paged:  # blocks of 4 slots, shuffled in a pool
+        order = torch.randperm(11)[:9]
+        kp, vp = torch.randn(11, 4, 2, 16), torch.randn(11, 4, 2, 16)
+        kp[order], vp[order] = kc.reshape(9, 4, 2, 16), vc.reshape(9, 4, 2, 16)
+        out = compat.flash_attn_with_kvcache(q, kp, vp, k, v, block_table=order.view(3, 3).int(), **kw)
+    else:
+        out = compat.flash_attn_with_kvcache(q, kc, vc, k, v, **kw)
+        torch.testing.assert_close(kc, kc_after, rtol=0, atol=0)
+    assert_rel_close(out, want, 1e-5)
+
+
+def test_with_kvcache_leftpad_rotary_alibi():
+    """Rotary positions stay slot indices (q at cache_seqlens + i, new keys at cache_seqlens + s);
+    ALiBi distances are unchanged by the padding (FlashAttention 2)."""
+    from torch_flash.ops.rotary import rotary_cos_sin
+    from torch_flash.reference.rotary import rotary
+    q, kc, vc, k, v = _kvcache_inputs(Sq=2, Snew=2)
+    cos, sin = rotary_cos_sin(16, 8)
+    cs, leftpad = torch.tensor([3, 6], dtype=torch.int32), torch.tensor([1, 5], dtype=torch.int32)
+    slopes = torch.rand(4)
+    kc2, vc2 = kc.clone(), vc.clone()
+    out = compat.flash_attn_with_kvcache(q, kc, vc, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=cs,
+                                         cache_leftpad=leftpad, causal=True, alibi_slopes=slopes)
+    k_rot = rotary(k.transpose(1, 2), cos, sin, True, seqlen_offsets=cs).transpose(1, 2)
+    pos = cs.long()[:, None] + torch.arange(2)
+    q_rot = rotary(q.transpose(1, 2), cos[pos], sin[pos], True).transpose(1, 2)
+    for b, n in enumerate(cs.tolist()):
+        kc2[b, n:n + 2], vc2[b, n:n + 2] = k_rot[b], v[b]
+        L, first = n + 2, int(leftpad[b])
+        bias = _alibi_bias(slopes, 2, L - first).masked_fill(~torch.ones(2, L - first, dtype=torch.bool).tril(L - first - 2),
+                                                          float("-inf"))
+        want = _sdpa(q_rot[b:b + 1].double(), kc2[b:b + 1, first:L].double(), vc2[b:b + 1, first:L].double(),
+                     attn_mask=bias.double())
+        assert_rel_close(out[b:b + 1], want, 1e-5)
+
+
 @pytest.mark.parametrize("kw,match", [
-    (dict(cache_leftpad=torch.zeros(2, dtype=torch.int32)), "cache_leftpad"),
     (dict(cache_batch_idx=torch.tensor([0, 1], dtype=torch.int32), block_table=torch.zeros(2, 1, dtype=torch.int32)),
      "cache_batch_idx cannot be combined with block_table"),
 ])

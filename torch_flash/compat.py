@@ -127,11 +127,10 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     cache_seqlens (an int or a (B,) int32 tensor; None: the caches are full), rotated by
     rotary_cos/rotary_sin (S_ro, rotary_dim / 2) when given. cache_batch_idx (B,) picks each
     sequence's row of a non-paged cache. Returns out (B, Sq, Hq, Dv) (and softmax_lse
-    (B, Hq, Sq) fp32 with return_softmax_lse). Not supported: cache_leftpad."""
+    (B, Hq, Sq) fp32 with return_softmax_lse). cache_leftpad (B,) int32: sequence b's keys are
+    cache slots cache_leftpad[b] .. cache_seqlens[b] (+ Snew) - 1, earlier slots are padding;
+    rotary positions stay slot indices (as FlashAttention 2)."""
     fn = "flash_attn_with_kvcache"
-    if cache_leftpad is not None:
-        raise ValueError(f"torch_flash.compat.{fn}: cache_leftpad is not supported; keep each "
-                         "sequence's tokens at the start of its cache")
     q, k_cache, v_cache = (t.transpose(1, 2) for t in (q, k_cache, v_cache))
     k, v = (None if t is None else t.transpose(1, 2) for t in (k, v))
     if cache_batch_idx is not None:
@@ -156,6 +155,6 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
                                 causal=causal, window=tuple(window_size), softcap=softcap,
                                 rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                                 rotary_interleaved=rotary_interleaved, num_splits=num_splits,
-                                alibi_slopes=alibi_slopes)
+                                alibi_slopes=alibi_slopes, cache_leftpad=cache_leftpad)
     out = out.transpose(1, 2).contiguous()
     return (out, lse) if return_softmax_lse else out

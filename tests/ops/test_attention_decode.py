@@ -10,7 +10,9 @@ import torch_flash  # noqa: F401  (registers the ops)
 from torch_flash.ops.attention_decode import attention_decode
 from torch_flash.ops.rotary import rotary_cos_sin
 from torch_flash.testing.samples.attention_decode import CONFIGS, S_MAX, make, to_paged
-from _utils import TOL, assert_rel_close, rel_err
+from _utils import TOL, assert_rel_close, force_triton_kernels, rel_err
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def rope_complex(x, cos, sin, pos, interleaved):
@@ -26,8 +28,9 @@ def rope_complex(x, cos, sin, pos, interleaved):
 
 def naive(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *, scale=None, causal=True,
           window=(-1, -1), softcap=0.0, rotary_cos=None, rotary_sin=None, rotary_interleaved=False,
-          num_splits=0):
-    """One query and one sequence at a time, in float64, on contiguous caches.
+          num_splits=0, cache_leftpad=None):
+    """One query and one sequence at a time, in float64, on contiguous caches; sequence b's keys
+    are slots cache_leftpad[b] .. (FlashAttention 2's left padding; positions stay slots).
     Returns (out, lse, k_cache after the append, v_cache after the append)."""
     window_left, window_right = window
     kc, vc = k_cache.clone(), v_cache.clone()
@@ -48,7 +51,8 @@ def naive(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *, scale=N
         for h in range(Hq):
             for i in range(Sq):
                 pos = n - Sq + i
-                keys = [j for j in range(n) if (not causal or j <= pos)
+                first = 0 if cache_leftpad is None else int(cache_leftpad[b])
+                keys = [j for j in range(first, n) if (not causal or j <= pos)
                         and (window_left < 0 or j >= pos - window_left)
                         and (window_right < 0 or j <= pos + window_right)]
                 if not keys:
@@ -155,6 +159,41 @@ def test_compile_appends():
     torch.testing.assert_close(compiled_args[2], eager_args[2])
 
 
+LEFTPAD = [n for n in CONFIGS if n.startswith("leftpad")]
+
+
+def _leftpad_on_triton(name, device, B=3, **sizes):
+    """The Triton kernels (split and not, contiguous and paged) against the naive loop, with
+    cache_leftpad."""
+    args, kwargs = make(B=B, **{**CONFIGS[name], **sizes})
+    want_out, want_lse, _, _ = naive(*args, **kwargs)
+    on = lambda t: None if t is None else t.to(device)  # noqa: E731
+    args, kwargs = tuple(on(a) for a in args), {k: on(v) if torch.is_tensor(v) else v for k, v in kwargs.items()}
+    q, kc, vc, cs, kn, vn = args
+    for num_splits in (1, 3):
+        out, lse = attention_decode(q, kc.clone(), vc.clone(), cs, kn, vn, num_splits=num_splits, **kwargs)
+        assert torch_flash._dispatch.LAST["attention_decode"] == "triton"
+        assert_rel_close(out, want_out, TOL[torch.float32], what=f"out, {num_splits} splits")
+        assert_rel_close(lse, want_lse, TOL[torch.float32], what=f"lse, {num_splits} splits")
+    kp, vp, table = (t.to(device) for t in to_paged(kc.cpu(), vc.cpu()))
+    out, lse = attention_decode(q, kp, vp, cs, kn, vn, table, num_splits=2, **kwargs)
+    assert_rel_close(out, want_out, TOL[torch.float32], what="out, paged")
+
+
+@pytest.mark.parametrize("name", LEFTPAD)
+def test_leftpad_triton(name, force_backend):
+    force_triton_kernels(force_backend)
+    _leftpad_on_triton(name, DEVICE, S=40)  # three key blocks of the interpreter's 16
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", LEFTPAD)
+def test_gpu_leftpad_triton(name, force_backend):
+    """Realistic head dim and batch, more key blocks than one split holds."""
+    force_backend("triton")
+    _leftpad_on_triton(name, "cuda", B=8, D=128, S=512)
+
+
 def _bad_cases():
     q, kc, vc = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 8, 16), torch.randn(2, 2, 8, 16)
     cs, kn, vn = torch.tensor([3, 5], dtype=torch.int32), torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16)
@@ -193,6 +232,12 @@ def _bad_cases():
         (lambda: attention_decode(q, kc, vc, cs, kn, vn, rotary_cos=cos[:5], rotary_sin=sin[:5]),
          "5 positions, but a token sits at position 5"),
         (lambda: attention_decode(q[0], kc, vc, cs), "q must have 4 dimensions"),
+        (lambda: attention_decode(q, kc, vc, cs, cache_leftpad=cs[:1]), "cache_leftpad has 1 entries"),
+        (lambda: attention_decode(q, kc, vc, cs, cache_leftpad=cs.float()), "cache_leftpad has dtype"),
+        (lambda: attention_decode(q, kc, vc, cs, cache_leftpad=torch.tensor([4, 0], dtype=torch.int32)),
+         "cache_leftpad must be in \\[0, cache_seqlens\\]"),
+        (lambda: attention_decode(q, kc, vc, cs, cache_leftpad=torch.tensor([0, -1], dtype=torch.int32)),
+         "cache_leftpad must be in"),
     ]
 
 

@@ -8,7 +8,7 @@ Semantics in torch_flash/reference/attention_decode.py.
 
 Inference only: no autograd rule is registered. A call with inputs that require grad
 still runs forward; a backward through it raises "no autograd formula was registered".
-The rotary tables, alibi_slopes and sinks are positional in the schema because custom ops cannot
+The rotary tables, alibi_slopes, sinks and cache_leftpad are positional in the schema because custom ops cannot
 take keyword-only tensors; the public function takes them by keyword.
 
 Paths: the Triton kernels (torch_flash/kernels/triton/attention_decode.py) for CUDA tensors, the
@@ -42,7 +42,7 @@ def capacity(k_cache, block_table) -> int:
 
 
 def check_args(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin,
-               alibi_slopes, sinks, softcap, window_left, window_right, num_splits) -> None:
+               alibi_slopes, sinks, softcap, window_left, window_right, num_splits, cache_leftpad=None) -> None:
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_tensor(OP, name, t, ndim=4)
     check_same_dtype(OP, q=q, k_cache=k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new)
@@ -58,6 +58,10 @@ def check_args(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, ro
     check_tensor(OP, "cache_seqlens", cache_seqlens, ndim=1, dtypes=INDEX_DTYPES)
     check(cache_seqlens.shape[0] == B, OP,
           f"cache_seqlens has {cache_seqlens.shape[0]} entries, expected batch size {B}")
+    if cache_leftpad is not None:
+        check_tensor(OP, "cache_leftpad", cache_leftpad, ndim=1, dtypes=INDEX_DTYPES)
+        check(cache_leftpad.shape[0] == B, OP,
+              f"cache_leftpad has {cache_leftpad.shape[0]} entries, expected batch size {B}")
     if block_table is None:
         check(k_cache.shape[0] == B, OP,
               f"k_cache has batch {k_cache.shape[0]} but q has {B} (pass block_table for a paged cache)")
@@ -88,16 +92,21 @@ def check_args(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, ro
     check_alibi(OP, alibi_slopes, q, B)
     check_sinks(OP, sinks, q)
     check_same_device(OP, q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, k_new=k_new,
-                      v_new=v_new, block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin)
+                      v_new=v_new, block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                      cache_leftpad=cache_leftpad)
 
 
-def check_data(q, k_cache, cache_seqlens, k_new, block_table, rotary_cos) -> None:
+def check_data(q, k_cache, cache_seqlens, k_new, block_table, rotary_cos, cache_leftpad=None) -> None:
     """The checks that read cache_seqlens/block_table values: eager calls on CPU tensors only
     (no trace, no device synchronisation; see the module doc)."""
     if (cache_seqlens.numel() == 0 or cache_seqlens.device.type != "cpu"
             or not _rotary.values_known(cache_seqlens)):
         return
     check(bool((cache_seqlens >= 0).all()), OP, f"cache_seqlens must be >= 0, got {cache_seqlens.tolist()}")
+    if cache_leftpad is not None:
+        check(bool(((cache_leftpad >= 0) & (cache_leftpad <= cache_seqlens)).all()), OP,
+              f"cache_leftpad must be in [0, cache_seqlens], got {cache_leftpad.tolist()} "
+              f"(cache_seqlens {cache_seqlens.tolist()})")
     snew = 0 if k_new is None else k_new.shape[2]
     lengths = cache_seqlens.long() + snew
     cap = capacity(k_cache, block_table)
@@ -105,7 +114,11 @@ def check_data(q, k_cache, cache_seqlens, k_new, block_table, rotary_cos) -> Non
           f"cache_seqlens + Snew ({snew}) exceeds the cache capacity {cap} slots: {cache_seqlens.tolist()}")
     if block_table is not None:
         # only the blocks that hold a sequence's tokens must be valid; the rest may be padding
-        used = torch.arange(block_table.shape[1], device=block_table.device) * k_cache.shape[2] < lengths[:, None]
+        page = k_cache.shape[2]
+        block_start = torch.arange(block_table.shape[1], device=block_table.device) * page
+        used = block_start < lengths[:, None]
+        if cache_leftpad is not None:  # blocks wholly before a sequence's first key are padding too
+            used = used & (block_start + page > cache_leftpad.long()[:, None])
         entries = block_table[used]
         check(bool(((entries >= 0) & (entries < k_cache.shape[0])).all()), OP,
               f"block_table entries in use must be in [0, {k_cache.shape[0]}) (num_blocks of k_cache)")
@@ -130,28 +143,29 @@ def _attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens
                       k_new: Optional[Tensor] = None, v_new: Optional[Tensor] = None,
                       block_table: Optional[Tensor] = None, rotary_cos: Optional[Tensor] = None,
                       rotary_sin: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None,
-                      sinks: Optional[Tensor] = None, *, scale: Optional[float] = None,
+                      sinks: Optional[Tensor] = None, cache_leftpad: Optional[Tensor] = None, *,
+                      scale: Optional[float] = None,
                       causal: bool = True, window_left: int = -1, window_right: int = -1,
                       softcap: float = 0.0, rotary_interleaved: bool = False,
                       num_splits: int = 0) -> tuple[Tensor, Tensor]:
     tensors = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin, alibi_slopes,
-               sinks)
+               sinks, cache_leftpad)
     flags = dict(scale=scale, causal=causal, window_left=window_left, window_right=window_right, softcap=softcap,
                  rotary_interleaved=rotary_interleaved, num_splits=num_splits)
 
     def make():
-        check_args(*tensors, softcap, window_left, window_right, num_splits)
+        check_args(*tensors[:-1], softcap, window_left, window_right, num_splits, cache_leftpad)
         if not _use_triton(q, k_cache, v_cache, rotary_cos):
             return None
         from ..kernels.triton.attention_decode import DecodeFwd
         return DecodeFwd(*tensors, **flags)
     plan = PLANS.get(OP, (*tensors, *flags.values()), make)
-    check_data(q, k_cache, cache_seqlens, k_new, block_table, rotary_cos)
+    check_data(q, k_cache, cache_seqlens, k_new, block_table, rotary_cos, cache_leftpad)
     if plan is not None:
         return plan(*tensors)
     out, lse = ref.attention_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
                                     rotary_cos, rotary_sin, scale, causal, window_left, window_right,
-                                    softcap, rotary_interleaved, alibi_slopes, sinks)
+                                    softcap, rotary_interleaved, alibi_slopes, sinks, cache_leftpad)
     return out.contiguous(), lse.contiguous()
 
 
@@ -161,7 +175,8 @@ def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens:
                      causal: bool = True, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                      rotary_cos: Optional[Tensor] = None, rotary_sin: Optional[Tensor] = None,
                      rotary_interleaved: bool = False, num_splits: int = 0,
-                     alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                     alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+                     cache_leftpad: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Attention of new queries over a KV cache, appending k_new/v_new to it in place.
 
     q (B, Hq, Sq, D); k_cache/v_cache (B, Hkv, S_max, D|Dv), or paged (num_blocks, Hkv,
@@ -174,7 +189,9 @@ def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens:
     bound); softcap > 0 caps scores as softcap * tanh(s / softcap); alibi_slopes, fp32 (Hq,) or
     (B, Hq), add -slope * |query position - key position| to them (FlashAttention 2's ALiBi);
     sinks (Hq,): a softmax column per head without value (gpt-oss), included in lse.
-    Hq % Hkv == 0 (GQA).
+    cache_leftpad (B,) int32: sequence b's keys start at slot cache_leftpad[b] <= cache_seqlens[b]
+    (FlashAttention 2's left-padded caches: earlier slots are never attended; positions for the
+    masks, ALiBi and rotary stay slot indices). Hq % Hkv == 0 (GQA).
     Any strides with a contiguous last dim. num_splits: how many parts of the keys the GPU
     kernel attends in parallel before merging them (0: chosen from the shapes; no effect on
     the result beyond rounding). Returns out (B, Hq, Sq, Dv) in q's dtype and the fp32
@@ -186,5 +203,5 @@ def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens:
           f"window must be a pair (left, right), got {window!r}")
     return call("attention_decode",
                 q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin, alibi_slopes,
-                sinks, scale=scale, causal=causal, window_left=window[0], window_right=window[1],
+                sinks, cache_leftpad, scale=scale, causal=causal, window_left=window[0], window_right=window[1],
                 softcap=softcap, rotary_interleaved=rotary_interleaved, num_splits=num_splits)

@@ -6,7 +6,9 @@ is the paged case with one block of S_max slots per sequence, so one code path s
 k_new/v_new (B, Hkv, Snew, D|Dv) are written at positions cache_seqlens[b] + s (rotated
 first when rotary tables are given; q is rotated at cache_seqlens[b] + i too), then each
 sequence attends over its L = cache_seqlens[b] + Snew keys. Query i sits at position
-L - Sq + i (causal aligned bottom-right, as FlashAttention). A query with no visible key
+L - Sq + i (causal aligned bottom-right, as FlashAttention). cache_leftpad (B,) starts each
+sequence's keys at slot cache_leftpad[b] instead of 0 (FlashAttention 2's left padding: slots
+before it are padding; positions, for masks, ALiBi and rotary, stay slot indices). A query with no visible key
 gets out = 0 and lse = -inf (it carries no weight when partial attentions are merged).
 alibi_slopes (fp32 (Hq,) or (B, Hq)) add -slope * |query position - key position| to the
 scaled (and capped) scores, as FlashAttention 2; sinks (Hq,) add a softmax column per head that
@@ -57,9 +59,10 @@ def gather(cache, lengths, block_table):
 
 
 def attend(q, k, v, lengths, scale, causal=True, window_left=-1, window_right=-1, softcap=0.0,
-           alibi_slopes=None, sinks=None):
-    """Masked attention of q (B, Hq, Sq, D) over k/v (B, Hkv, L, D|Dv) whose first lengths[b]
-    keys exist. Returns out (B, Hq, Sq, Dv) in q's dtype and lse (B, Hq, Sq) fp32."""
+           alibi_slopes=None, sinks=None, starts=None):
+    """Masked attention of q (B, Hq, Sq, D) over k/v (B, Hkv, L, D|Dv) whose keys
+    starts[b] .. lengths[b] - 1 exist (starts None: from 0). Returns out (B, Hq, Sq, Dv) in q's
+    dtype and lse (B, Hq, Sq) fp32."""
     B, Hq, Sq, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     cdt = compute_dtype(q.dtype)
@@ -75,6 +78,8 @@ def attend(q, k, v, lengths, scale, causal=True, window_left=-1, window_right=-1
         slopes = alibi_slopes.to(cdt).reshape(-1, Hkv, Hq // Hkv, 1, 1)
         s = s - slopes * rel.abs().to(cdt)[:, None, None]
     visible = key < lengths[:, None, None]
+    if starts is not None:
+        visible = visible & (key >= starts[:, None, None])
     if causal:
         visible = visible & (rel <= 0)
     if window_left >= 0:
@@ -92,7 +97,8 @@ def attend(q, k, v, lengths, scale, causal=True, window_left=-1, window_right=-1
 
 def attention_decode(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, block_table=None,
                      rotary_cos=None, rotary_sin=None, scale=None, causal=True, window_left=-1,
-                     window_right=-1, softcap=0.0, rotary_interleaved=False, alibi_slopes=None, sinks=None):
+                     window_right=-1, softcap=0.0, rotary_interleaved=False, alibi_slopes=None, sinks=None,
+                     cache_leftpad=None):
     """Append k_new/v_new to the caches (in place), then attend; returns (out, lse)."""
     table = block_table_of(k_cache, block_table)
     lengths = cache_seqlens.long()
@@ -105,4 +111,5 @@ def attention_decode(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None,
         lengths = lengths + k_new.shape[2]
     k, v = gather(k_cache, lengths, table), gather(v_cache, lengths, table)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return attend(q, k, v, lengths, scale, causal, window_left, window_right, softcap, alibi_slopes, sinks)
+    starts = None if cache_leftpad is None else cache_leftpad.long()
+    return attend(q, k, v, lengths, scale, causal, window_left, window_right, softcap, alibi_slopes, sinks, starts)

@@ -10,10 +10,11 @@ Three launches:
    (k rotated first when rotary tables are given).
 2. `_decode_kernel`: one program per (batch, kv head, split). The q heads of one kv head and
    the Sq queries form the rows of one tile (GQA: the cache is read once per kv head). The
-   keys a sequence's queries can see, [lo, L), are cut into `num_splits` equal chunks of whole
-   key blocks *inside the kernel*, from the sequence's real length, so every split gets its
-   share of the work however full the cache is; the host picks num_splits from shapes only
-   (batch x kv heads, capacity, SM count). q is rotated on load when tables are given.
+   keys a sequence's queries can see, [lo, L) (lo from the window and cache_leftpad), are cut
+   into `num_splits` equal chunks of whole key blocks *inside the kernel*, from the sequence's
+   real length, so every split gets its share of the work however full the cache is; the host
+   picks num_splits from shapes only (batch x kv heads, capacity, SM count). q is rotated on
+   load when tables are given.
 3. With more than one split, `_combine_kernel` merges the partial (out, lse) of the splits.
 
 Scores are kept in log2 units (log2(e) folded into the scale, and into ALiBi's slopes, read per
@@ -23,8 +24,9 @@ from that column, so the combine step counts it once).
 
 Bad index data cannot be validated on the host without a synchronisation, so the kernels
 guard themselves: nothing is read or written outside the caches and the block table, and a
-sequence whose cache_seqlens is negative or too large for the cache, or whose used block_table
-entries fall outside the pool, gets NaN out and lse (the op validates these eagerly on CPU).
+sequence whose cache_seqlens is negative or too large for the cache, whose cache_leftpad is
+outside [0, cache_seqlens], or whose used block_table entries fall outside the pool, gets NaN
+out and lse (the op validates these eagerly on CPU).
 """
 from __future__ import annotations
 
@@ -149,7 +151,7 @@ def _append_kernel(KN, VN, KC, VC, SEQLENS, BT, COS, SIN,
 
 
 @triton.jit
-def _decode_kernel(Q, KC, VC, SEQLENS, BT, COS, SIN, Alibi, Sinks, Out, Lse, OutP, LseP,
+def _decode_kernel(Q, KC, VC, SEQLENS, BT, COS, SIN, Alibi, Sinks, LEFTPAD, Out, Lse, OutP, LseP,
                    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                    stride_vb, stride_vh, stride_vn, stride_bt, stride_c, stride_ab, stride_ah,
                    HKV, GROUP, SQ, SNEW, CAPACITY, PAGE, NUM_PAGES, SEQ_RO, NUM_SPLITS,
@@ -157,7 +159,8 @@ def _decode_kernel(Q, KC, VC, SEQLENS, BT, COS, SIN, Alibi, Sinks, Out, Lse, Out
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, RD2: tl.constexpr, ROTARY: tl.constexpr,
                    INTERLEAVED: tl.constexpr, PAGED: tl.constexpr, SOFTCAP: tl.constexpr,
-                   ALIBI: tl.constexpr, SINKS: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+                   ALIBI: tl.constexpr, SINKS: tl.constexpr, HAS_LEFTPAD: tl.constexpr, SPLIT: tl.constexpr,
+                   DOT_PREC: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: BLOCK_M rows (q head g of the group, query i) of one (batch, kv head) over
     one split of the keys. Writes out/lse, or with SPLIT the split's partial (out, lse)."""
@@ -169,6 +172,12 @@ def _decode_kernel(Q, KC, VC, SEQLENS, BT, COS, SIN, Alibi, Sinks, Out, Lse, Out
     b64 = b.to(tl.int64)
     n_cached = tl.load(SEQLENS + b).to(tl.int64)
     bad = (n_cached < 0) | (n_cached + SNEW > CAPACITY)
+    if HAS_LEFTPAD:  # the sequence's keys are slots [first, seq_k)
+        first = tl.load(LEFTPAD + b).to(tl.int64)
+        bad = bad | (first < 0) | (first > n_cached)
+        first = tl.where(bad, 0, first).to(tl.int32)
+    else:
+        first = 0
     seq_k = tl.where(bad, 0, n_cached + SNEW).to(tl.int32)  # keys of this sequence
 
     r = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -185,8 +194,8 @@ def _decode_kernel(Q, KC, VC, SEQLENS, BT, COS, SIN, Alibi, Sinks, Out, Lse, Out
     if ALIBI:  # per row: its q head's slope, in log2 units
         slope = tl.load(Alibi + b64 * stride_ab + head.to(tl.int64) * stride_ah, mask=row_ok, other=0.0) * _LOG2E
 
-    # keys any row sees: [seq_k - SQ - window_left, seq_k), cut into NUM_SPLITS chunks of blocks
-    lo = (tl.maximum(seq_k - SQ - window_left, 0) // BLOCK_N) * BLOCK_N
+    # keys any row sees: [max(seq_k - SQ - window_left, first), seq_k), cut into NUM_SPLITS chunks of blocks
+    lo = (tl.maximum(seq_k - SQ - window_left, first) // BLOCK_N) * BLOCK_N
     chunk = tl.cdiv(tl.cdiv(seq_k - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = lo + split * chunk
     end = tl.minimum(start + chunk, seq_k)
@@ -202,9 +211,10 @@ def _decode_kernel(Q, KC, VC, SEQLENS, BT, COS, SIN, Alibi, Sinks, Out, Lse, Out
     dv = tl.arange(0, BLOCK_DV)
     for n0 in range(start, end, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N)
-        blk, off, ok = _slots(BT, stride_bt, b, j, j < end, PAGE, NUM_PAGES, PAGED)
+        in_seq = (j < end) & (j >= first)  # slots before `first` are padding, their blocks unread
+        blk, off, ok = _slots(BT, stride_bt, b, j, in_seq, PAGE, NUM_PAGES, PAGED)
         if PAGED:  # a used block_table entry outside the pool
-            bad = bad | (tl.max(((j < end) & ~ok).to(tl.int32), 0) > 0)
+            bad = bad | (tl.max((in_seq & ~ok).to(tl.int32), 0) > 0)
         k = tl.load((KC + blk * stride_kb + hk * stride_kh + off.to(tl.int64) * stride_kn)[:, None]
                     + d[None, :], mask=ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
         qk = _dot(q, tl.trans(k), None, DOT_PREC)
@@ -314,7 +324,7 @@ class DecodeFwd:
     torch_flash/ops/attention_decode.py)."""
 
     def __init__(self, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin,
-                 alibi_slopes=None, sinks=None, *, scale, causal, window_left, window_right, softcap,
+                 alibi_slopes=None, sinks=None, cache_leftpad=None, *, scale, causal, window_left, window_right, softcap,
                  rotary_interleaved, num_splits=0):
         B, Hq, Sq, D = q.shape
         Hkv, page, Dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[-1]
@@ -358,6 +368,7 @@ class DecodeFwd:
                          else (0, 0))
         self.scalars = dict(
             **dict(zip(("stride_ab", "stride_ah"), alibi_strides)), ALIBI=self.alibi, SINKS=sinks is not None,
+            HAS_LEFTPAD=cache_leftpad is not None,
             **_strides(q, "q", "b", "h", "m"), **_strides(k_cache, "k", "b", "h", "n"),
             **_strides(v_cache, "v", "b", "h", "n"), **common, GROUP=group, SQ=Sq, NUM_SPLITS=num_splits,
             qk_scale=scale / softcap if softcap > 0 else scale * _LOG2E.value, softcap=softcap * _LOG2E.value,
@@ -371,7 +382,7 @@ class DecodeFwd:
         self.launchers = [None, None, None]
 
     def __call__(self, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin,
-                 alibi_slopes=None, sinks=None):
+                 alibi_slopes=None, sinks=None, cache_leftpad=None):
         absent, launchers = self.absent, self.launchers
         # the kernels index these 1-D / row-major (no-ops for the usual tensors)
         tables = dict(SEQLENS=cache_seqlens.contiguous(), BT=block_table.contiguous() if self.paged else absent,
@@ -392,7 +403,9 @@ class DecodeFwd:
         launchers[1] = launch_as(launchers[1], self.kernel, self.grid, (),
                                  dict(Q=q, KC=k_cache, VC=v_cache, Out=out, Lse=lse, OutP=out_p, LseP=lse_p,
                                       Alibi=alibi_slopes if self.alibi else absent,
-                                      Sinks=absent if sinks is None else sinks.contiguous(), **tables, **self.scalars))
+                                      Sinks=absent if sinks is None else sinks.contiguous(),
+                                      LEFTPAD=absent if cache_leftpad is None else cache_leftpad.contiguous(),
+                                      **tables, **self.scalars))
         if self.split:
             grid, scalars = self.combine
             launchers[2] = launch_as(launchers[2], _combine_kernel, grid, (),
@@ -401,13 +414,13 @@ class DecodeFwd:
 
 
 def decode_fwd(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin,
-               alibi_slopes=None, sinks=None, **flags):
+               alibi_slopes=None, sinks=None, cache_leftpad=None, **flags):
     """Append k_new/v_new (B, Hkv, Snew, D|Dv) to the caches in place, then attend. Arguments as
     flash.attention_decode (validated by the op); flags: scale, causal, window_left, window_right,
     softcap, rotary_interleaved, num_splits=0 (picked by auto_num_splits; else at most
     MAX_SPLITS). Returns out (B, Hq, Sq, Dv) contiguous in q's dtype and lse (B, Hq, Sq) fp32."""
     tensors = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin, alibi_slopes,
-               sinks)
+               sinks, cache_leftpad)
     return DecodeFwd(*tensors, **flags)(*tensors)
 
 

@@ -22,8 +22,9 @@ def to_paged(k_cache, v_cache, block_size=BLOCK, spare=3):
 
 
 def make(B=3, Hq=2, Hkv=2, Sq=1, Snew=1, D=16, Dv=None, dtype=torch.float32, rotary_dim=0,
-         flash_layout=False, **flags):
-    """Inputs of one call: (args, kwargs). cache_seqlens leave every query a visible key."""
+         flash_layout=False, leftpad=False, S=S_MAX, **flags):
+    """Inputs of one call: (args, kwargs); S slots per sequence. cache_seqlens (and with leftpad, kwargs'
+    cache_leftpad) leave every query a visible key."""
     Dv = Dv or D
 
     def t(*shape):  # (B, H, S, D), or the .transpose(1, 2) view of (B, S, H, D)
@@ -31,13 +32,17 @@ def make(B=3, Hq=2, Hkv=2, Sq=1, Snew=1, D=16, Dv=None, dtype=torch.float32, rot
             return torch.randn(shape[0], shape[2], shape[1], shape[3], dtype=dtype).transpose(1, 2)
         return torch.randn(shape, dtype=dtype)
 
-    q, kc, vc = t(B, Hq, Sq, D), t(B, Hkv, S_MAX, D), t(B, Hkv, S_MAX, Dv)
+    q, kc, vc = t(B, Hq, Sq, D), t(B, Hkv, S, D), t(B, Hkv, S, Dv)
     low = max(Sq - Snew, 0)
-    cache_seqlens = torch.randint(low, S_MAX - Snew + 1, (B,), dtype=torch.int32)
+    cache_seqlens = torch.randint(low, S - Snew + 1, (B,), dtype=torch.int32)
     cache_seqlens[0] = low
     kn, vn = (t(B, Hkv, Snew, D), t(B, Hkv, Snew, Dv)) if Snew else (None, None)
+    if leftpad:  # at most the first query's position (it keeps a key); the last sequence at that bound
+        most = torch.minimum(cache_seqlens, cache_seqlens + Snew - Sq)
+        flags["cache_leftpad"] = (torch.rand(B) * (most + 1)).int()
+        flags["cache_leftpad"][-1] = most[-1]
     if rotary_dim:
-        flags["rotary_cos"], flags["rotary_sin"] = rotary_cos_sin(S_MAX + Sq, rotary_dim)
+        flags["rotary_cos"], flags["rotary_sin"] = rotary_cos_sin(S + Sq, rotary_dim)
     return (q, kc, vc, cache_seqlens, kn, vn), flags
 
 
@@ -53,6 +58,10 @@ CONFIGS = {
     "rotary_neox_partial": dict(Hq=4, Sq=2, Snew=2, rotary_dim=8),
     "rotary_gptj": dict(Sq=1, Snew=1, rotary_dim=16, rotary_interleaved=True),
     "dv": dict(Hq=4, D=16, Dv=8, Sq=2, Snew=2),
+    "leftpad": dict(Hq=4, Hkv=2, Sq=2, Snew=2, leftpad=True),
+    "leftpad_window": dict(Sq=2, Snew=1, window=(3, -1), leftpad=True),
+    "leftpad_window_noncausal": dict(Sq=3, Snew=1, causal=False, window=(2, 1), leftpad=True),
+    "leftpad_rotary": dict(Hq=4, Sq=2, Snew=2, rotary_dim=8, leftpad=True),
 }
 
 
@@ -77,6 +86,9 @@ def _samples():
     (q, kc, vc, cs, kn, vn), kw = make(Hq=4, Hkv=2, Sq=2, Snew=1)
     kp, vp, table = to_paged(kc, vc)
     yield (q, kp, vp, cs, kn, vn, table, None, None, torch.rand(q.shape[0], 4), torch.randn(4)), {"causal": False}
+    # left-padded caches (FlashAttention 2's cache_leftpad) with a window
+    (q, kc, vc, cs, kn, vn), kw = make(Hq=4, Sq=2, Snew=2, leftpad=True)
+    yield (q, kc, vc, cs, kn, vn, None, None, None, None, None, kw["cache_leftpad"]), {"window_left": 5}
 
 
 OPCHECK_SAMPLES = {"attention_decode": _samples}
