@@ -18,7 +18,7 @@ def _sdpa(q, k, v, **kw):  # the same attention in SDPA's layout, as reference
 def test_flash_attn_func_forward_backward():
     q, k, v = (torch.randn(2, 7, h, 16, requires_grad=True) for h in (4, 2, 2))
     out, lse, probs = compat.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
-    assert out.shape == (2, 7, 4, 16) and out.is_contiguous() and lse.shape == (2, 4, 7) and probs is None
+    assert out.shape == (2, 7, 4, 16) and out.is_contiguous() and lse.shape == (2, 4, 7) and probs.numel() == 0
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     ref = _sdpa(*leaves, is_causal=True)
     assert_rel_close(out, ref, 1e-5)
@@ -94,19 +94,50 @@ def test_varlen_packed_variants_match():
                                                                       causal=True, alibi_slopes=slopes), want)
 
 
-def test_deterministic_says_how():
-    """deterministic=True has no per-call switch here: a warning points at
-    torch.use_deterministic_algorithms(True), under which it says nothing."""
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_deterministic_backward(varlen, deterministic):
+    """deterministic=True: the op's backward (where it unpacks its saved tensors) runs under
+    torch.use_deterministic_algorithms(True), which is off again afterwards; no warning."""
+    q, k, v = (torch.randn(2, 5, 2, 16, requires_grad=True) for _ in range(3))
+    modes = []
+
+    def unpack(t):
+        modes.append(torch.are_deterministic_algorithms_enabled())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        if varlen:
+            cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+            out = compat.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, 6, 6,
+                                                causal=True, deterministic=deterministic)
+        else:
+            out = compat.flash_attn_func(q, k, v, causal=True, deterministic=deterministic)
+    out.sum().backward()
+    assert modes and all(m == deterministic for m in modes)
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert q.grad is not None and k.grad is not None
+
+
+@pytest.mark.parametrize("window", [(3, 0), [3, 0], (torch.tensor(3), torch.tensor(0)), torch.tensor([3, 0])])
+def test_window_size_ints_or_tensors(window):
+    """FlashAttention's tests pass torch.randint(0, sk, (2,)): its entries are 0-d tensors."""
+    q, k, v = (torch.randn(2, 6, 2, 16) for _ in range(3))
+    want = compat.flash_attn_func(q, k, v, window_size=(3, 0))
+    torch.testing.assert_close(compat.flash_attn_func(q, k, v, window_size=window), want, rtol=0, atol=0)
+    cu = torch.tensor([0, 6, 12], dtype=torch.int32)
+    out = compat.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, 6, 6,
+                                        window_size=window)
+    torch.testing.assert_close(out.view(2, 6, 2, 16), want)
+
+
+@pytest.mark.parametrize("window,match", [((3,), "window_size must be a pair"), (3, "window_size must be a pair"),
+                                          ((1.5, 0), "window_size entries must be ints"),
+                                          ((torch.tensor(1.0), 0), "window_size entries must be ints")])
+def test_window_size_refused(window, match):
     q = torch.randn(1, 4, 2, 16)
-    with pytest.warns(UserWarning, match="compat.flash_attn_func: deterministic=True .*use_deterministic_algorithms"):
-        compat.flash_attn_func(q, q, q, deterministic=True)
-    torch.use_deterministic_algorithms(True)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            compat.flash_attn_func(q, q, q, deterministic=True)
-    finally:
-        torch.use_deterministic_algorithms(False)
+    with pytest.raises(ValueError, match=f"compat.flash_attn_func: {match}"):
+        compat.flash_attn_func(q, q, q, window_size=window)
 
 
 # --- flash_attn_with_kvcache -----------------------------------------------------------

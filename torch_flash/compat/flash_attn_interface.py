@@ -7,47 +7,105 @@ Tensors use FlashAttention's (batch, seqlen, heads, headdim) layout; they reach 
 alibi_slopes (fp32 (H,) or (batch, H)) pass through to the ops, which compute the bias in their
 kernels as FlashAttention 2 does (softmax_lse of a causal call differs from FlashAttention's by
 a constant per row: its causal kernels drop that constant from the bias, see
-torch_flash/reference/attention.py). Not supported (a clear error, not a silent difference): the
-attention probabilities of return_attn_probs (softmax_lse is returned; S_dmask is None). `deterministic`
-has no per-call effect (a warning says so): torch.use_deterministic_algorithms(True) makes the
-backward bitwise reproducible (flash.attention's docstring says where it is not by default).
+torch_flash/reference/attention.py). window_size takes ints or one-element integer tensors
+(FlashAttention's tests pass `torch.randint(..., (2,))`). deterministic=True runs the call's
+backward under torch.use_deterministic_algorithms(True) (no cuDNN backward, whose dq is summed
+with atomics). return_attn_probs=True returns (out, softmax_lse, S_dmask) as FlashAttention:
+S_dmask empty without dropout, else the probabilities with the call's dropout pattern
+(torch_flash/compat/_attn_probs.py; a test-only output of O(S^2) memory).
 """
 from __future__ import annotations
 
+import operator
 import warnings
 from typing import Optional, Union
 
 import torch
 from torch import Tensor
 
-from .ops.attention import attention_with_lse
-from .ops.attention_decode import attention_decode, capacity
-from .ops.attention_varlen import attention_varlen
-from .ops.rotary import rotary
+from ..ops._autograd import call
+from ..ops.attention import op_kwargs, spec_of
+from ..ops.attention_decode import attention_decode, capacity
+from ..ops.rotary import rotary
+from . import _attn_probs, _paged
 
 
-def _check_deterministic(fn: str, deterministic: bool) -> None:
-    if deterministic and not torch.are_deterministic_algorithms_enabled():
-        warnings.warn(f"torch_flash.compat.{fn}: deterministic=True has no per-call effect here; the "
-                      "backward is bitwise reproducible under torch.use_deterministic_algorithms(True) "
-                      "(cuDNN's, which plain Hopper calls take otherwise, is not)", stacklevel=3)
+def _fail(fn: str, msg: str):
+    raise ValueError(f"torch_flash.compat.{fn}: {msg}")
 
 
-def _result(out: Tensor, lse: Tensor, return_attn_probs: bool):
-    return (out, lse, None) if return_attn_probs else out
+def _window(fn: str, window_size) -> tuple[int, int]:
+    """(left, right) as ints, from ints or one-element integer tensors (a tensor is read on the
+    host: a GPU tensor synchronises)."""
+    try:
+        pair = tuple(window_size)
+    except TypeError:
+        pair = ()
+    if len(pair) != 2:
+        _fail(fn, f"window_size must be a pair (left, right), got {window_size!r}")
+    out = []
+    for w in pair:
+        if isinstance(w, Tensor) and w.numel() == 1 and not (w.is_floating_point() or w.is_complex()):
+            w = int(w.item())
+        try:
+            out.append(operator.index(w))
+        except TypeError:
+            _fail(fn, f"window_size entries must be ints or one-element integer tensors, got {w!r}")
+    return out[0], out[1]
+
+
+def _deterministic(fn: str, deterministic: bool, out: Tensor) -> None:
+    """deterministic=True: out's backward node runs under torch.use_deterministic_algorithms(True)
+    (restored after it), which keeps the op's backward off cuDNN."""
+    if not deterministic or out.grad_fn is None:
+        return
+    if torch.compiler.is_compiling():  # no autograd hooks in a traced graph
+        if not torch.are_deterministic_algorithms_enabled():
+            warnings.warn(f"torch_flash.compat.{fn}: deterministic=True has no effect inside torch.compile; "
+                          "set torch.use_deterministic_algorithms(True) before compiling", stacklevel=3)
+        return
+    saved = []
+
+    def before(grad_outputs):
+        saved.append((torch.are_deterministic_algorithms_enabled(),
+                      torch.is_deterministic_algorithms_warn_only_enabled()))
+        if not saved[-1][0]:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+
+    def after(grad_inputs, grad_outputs):
+        mode, warn_only = saved.pop()
+        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+
+    out.grad_fn.register_prehook(before)
+    out.grad_fn.register_hook(after)
+
+
+def _attn_probs_result(out, lse, return_attn_probs, dropout_p, probs):
+    """out, or FlashAttention's (out, softmax_lse, S_dmask): S_dmask empty without dropout."""
+    if not return_attn_probs:
+        return out
+    return out, lse, probs() if dropout_p > 0 else out.new_empty(0)
 
 
 def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
                     softmax_scale: Optional[float] = None, causal: bool = False,
                     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                     alibi_slopes=None, deterministic: bool = False, return_attn_probs: bool = False):
-    """q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) -> out (B, Sq, Hq, Dv)
-    (and softmax_lse (B, Hq, Sq), None with return_attn_probs)."""
-    _check_deterministic("flash_attn_func", deterministic)
-    out, lse = attention_with_lse(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                  scale=softmax_scale, causal=causal, window=tuple(window_size),
-                                  softcap=softcap, dropout_p=dropout_p, alibi_slopes=alibi_slopes)
-    return _result(out.transpose(1, 2).contiguous(), lse, return_attn_probs)
+    """q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) -> out (B, Sq, Hq, Dv); with
+    return_attn_probs, (out, softmax_lse (B, Hq, Sq), S_dmask (B, Hq, Sq_128, Sk_128), empty
+    without dropout)."""
+    fn = "flash_attn_func"
+    window = _window(fn, window_size)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    kw = op_kwargs(fn, softmax_scale, causal, window, softcap, dropout_p)
+    seed = kw.pop("dropout_seed")
+    out, lse = call("attention_with_lse", q, k, v, None, seed, alibi_slopes, None, **kw)
+    _deterministic(fn, deterministic, out)
+
+    def probs():
+        spec = spec_of(q, softmax_scale, causal, *window, softcap, dropout_p, seed, alibi_slopes)
+        return _attn_probs.dense(q.detach(), k.detach(), spec)
+    return _attn_probs_result(out.transpose(1, 2).contiguous(), lse, return_attn_probs, dropout_p, probs)
 
 
 def flash_attn_qkvpacked_func(qkv: Tensor, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
@@ -76,15 +134,30 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                            softmax_scale: Optional[float] = None, causal: bool = False,
                            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                            alibi_slopes=None, deterministic: bool = False,
-                           return_attn_probs: bool = False):
+                           return_attn_probs: bool = False, block_table: Optional[Tensor] = None):
     """Packed q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv) with int32
-    cu_seqlens (batch + 1,) -> out (total_q, Hq, Dv) (and softmax_lse (Hq, total_q), None)."""
-    _check_deterministic("flash_attn_varlen_func", deterministic)
-    out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                scale=softmax_scale, causal=causal, window=tuple(window_size),
-                                softcap=softcap, dropout_p=dropout_p, alibi_slopes=alibi_slopes,
-                                return_lse=True)
-    return _result(out, lse, return_attn_probs)
+    cu_seqlens (batch + 1,) -> out (total_q, Hq, Dv); with return_attn_probs, (out, softmax_lse
+    (Hq, total_q), S_dmask (batch, Hq, max_seqlen_q_128, max_seqlen_k_128), empty without dropout).
+    block_table (batch, max_blocks) int32: k/v are paged pools (num_blocks, page_block_size, Hkv,
+    D|Dv) and sequence b's key s is in block block_table[b, s // page_block_size] (paged prefill;
+    the keys are gathered into a packed copy, see torch_flash/compat/_paged.py)."""
+    fn = "flash_attn_varlen_func"
+    window = _window(fn, window_size)
+    batch_cu_q, batch_cu_k, slopes = cu_seqlens_q, cu_seqlens_k, alibi_slopes
+    if block_table is not None:
+        _paged.check(fn, k, v, block_table, cu_seqlens_k, max_seqlen_k)
+        k, v, cu_seqlens_q, cu_seqlens_k, slopes = _paged.gather(k, v, block_table, cu_seqlens_q, cu_seqlens_k,
+                                                                 max_seqlen_k, alibi_slopes)
+    kw = op_kwargs(fn, softmax_scale, causal, window, softcap, dropout_p)
+    seed = kw.pop("dropout_seed")
+    out, lse = call("attention_varlen", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seed,
+                    slopes, None, **kw)
+    _deterministic(fn, deterministic, out)
+
+    def probs():
+        spec = spec_of(q, softmax_scale, causal, *window, softcap, dropout_p, seed, alibi_slopes)
+        return _attn_probs.varlen(q.detach(), k.detach(), batch_cu_q, batch_cu_k, max_seqlen_q, max_seqlen_k, spec)
+    return _attn_probs_result(out, lse, return_attn_probs, dropout_p, probs)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float = 0.0,
@@ -131,18 +204,18 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     cache slots cache_leftpad[b] .. cache_seqlens[b] (+ Snew) - 1, earlier slots are padding;
     rotary positions stay slot indices (as FlashAttention 2)."""
     fn = "flash_attn_with_kvcache"
+    window = _window(fn, window_size)
     q, k_cache, v_cache = (t.transpose(1, 2) for t in (q, k_cache, v_cache))
     k, v = (None if t is None else t.transpose(1, 2) for t in (k, v))
     if cache_batch_idx is not None:
         if block_table is not None:
-            raise ValueError(f"torch_flash.compat.{fn}: cache_batch_idx cannot be combined with "
-                             "block_table (a paged cache)")
+            _fail(fn, "cache_batch_idx cannot be combined with block_table (a paged cache)")
         # cache row cache_batch_idx[b] is sequence b's only block, of S slots
         block_table = cache_batch_idx[:, None]
     if not isinstance(cache_seqlens, Tensor):
         n = capacity(k_cache, block_table) if cache_seqlens is None else cache_seqlens
         cache_seqlens = torch.full((q.shape[0],), n, dtype=torch.int32, device=q.device)
-    local = tuple(window_size) != (-1, -1)
+    local = window != (-1, -1)
     if rotary_cos is not None and k is not None and not (causal or local) and q.shape[2] > 1:
         # FlashAttention puts every query of a non-causal, non-local call at position
         # cache_seqlens; the op would rotate query i at cache_seqlens + i
@@ -152,7 +225,7 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
         k = rotary(k, rotary_cos, rotary_sin, interleaved=rotary_interleaved, seqlen_offsets=cache_seqlens)
         rotary_cos = rotary_sin = None
     out, lse = attention_decode(q, k_cache, v_cache, cache_seqlens, k, v, block_table, scale=softmax_scale,
-                                causal=causal, window=tuple(window_size), softcap=softcap,
+                                causal=causal, window=window, softcap=softcap,
                                 rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                                 rotary_interleaved=rotary_interleaved, num_splits=num_splits,
                                 alibi_slopes=alibi_slopes, cache_leftpad=cache_leftpad)
