@@ -32,13 +32,15 @@ def _conjuncts(node: fx.Node, positive: bool) -> list[tuple[fx.Node, bool]]:
         return [piece for a in node.args[:2] if isinstance(a, fx.Node) for piece in _conjuncts(a, positive)]
     if t in NOT:
         return _conjuncts(node.args[0], not positive)
-    if (t == A.expand.default or cast_dtype(node) == torch.bool) and dtype_of(node.args[0]) == torch.bool:
+    if ((t in (A.expand.default, A.expand_as.default) or cast_dtype(node) == torch.bool)
+            and dtype_of(node.args[0]) == torch.bool):
         return _conjuncts(node.args[0], positive)
     return [(node, positive)]
 
 
 def _unwrap(node: Any) -> Any:
-    while is_op(node, *SAME):
+    """node through copies and expand_as (the op broadcasts attn_bias itself)."""
+    while is_op(node, *SAME, A.expand_as.default):
         node = node.args[0]
     return node
 
@@ -211,6 +213,16 @@ def _overwrites_alone(m: Match) -> bool:
             and not m.dropout_p and not m.merged and not m.heads)
 
 
+def _overwrites_first(m: Match) -> bool:
+    """m's finite overwrites, of one fill, come before every other part, on (B, H, ...) scores.
+    A row they hide entirely is then fill + the later terms in the model, whatever the scores:
+    the op computes the same from q = 0 there with the overwrites as fill-valued terms (s + fill
+    rounds to fill), and that q = 0 gives such rows no gradient to q and k, as in the model."""
+    over = [i for i, p in enumerate(m.parts) if p.overwrite]
+    return (len({m.parts[i].fill for i in over}) == 1 and over == list(range(len(over)))
+            and not m.merged and not m.heads)
+
+
 def fold_masks(m: Match, shape: tuple) -> Unmatched | None:
     """Move the masks that provably are a band around the bottom-right diagonal from m.parts
     into m.window. Sums are split into their terms and keep conditions into their and-ed
@@ -224,7 +236,8 @@ def fold_masks(m: Match, shape: tuple) -> Unmatched | None:
     below -1e9 weighs every such key equally, gradients to q and k as the model's add gives).
     A finite fill that overwrites the scores (masked_fill) gives those rows no gradient to q
     and k: where such masks are all the site has (_overwrites_alone), the rows they hide
-    entirely are computed beside the op (m.uniform_rows), else the site is left alone."""
+    entirely are computed beside the op (m.uniform_rows); where they come before any other term,
+    q is set to 0 on those rows (m.zero_rows); else the site is left alone."""
     sorted_ = _Masks(shape)
     for part in m.parts:
         terms = _summands(part.node, part.mult) if part.kind == "add" else [part]
@@ -252,6 +265,9 @@ def fold_masks(m: Match, shape: tuple) -> Unmatched | None:
         if over is not None and _overwrites_alone(m):
             m.uniform_rows = True
             return None  # the model's own masks, unsplit
+        if over is not None and _overwrites_first(m):
+            m.zero_rows = True
+            return None
         if over is not None:
             return Unmatched(f"scores are set to the finite {over.fill:g} where a mask that is not causal "
                              "(padding) hides them: a query row it hides entirely averages v in the model with no "

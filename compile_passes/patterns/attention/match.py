@@ -301,15 +301,50 @@ def _depends_on(x: fx.Node, target: fx.Node, order: dict) -> bool:
         if n in seen or order.get(n, math.inf) < order[target]:
             continue
         seen.add(n)
-        todo.extend(n.all_input_nodes)
+        # expand_as(mask, scores) reads only the scores' shape (Inductor's _sfdp patterns)
+        todo.extend([n.args[0]] if is_op(n, A.expand_as.default) else n.all_input_nodes)
     return False
 
 
+def _all_masked(cond: Any, x: Any, dim: Any) -> list[fx.Node] | None:
+    """The nodes of cond when it is core ATen's "every x of the row is -inf":
+    all(x == -inf, dim, True), or not(any(not(x == -inf), dim, True))."""
+    nodes = []
+    negated = is_op(cond, A.logical_not.default)
+    if negated:
+        nodes.append(cond)
+        cond = cond.args[0]
+    if not (is_op(cond, A.any.dim) if negated else is_op(cond, A.all.dim)) or not arg(cond, "keepdim"):
+        return None
+    if not (isinstance(dim, int) and cond.args[1] % val(x).dim() == dim % val(x).dim()):
+        return None
+    nodes.append(cond)
+    eq = cond.args[0]
+    if negated:
+        if not is_op(eq, A.logical_not.default):
+            return None
+        nodes.append(eq)
+        eq = eq.args[0]
+    if not (is_op(eq, A.eq.Scalar) and eq.args[0] is x and number(eq.args[1]) == -math.inf):
+        return None
+    return nodes + [eq]
+
+
 def softmax_of(n: fx.Node) -> tuple[Any, Any, list[fx.Node]] | None:
-    """(x, dim, the nodes computing it) when n is softmax(x, dim): a softmax op, or core ATen's
-    decomposition exp(x - amax(x, dim, True)) / sum(exp(x - amax(x, dim, True)), dim, True)."""
+    """(x, dim, the nodes computing it) when n is softmax(x, dim): a softmax op, core ATen's
+    decomposition exp(x - amax(x, dim, True)) / sum(exp(x - amax(x, dim, True)), dim, True), or
+    that of math SDPA's _safe_softmax, where(every x of the row is -inf, 0, softmax(x))."""
     if is_op(n, *SOFTMAX):
         return n.args[0], n.args[1], [n]
+    if is_op(n, A.where.self):
+        cond, zeros, out = n.args[:3]
+        inner = softmax_of(out) if isinstance(out, fx.Node) else None
+        if inner is None or not (is_op(zeros, A.full_like.default, A.zeros_like.default) and zeros.args[0] is out
+                                 and (is_op(zeros, A.zeros_like.default) or number(zeros.args[1]) == 0)):
+            return None
+        x, dim, nodes = inner
+        rows = _all_masked(cond, x, dim)
+        return None if rows is None else (x, dim, [n, zeros, *rows, *nodes])
     if not is_op(n, A.div.Tensor):
         return None
     e, total = n.args[:2]

@@ -32,9 +32,10 @@ def _build(graph: fx.Graph, before: fx.Node, x: Operand) -> fx.Node:
     return node
 
 
-def _bias(graph: fx.Graph, before: fx.Node, parts: list[Part]) -> fx.Node | None:
+def _bias(graph: fx.Graph, before: fx.Node, parts: list[Part], fills: bool = False) -> fx.Node | None:
     """attn_bias from the parts left: the and of the keep-masks (bool), or, with float terms,
-    their sum with the masks as 0 / -inf."""
+    their sum with the masks as 0 / -inf. fills: overwrites add their own (scaled) fill
+    instead, in the model's order (Match.zero_rows)."""
     if not parts:
         return None
     masks, floats = [], []
@@ -42,7 +43,10 @@ def _bias(graph: fx.Graph, before: fx.Node, parts: list[Part]) -> fx.Node | None
         node = p.node
         if p.heads and val(node).dim() == 3 and not known_equal(shape_of(node)[0], 1):
             node = _emit(graph, before, A.unflatten.int, node, 0, [-1, p.heads])  # as the op's (B, H, ...)
-        if p.kind == "add":
+        if fills and p.overwrite:
+            keep, hide = (0.0, p.fill * p.mult) if p.positive else (p.fill * p.mult, 0.0)
+            floats.append(_emit(graph, before, A.where.Scalar, node, keep, hide))
+        elif p.kind == "add":
             x = node
             if not dtype_of(x).is_floating_point:  # an added bool or int tensor adds its values
                 x = _emit(graph, before, A._to_copy.default, x, dtype=torch.float32)
@@ -60,16 +64,21 @@ def _bias(graph: fx.Graph, before: fx.Node, parts: list[Part]) -> fx.Node | None
     return out
 
 
+def _hidden_rows(graph: fx.Graph, before: fx.Node, parts: list[Part]) -> fx.Node:
+    """(..., Sq, 1): the query rows that the keep parts hide on every key."""
+    hidden = None
+    for p in parts:
+        h = _emit(graph, before, A.logical_not.default, p.node) if p.positive else p.node
+        hidden = h if hidden is None else _emit(graph, before, A.logical_or.default, hidden, h)
+    return _emit(graph, before, A.all.dim, hidden, -1, True)
+
+
 def _uniform_rows(graph: fx.Graph, before: fx.Node, parts: list[Part], v: fx.Node, out: fx.Node) -> fx.Node:
     """out (B, H, Sq, Dv) with the query rows that the keep parts hide on every key set to v's
     mean over the keys, as the model computes them (Match.uniform_rows); no gradient reaches
     out there, so none reaches q and k. v: (B, Hkv, Sk, Dv), query head h reading kv head
     h // (H / Hkv)."""
-    hidden = None
-    for p in parts:
-        h = _emit(graph, before, A.logical_not.default, p.node) if p.positive else p.node
-        hidden = h if hidden is None else _emit(graph, before, A.logical_or.default, hidden, h)
-    rows = _emit(graph, before, A.all.dim, hidden, -1, True)
+    rows = _hidden_rows(graph, before, parts)
     mean = _emit(graph, before, A.mean.dim, v, [-2], True)
     n = concrete(val(out).shape[1] // val(v).shape[1])  # checked by _replace
     if n != 1:
@@ -100,7 +109,16 @@ def _replace(gm: fx.GraphModule, m: Match) -> Unmatched | None:
         return Unmatched("a padding mask hides whole query rows, and the head counts are not constants")
     for c, div in m.runtime:  # q * c keeps q's dtype (a one-value tensor does not promote it)
         q = _emit(g, at, A.div.Tensor if div else A.mul.Tensor, q, c)
-    bias = _bias(g, at, m.parts)
+    # the op reads rows of the head dim: a strided one (a transposed input) is copied, as SDPA does
+    q, k, v = (x if known_equal(val(x).stride(-1), 1) else _emit(g, at, A.contiguous.default, x) for x in (q, k, v))
+    bias = _bias(g, at, m.parts, fills=m.zero_rows)
+    if m.zero_rows:  # Match.zero_rows: q = 0 on the rows the overwrites hide entirely
+        rows = _hidden_rows(g, at, [p for p in m.parts if p.overwrite])
+        q = _emit(g, at, A.masked_fill.Scalar, q, rows, 0.0)
+        # those rows' terms less their max, the same softmax: the op's lse keeps log(Sk) exact
+        # there (at the fill's magnitude fp32 rounds it: 3e-4 off the model's mean of v)
+        top = _emit(g, at, A.amax.default, bias, [-1], True)
+        bias = _emit(g, at, A.where.self, rows, _emit(g, at, A.sub.Tensor, bias, top), bias)
     if m.merged:
         q, k, v = (_emit(g, at, A.unsqueeze.default, x, 0) for x in (q, k, v))
         if bias is not None and val(bias).dim() == 3:
@@ -143,8 +161,11 @@ def _erase(graph: fx.Graph, nodes: list) -> None:
 def rewrite(gm: fx.GraphModule, report: Report) -> None:
     """Rewrite every attention site of gm to flash.attention, adding each to report."""
     anchors = [(n, name) for t, name in SDPA.items() for n in gm.graph.find_nodes(op="call_function", target=t)]
-    anchors += [(n, "softmax") for t in (*SOFTMAX, A.div.Tensor)
-                for n in gm.graph.find_nodes(op="call_function", target=t) if softmax_of(n) is not None]
+    found = {n: softmax_of(n) for t in (A.where.self, *SOFTMAX, A.div.Tensor)
+             for n in gm.graph.find_nodes(op="call_function", target=t)}
+    # a softmax inside a larger one (decomposed _safe_softmax) is that one's site
+    inner = {x for n, of in found.items() if of is not None for x in of[2] if x is not n}
+    anchors += [(n, "softmax") for n, of in found.items() if of is not None and n not in inner]
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for n, anchor in anchors:
         site = Site("attention", location(n), anchor)
