@@ -160,3 +160,20 @@ def test_core_aten_sdpa(mask):
     assert_rel_close(out, ref, tol=1e-5)
     for i, (g, r) in enumerate(zip(grads, ref_grads)):
         assert_rel_close(g, r, tol=1e-5, what=f"grad {i}")
+
+
+class FusedKernel(torch.nn.Module):
+    def forward(self, q, k, v):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)[0]
+
+
+def test_fused_sdpa_kernel_is_a_site():
+    """SDPA's fused kernels (graphs traced below SDPA) are sites left alone with a reason, in an
+    exported program and through Dynamo, and the graph still computes the kernel's result."""
+    args = [torch.randn(2, 4, 8, 16) for _ in range(3)]
+    ep = torch.export.export(FusedKernel(), tuple(args))
+    for report in (torch_flash.explain(ep), torch_flash.explain(FusedKernel(), *args)):
+        (site,) = report.sites
+        assert site.anchor == "aten._scaled_dot_product_flash_attention_for_cpu" and not site.rewritten
+        assert "a fused SDPA kernel already" in site.reason
+    torch.testing.assert_close(torch_flash.rewrite(ep).module()(*args), FusedKernel()(*args))

@@ -16,7 +16,7 @@ from .._shared import Unmatched, call_checked, conclude, known_equal, replace
 from .match import SOFTMAX, match_softmax, softmax_of
 from .nodes import concrete, shape_of
 from .operands import Match, Operand, Part
-from .sdpa import SDPA, match_sdpa
+from .sdpa import FUSED, SDPA, match_sdpa
 
 FLASH = torch.ops.flash
 
@@ -160,6 +160,10 @@ def _erase(graph: fx.Graph, nodes: list) -> None:
 
 def rewrite(gm: fx.GraphModule, report: Report) -> None:
     """Rewrite every attention site of gm to flash.attention, adding each to report."""
+    for t in FUSED:
+        for n in gm.graph.find_nodes(op="call_function", target=t):
+            report.add(Site("attention", location(n), f"aten.{t.__name__.split('.')[0]}",
+                            reason="a fused SDPA kernel already (the graph was traced below SDPA): left as it is"))
     anchors = [(n, name) for t, name in SDPA.items() for n in gm.graph.find_nodes(op="call_function", target=t)]
     found = {n: softmax_of(n) for t in (A.where.self, *SOFTMAX, A.div.Tensor)
              for n in gm.graph.find_nodes(op="call_function", target=t)}

@@ -23,6 +23,13 @@ from .windows import Window
 SDPA = {A.scaled_dot_product_attention.default: "F.scaled_dot_product_attention",
         A._scaled_dot_product_attention_math.default: "aten._scaled_dot_product_attention_math"}
 
+# PyTorch's fused SDPA kernels, which SDPA becomes in graphs traced below the dispatcher
+# (run_decompositions() on CUDA): sites, left as they are
+FUSED = tuple(getattr(A, name).default for name in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable") if hasattr(A, name))
+
 
 def _math_output(n: fx.Node) -> fx.Node | Unmatched:
     """The node reading the output of a _scaled_dot_product_attention_math call n, which
