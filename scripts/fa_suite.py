@@ -1,0 +1,105 @@
+"""Run FlashAttention's own test files against torch_flash.compat, and count the results per test
+function.
+
+The test files come from a FlashAttention checkout the developer fetched (never committed here):
+
+    git clone --depth 1 https://github.com/Dao-AILab/flash-attention /tmp/fa
+    python scripts/fa_suite.py /tmp/fa/tests/test_flash_attn.py /tmp/fa/tests/test_rotary.py \\
+        /tmp/fa/tests/ops/triton/test_layer_norm.py /tmp/fa/tests/losses/test_cross_entropy.py \\
+        --sample 500 --summary fa_suite.md -- -x
+
+`import flash_attn` in them resolves to torch_flash.testing.fa_shim (torch_flash.compat under
+FlashAttention's module names); the real flash_attn must not be importable first. --sample N runs
+a random sample of N collected tests (--seed fixes it); arguments after `--` go to pytest. The
+summary (stdout, and --summary FILE as Markdown) lists passed / failed / skipped per test
+function, with the skip reasons and each failure's first error line. Without a GPU the files
+are collected and imported, and every test is skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import random
+import sys
+
+import pytest
+
+
+class Summary:
+    """pytest plugin: optional random sampling, then outcomes per test function."""
+
+    def __init__(self, sample: int | None, seed: int):
+        self.sample, self.seed = sample, seed
+        self.counts = collections.defaultdict(collections.Counter)  # function -> outcome -> n
+        self.reasons = collections.defaultdict(collections.Counter)  # function -> skip reason / error -> n
+
+    def pytest_collection_modifyitems(self, config, items):
+        if self.sample is not None and self.sample < len(items):
+            keep = set(random.Random(self.seed).sample(range(len(items)), self.sample))
+            config.hook.pytest_deselected(items=[t for i, t in enumerate(items) if i not in keep])
+            items[:] = [t for i, t in enumerate(items) if i in keep]
+
+    def pytest_runtest_logreport(self, report):
+        if report.when != "call" and not (report.failed or report.skipped):
+            return
+        function = report.nodeid.split("[")[0]
+        if report.skipped:
+            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            self.counts[function]["skipped"] += 1
+            self.reasons[function][reason.removeprefix("Skipped: ")] += 1
+        elif report.failed:
+            self.counts[function]["failed"] += 1
+            self.reasons[function][_first_error(report)] += 1
+        else:
+            self.counts[function]["passed"] += 1
+
+    def markdown(self) -> str:
+        total = collections.Counter()
+        lines = ["| test function | passed | failed | skipped |", "|---|---:|---:|---:|"]
+        for function in sorted(self.counts):
+            c = self.counts[function]
+            total.update(c)
+            lines.append(f"| {function} | {c['passed']} | {c['failed']} | {c['skipped']} |")
+        lines.append(f"| **total** | {total['passed']} | {total['failed']} | {total['skipped']} |")
+        for function in sorted(self.reasons):
+            for reason, n in self.reasons[function].most_common():
+                lines.append(f"- {function} ({n}x): {reason}")
+        return "\n".join(lines) + "\n"
+
+
+def _first_error(report) -> str:
+    """The first `E ` line of a failure, or its last line."""
+    text = str(report.longrepr)
+    errors = [line[1:].strip() for line in text.splitlines() if line.startswith("E ")]
+    return (errors[0] if errors else text.strip().splitlines()[-1])[:200]
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("paths", nargs="+", help="FlashAttention test files or directories")
+    parser.add_argument("--sample", type=int, help="run a random sample of this many tests")
+    parser.add_argument("--seed", type=int, default=0, help="seed of --sample")
+    parser.add_argument("--summary", help="also write the per-function summary to this Markdown file")
+    args = parser.parse_args(argv)
+    for path in args.paths:
+        if not os.path.exists(path):
+            parser.error(f"no such file or directory: {path}")
+    summary = Summary(args.sample, args.seed)
+    # -c os.devnull: FlashAttention's own pytest configuration and conftests of this repository
+    # stay out; -p loads the shim before the test modules import flash_attn
+    rc = pytest.main(["-c", os.devnull, "--rootdir", os.path.dirname(os.path.abspath(args.paths[0])),
+                      "-p", "torch_flash.testing.fa_shim", "-q", *extra, *args.paths], plugins=[summary])
+    text = summary.markdown()
+    print(text)
+    if args.summary:
+        with open(args.summary, "w") as f:
+            f.write(text)
+    return int(rc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""flash_attn.layers: drop-ins for FlashAttention's layers (rotary)."""
