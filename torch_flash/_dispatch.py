@@ -11,6 +11,7 @@ forced backend that cannot serve a call is an error, never a silent fallback.
 """
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import functools
 import importlib.util
@@ -35,7 +36,7 @@ _ENV = os.environ.get("TORCH_FLASH_BACKEND", "").strip().lower() or None
 # use_backend's choice goes under this key into torch's thread-local state (autograd hands it
 # to the device threads that run a backward() called in the block) or, in a compiled function,
 # into the annotations of the graph's nodes
-_KEY = "torch_flash_backend"
+BACKEND_TLS_KEY = "torch_flash_backend"
 # torch >= 2.13; before, an exit leaves None behind
 _tls_remove = getattr(torch._C, "_remove_obj_from_tls", None)
 
@@ -53,18 +54,18 @@ def use_backend(name: Optional[Backend]) -> Iterator[None]:
         raise ValueError(f"use_backend({name!r}): expected one of {', '.join(BACKENDS)}, or None")
     choice = name or _AUTO
     if torch.compiler.is_compiling():
-        with fx_traceback.annotate({_KEY: choice}):
+        with fx_traceback.annotate({BACKEND_TLS_KEY: choice}):
             yield
     else:
         prev = _thread_choice()
-        torch._C._stash_obj_in_tls(_KEY, choice)
+        torch._C._stash_obj_in_tls(BACKEND_TLS_KEY, choice)
         try:
             yield
         finally:
             if prev is None and _tls_remove is not None:
-                _tls_remove(_KEY)  # nothing of ours left for the thread's exit to free
+                _tls_remove(BACKEND_TLS_KEY)  # nothing of ours left for the thread's exit to free
             else:
-                torch._C._stash_obj_in_tls(_KEY, prev)
+                torch._C._stash_obj_in_tls(BACKEND_TLS_KEY, prev)
 
 
 def forced_backend() -> Optional[str]:
@@ -77,11 +78,11 @@ def forced_backend() -> Optional[str]:
 
 def _traced_choice() -> Optional[str]:
     custom = fx_traceback.current_meta.get("custom")
-    return custom.get(_KEY) if custom else None
+    return custom.get(BACKEND_TLS_KEY) if custom else None
 
 
 def _thread_choice() -> Optional[str]:
-    return torch._C._get_obj_in_tls(_KEY) if torch._C._is_key_in_tls(_KEY) else None
+    return torch._C._get_obj_in_tls(BACKEND_TLS_KEY) if torch._C._is_key_in_tls(BACKEND_TLS_KEY) else None
 
 
 @functools.cache
@@ -135,9 +136,46 @@ def symbolic(t: torch.Tensor) -> bool:
             or t.device.type == "meta" or (t.is_cuda and torch.cuda.is_current_stream_capturing()))
 
 
-# The path each op took on its latest call (`python -m torch_flash demo` reports it): a Backend,
-# or "cudnn" where flash.attention_backward hands the call to cuDNN (ops/attention.py).
-LAST: dict[str, str] = {}
+class _Last(collections.abc.MutableMapping):
+    """op -> the path its latest call took (`python -m torch_flash demo` reports it): a Backend,
+    or "cudnn" where flash.attention_backward hands the call to cuDNN (ops/attention.py). The
+    Python path writes it; where the compiled fast path (ops/_fast.py) replayed a call since,
+    the extension answers."""
+
+    def __init__(self):
+        self._paths: dict[str, str] = {}
+        self._replayed: Callable[[str], Optional[str]] = lambda op: None
+        self._forget: Callable[[str], None] = lambda op: None
+        self._fast: frozenset[str] = frozenset()
+
+    def attach(self, replayed: Callable[[str], Optional[str]], forget: Callable[[str], None], ops) -> None:
+        self._replayed, self._forget, self._fast = replayed, forget, frozenset(ops)
+
+    def __getitem__(self, op: str) -> str:
+        path = self._replayed(op) if op in self._fast else None
+        return self._paths[op] if path is None else path
+
+    def __setitem__(self, op: str, path: str) -> None:
+        self._paths[op] = path
+        if op in self._fast:
+            self._forget(op)
+
+    def __delitem__(self, op: str) -> None:
+        del self._paths[op]
+
+    def __iter__(self):
+        return iter({*self._paths, *(op for op in self._fast if self._replayed(op) is not None)})
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def clear(self) -> None:
+        self._paths.clear()
+        for op in self._fast:
+            self._forget(op)
+
+
+LAST = _Last()
 
 Serves = Optional[Callable[[], bool]]
 

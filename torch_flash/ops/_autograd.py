@@ -26,6 +26,7 @@ sibling, keeps its extra state on `ctx`, and returns the public outputs.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import warnings
@@ -156,9 +157,15 @@ def call(op: str, *args, **kwargs):
     (_classify): without a gradient the body runs directly, in-place ops then moving their
     written tensors' version counters themselves, as ADInplaceOrView would (written tensors
     must be passed positionally for that); with one, the op's autograd rule runs directly
-    (_direct_rule)."""
+    (_direct_rule). Ops on the compiled fast path take the dispatcher for CUDA tensors: their
+    kernels there are C++ (ops/_fast.py)."""
     if torch.compiler.is_compiling():  # Dynamo traces the op call, nothing else here
         return getattr(torch.ops.flash, op).default(*args, **kwargs)
+    overload = FAST.get(op)
+    if overload is not None:
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        if isinstance(first, torch.Tensor) and first.is_cuda:  # the dispatcher reaches C++ directly
+            return overload(*args, **kwargs)
     body, mutated = _BODIES.get(op), _MUTATED.get(op, ())
     kind = _NOT_PLAIN if body is None or (mutated and len(args) <= mutated[-1]) else _classify(args, kwargs)
     if kind == _NO_GRAD:
@@ -173,6 +180,9 @@ def call(op: str, *args, **kwargs):
     return rule(*args, **kwargs)
 
 
+# op name -> its OpOverload, for ops whose CUDA and AutogradCUDA kernels are the compiled fast
+# path's (ops/_fast.py): their CUDA calls go straight to the dispatcher
+FAST: dict[str, Any] = {}
 # op name -> its autograd rule callable as rule(*args, **kwargs) without the dispatcher, or None
 _DIRECT: dict[str, Callable | None] = {}
 
@@ -275,6 +285,68 @@ def register_autograd_via(opdef: CustomOpDef, *, forward: Callable[..., tuple[An
         return _Function.apply(*values)
 
     register_autograd_kernel(opdef, rule)
+
+
+ARG, SAVED, GRAD, GRAD_OR_NONE, DTYPE_OF = range(5)  # csrc/fast/fast_path.h, Source::Kind
+
+
+@dataclasses.dataclass(frozen=True)
+class Src:
+    """Where one argument of a backward op comes from: ARG (the forward's argument `ref`, not a
+    tensor), SAVED (the ref-th saved tensor), GRAD / GRAD_OR_NONE (the gradient of the ref-th
+    output; an unused output's is zeros / None), DTYPE_OF (the dtype of tensor argument `ref`)."""
+    kind: int
+    ref: int | str
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """An op's autograd rule as data, run by the Python rule (register_autograd_spec) and by the
+    C++ node of the eager fast path (csrc/fast/autograd.cpp) alike.
+
+    forward: the op whose call computes the outputs, with the op's arguments by name (a sibling
+    that also returns what the backward needs); None: the op itself. outputs: which of its
+    returns the op returns. save: what the backward keeps, an argument by name or forward's i-th
+    return. backward, backward_args: the backward op and where its arguments come from. grads:
+    argument name -> (index of its gradient among backward's returns, name of the argument whose
+    dtype it is cast to, or None); arguments that were None get none."""
+    backward: str
+    backward_args: tuple[Src, ...]
+    grads: tuple[tuple[str, int, str | None], ...]
+    save: tuple[str | int, ...]
+    forward: str | None = None
+    outputs: tuple[int, ...] = (0,)
+
+
+# op name -> its Spec (the fast path hands them to C++)
+SPECS: dict[str, Spec] = {}
+
+
+def register_autograd_spec(opdef: CustomOpDef, spec: Spec) -> None:
+    """opdef's autograd rule from its Spec (through register_autograd_via)."""
+    name = opdef._name
+
+    def forward(**inputs):
+        out = call(spec.forward or name, **inputs)
+        outs = out if isinstance(out, tuple) else (out,)
+        public = tuple(outs[i] for i in spec.outputs)
+        return (public if len(public) > 1 else public[0]), outs
+
+    def setup_context(ctx, inputs, output, outs):
+        ctx.save_for_backward(*(inputs[s] if isinstance(s, str) else outs[s] for s in spec.save))
+        ctx.values = {n: v for n, v in inputs.items() if not isinstance(v, torch.Tensor)}
+        ctx.dtypes = {n: v.dtype for n, v in inputs.items() if isinstance(v, torch.Tensor)}
+
+    def backward(ctx, *grads):
+        saved = ctx.saved_tensors
+        sources = {ARG: ctx.values, SAVED: saved, GRAD: grads, GRAD_OR_NONE: grads, DTYPE_OF: ctx.dtypes}
+        out = call(spec.backward, *(sources[s.kind][s.ref] for s in spec.backward_args))
+        out = out if isinstance(out, tuple) else (out,)
+        return {n: out[i] if cast is None else out[i].to(ctx.dtypes[cast])
+                for n, i, cast in spec.grads if n in ctx.dtypes}
+
+    register_autograd_via(opdef, forward=forward, setup_context=setup_context, backward=backward)
+    SPECS[name] = spec
 
 
 def grad_or_empty(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from ..reference import layer_norm as ref
-from ._autograd import call, grad_or_empty, register_autograd_via, triton_op
+from ._autograd import (ARG, GRAD, GRAD_OR_NONE, SAVED, Spec, Src, call, grad_or_empty, register_autograd_spec,
+                        triton_op)
 from ._checks import check, check_same_device, check_tensor
 from ._norm import check_args as _check_x_weight_residual
 from ._norm import check_grads, laid_out_like, triton_backward, triton_forward
@@ -141,49 +142,22 @@ def _add_layer_norm_backward(grad_y: Tensor, grad_residual_out: Optional[Tensor]
     return dsum, grad_or_empty(dw, residual_out), grad_or_empty(db, residual_out)
 
 
-def _present(grad: Tensor, param: Optional[Tensor]) -> Optional[Tensor]:
-    return None if param is None else grad
-
-
-def _ln_forward(**inputs):
-    y, mean, rstd = call("layer_norm_with_stats", **inputs)
-    return y, (mean, rstd)
-
-
-def _ln_setup(ctx, inputs, y, stats):
-    ctx.save_for_backward(inputs["x"], inputs["weight"], inputs["bias"], *stats)
-    ctx.eps, ctx.weight_offset = inputs["eps"], inputs["weight_offset"]
-
-
-def _ln_backward(ctx, grad_y):
-    x, weight, bias, mean, rstd = ctx.saved_tensors
-    dx, dw, db = call("layer_norm_backward", grad_y, x, weight, bias, ctx.eps, ctx.weight_offset,
-                      mean, rstd)
-    return {"x": dx, "weight": _present(dw, weight), "bias": _present(db, bias)}
-
-
-def _add_ln_forward(**inputs):
-    y, residual_out, mean, rstd = call("add_layer_norm_with_stats", **inputs)
-    return (y, residual_out), (residual_out, mean, rstd)
-
-
-def _add_ln_setup(ctx, inputs, output, state):
-    ctx.save_for_backward(*state, inputs["weight"], inputs["bias"])
-    ctx.eps, ctx.weight_offset = inputs["eps"], inputs["weight_offset"]
-    ctx.x_dtype, ctx.residual_dtype = inputs["x"].dtype, inputs["residual"].dtype
-
-
-def _add_ln_backward(ctx, grad_y, grad_residual_out):
-    residual_out, mean, rstd, weight, bias = ctx.saved_tensors
-    dsum, dw, db = call("add_layer_norm_backward", grad_y, grad_residual_out, residual_out, weight, bias,
-                        ctx.eps, ctx.weight_offset, mean, rstd)
-    return {"x": dsum.to(ctx.x_dtype), "residual": dsum.to(ctx.residual_dtype),
-            "weight": _present(dw, weight), "bias": _present(db, bias)}
-
-
-register_autograd_via(_layer_norm, forward=_ln_forward, setup_context=_ln_setup, backward=_ln_backward)
-register_autograd_via(_add_layer_norm, forward=_add_ln_forward, setup_context=_add_ln_setup,
-                      backward=_add_ln_backward)
+# with a gradient, the forward keeps each row's statistics for the backward
+register_autograd_spec(_layer_norm, Spec(
+    forward="layer_norm_with_stats",
+    save=("x", "weight", "bias", 1, 2),
+    backward="layer_norm_backward",
+    backward_args=(Src(GRAD, 0), Src(SAVED, 0), Src(SAVED, 1), Src(SAVED, 2), Src(ARG, "eps"),
+                   Src(ARG, "weight_offset"), Src(SAVED, 3), Src(SAVED, 4)),
+    grads=(("x", 0, None), ("weight", 1, None), ("bias", 2, None))))
+register_autograd_spec(_add_layer_norm, Spec(
+    forward="add_layer_norm_with_stats",
+    outputs=(0, 1),
+    save=(1, 2, 3, "weight", "bias"),
+    backward="add_layer_norm_backward",
+    backward_args=(Src(GRAD, 0), Src(GRAD_OR_NONE, 1), Src(SAVED, 0), Src(SAVED, 3), Src(SAVED, 4),
+                   Src(ARG, "eps"), Src(ARG, "weight_offset"), Src(SAVED, 1), Src(SAVED, 2)),
+    grads=(("x", 0, "x"), ("residual", 0, "residual"), ("weight", 1, None), ("bias", 2, None))))
 
 
 def layer_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None,

@@ -13,7 +13,8 @@ import torch
 from torch import Tensor
 
 from ..reference import rms_norm as ref
-from ._autograd import call, grad_or_empty, triton_op
+from ._autograd import (ARG, DTYPE_OF, GRAD, GRAD_OR_NONE, SAVED, Spec, Src, call, grad_or_empty,
+                        register_autograd_spec, triton_op)
 from ._checks import FLOAT_DTYPES, check
 from ._norm import check_args, check_grads, laid_out_like, triton_backward, triton_forward
 
@@ -105,41 +106,20 @@ def _add_rms_norm_backward(grad_y: Tensor, grad_residual_out: Optional[Tensor], 
     return dsum, grad_or_empty(dw, residual_out)
 
 
-def _rms_setup(ctx, inputs, keyword_only_inputs, output):
-    x, weight, eps = inputs
-    ctx.save_for_backward(x, weight)
-    ctx.eps = eps
-    ctx.weight_offset = keyword_only_inputs["weight_offset"]
-    ctx.cast_before_weight = keyword_only_inputs["cast_before_weight"]
-
-
-def _rms_backward(ctx, grad_y):
-    x, weight = ctx.saved_tensors
-    dx, dw = call("rms_norm_backward", grad_y, x, weight, ctx.eps, ctx.weight_offset,
-                  ctx.cast_before_weight)
-    return dx, (dw if weight is not None else None), None
-
-
-def _add_rms_setup(ctx, inputs, keyword_only_inputs, output):
-    x, residual, weight, eps = inputs
-    _, residual_out = output
-    ctx.save_for_backward(residual_out, weight)
-    ctx.eps = eps
-    ctx.weight_offset = keyword_only_inputs["weight_offset"]
-    ctx.cast_before_weight = keyword_only_inputs["cast_before_weight"]
-    ctx.x_dtype, ctx.residual_dtype = x.dtype, residual.dtype
-
-
-def _add_rms_backward(ctx, grad_y, grad_residual_out):
-    residual_out, weight = ctx.saved_tensors
-    dsum, dw = call("add_rms_norm_backward",
-                    grad_y, grad_residual_out, residual_out, weight, ctx.eps, ctx.weight_offset,
-                    ctx.cast_before_weight, ctx.x_dtype)
-    return dsum.to(ctx.x_dtype), dsum.to(ctx.residual_dtype), (dw if weight is not None else None), None
-
-
-_rms_norm.register_autograd(_rms_backward, setup_context=_rms_setup)
-_add_rms_norm.register_autograd(_add_rms_backward, setup_context=_add_rms_setup)
+register_autograd_spec(_rms_norm, Spec(
+    save=("x", "weight"),
+    backward="rms_norm_backward",
+    backward_args=(Src(GRAD, 0), Src(SAVED, 0), Src(SAVED, 1), Src(ARG, "eps"), Src(ARG, "weight_offset"),
+                   Src(ARG, "cast_before_weight")),
+    grads=(("x", 0, None), ("weight", 1, None))))
+# the sum's gradient reaches x and residual, each in its own dtype
+register_autograd_spec(_add_rms_norm, Spec(
+    outputs=(0, 1),
+    save=(1, "weight"),
+    backward="add_rms_norm_backward",
+    backward_args=(Src(GRAD, 0), Src(GRAD_OR_NONE, 1), Src(SAVED, 0), Src(SAVED, 1), Src(ARG, "eps"),
+                   Src(ARG, "weight_offset"), Src(ARG, "cast_before_weight"), Src(DTYPE_OF, "x")),
+    grads=(("x", 0, "x"), ("residual", 0, "residual"), ("weight", 1, None))))
 
 
 def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, *,

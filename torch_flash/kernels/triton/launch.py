@@ -23,6 +23,7 @@ returned passes it back through launch_as and skips the key as well.
 from __future__ import annotations
 
 import operator
+from typing import NamedTuple
 
 import torch
 from torch._library.triton import is_wrap_triton_enabled
@@ -34,11 +35,47 @@ from triton.runtime.jit import JITFunction
 MAX_LAUNCHERS = 4096
 # key -> _Launcher
 _LAUNCHERS: dict[tuple, "_Launcher"] = {}
+# the recording of ops/_fast.py while it records a call, else None
+RECORDING = None
+# bytes of a kernel argument of each scalar Triton signature type (pointers: 8)
+ARG_BYTES = {"i1": 1, "i8": 1, "u1": 1, "u8": 1, "i16": 2, "u16": 2, "i32": 4, "u32": 4, "i64": 8, "u64": 8,
+             "fp32": 4, "f32": 4, "fp64": 8}
+
+
+class Abi(NamedTuple):
+    """How the CUDA driver launches a compiled kernel (for ops/_fast.py's recipes): its function,
+    block and shared memory, its parameters in order as (position among the kernel's arguments,
+    Triton type), and how many scratch pointers Triton appends (passed as null)."""
+    function: int
+    threads: int
+    shared: int
+    params: tuple[tuple[int, str], ...]
+    scratch: int
+
+
+def _abi(names: list[str], compiled) -> Abi | None:
+    """compiled's Abi where a plain cuLaunchKernel launches it (one CTA per cluster, not
+    cooperative, no programmatic dependent launch, no tensor descriptors), else None."""
+    md = compiled.metadata
+    signature = getattr(getattr(compiled, "src", None), "signature", None)
+    if (not isinstance(signature, dict) or getattr(md, "num_ctas", 1) != 1
+            or getattr(md, "launch_cooperative_grid", False) or getattr(md, "launch_pdl", False)):
+        return None
+    params = []
+    for i, name in enumerate(names):
+        ty = signature.get(name, "constexpr")
+        if ty == "constexpr":
+            continue
+        if not isinstance(ty, str) or not (ty.startswith("*") or ty in ARG_BYTES):
+            return None
+        params.append((i, ty))
+    scratch = hasattr(md, "global_scratch_size") + hasattr(md, "profile_scratch_size")
+    return Abi(compiled.function, 32 * md.num_warps, md.shared, tuple(params), scratch)
 
 
 class _Launcher:
     """A compiled kernel and how to call its C launcher from launch()'s arguments."""
-    __slots__ = ("run", "function", "metadata", "order", "tail", "names", "device")
+    __slots__ = ("run", "function", "metadata", "order", "tail", "names", "device", "abi")
 
     def __init__(self, kernel, compiled, device: int, n_args: int, kwargs: dict, config: dict):
         fn = kernel.fn if isinstance(kernel, Autotuner) else kernel
@@ -53,8 +90,10 @@ class _Launcher:
         self.names, self.device = names, device
         self.function, self.metadata = compiled.function, compiled.packed_metadata
         self.run = run = compiled.run
+        self.abi = None
         if (getattr(run, "global_scratch_size", None) == 0 and getattr(run, "profile_scratch_size", None) == 0
                 and hasattr(run, "launch")):
+            self.abi = _abi(names, compiled)
             # Triton 3.6's CudaLauncher.__call__ only adds its scratch buffers (none here) and
             # cooperative/PDL flags before the C launch: call that directly
             flags = (run.launch_cooperative_grid, run.launch_pdl, None, None)
@@ -70,8 +109,10 @@ class _Launcher:
             params = (params,)
         if callable(grid):
             grid = grid(dict(zip(self.names, params)))
-        self.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                 torch._C._cuda_getCurrentRawStream(device), self.function, self.metadata,
+        gx, gy, gz = grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1
+        if RECORDING is not None:
+            RECORDING.launched(self, (gx, gy, gz), params)
+        self.run(gx, gy, gz, torch._C._cuda_getCurrentRawStream(device), self.function, self.metadata,
                  None, None, None, *params)
 
 
@@ -96,6 +137,8 @@ def launch(kernel, grid, *args, **kwargs) -> _Launcher | None:
         torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
         return None
     if not _compiled_by_triton(kernel):
+        if RECORDING is not None:
+            RECORDING.compiled()
         kernel[grid](*args, **kwargs)
         return None
     device = torch.cuda.current_device()
@@ -104,6 +147,8 @@ def launch(kernel, grid, *args, **kwargs) -> _Launcher | None:
     if launcher is not None:
         launcher(grid, device, args, kwargs)
         return launcher
+    if RECORDING is not None:
+        RECORDING.compiled()
     compiled = kernel[grid](*args, **kwargs)
     config = kernel.best_config.all_kwargs() if isinstance(kernel, Autotuner) else {}
     if len(_LAUNCHERS) >= MAX_LAUNCHERS:

@@ -1,0 +1,333 @@
+// The CUDA-key kernel of the fast path: replay a recorded recipe, or run the op's Python body
+// (recording it when asked). fast_path.h describes the scheme.
+#include <ATen/ATen.h>
+#include <ATen/ThreadLocalPythonObjects.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/PyInterpreter.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+
+#include <cstring>
+#include <set>
+
+#include "fast/fast_path.h"
+
+namespace torch_flash::fast {
+namespace py = pybind11;
+
+namespace {
+
+// Recordings of one signature that may give no recipe (the first call compiles its kernels;
+// a signature on the reference path never gives one) before its calls stop trying.
+constexpr int kMaxAttempts = 3;
+// signatures kept per op before its table starts afresh (shapes can vary without bound)
+constexpr size_t kMaxRecipes = 4096;
+
+using LaunchFn = CUresult (*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                              unsigned, CUstream, void**, void**);
+using ParamInfoFn = CUresult (*)(CUfunction, size_t, size_t*, size_t*);
+
+// Driver entry points through the runtime, so the extension does not link libcuda.
+template <class Fn>
+Fn driver_entry(const char* symbol, unsigned version) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult status{};
+  const cudaError_t err = cudaGetDriverEntryPointByVersion(symbol, &fn, version, cudaEnableDefault, &status);
+  TORCH_CHECK(err == cudaSuccess && status == cudaDriverEntryPointSuccess && fn,
+              "torch_flash fast path: the CUDA driver has no ", symbol);
+  return reinterpret_cast<Fn>(fn);
+}
+
+LaunchFn launch_kernel() {
+  static const LaunchFn fn = driver_entry<LaunchFn>("cuLaunchKernel", 12000);
+  return fn;
+}
+
+ParamInfoFn param_info() {
+  static const ParamInfoFn fn = driver_entry<ParamInfoFn>("cuFuncGetParamInfo", 12040);
+  return fn;
+}
+
+std::string& backend_key() {
+  static std::string key;
+  return key;
+}
+
+// use_backend(...) in force on this thread: the Python path decides every call (torch < 2.13
+// leaves None under the key when the block exits)
+bool backend_forced() {
+  const std::string& key = backend_key();
+  if (key.empty() || !at::impl::ThreadLocalPythonObjects::contains(key)) return false;
+  return at::impl::ThreadLocalPythonObjects::get(key)->ptr(getPyInterpreter()) != Py_None;
+}
+
+const std::string* intern(const std::string& path) {
+  static std::mutex mutex;
+  static std::set<std::string> paths;
+  std::lock_guard<std::mutex> guard(mutex);
+  return &*paths.insert(path).first;
+}
+
+void push_tensor_key(Key& key, const at::Tensor& t) {
+  key.push_back(static_cast<int64_t>(t.scalar_type()));
+  key.push_back(t.get_device());
+  key.push_back(t.dim());
+  for (int64_t s : t.sizes()) key.push_back(s);
+  for (int64_t s : t.strides()) key.push_back(s);
+  // the one thing Triton reads of a pointer; conj/neg bits would change what the data means
+  key.push_back((reinterpret_cast<uintptr_t>(t.const_data_ptr()) & 15) | (t.is_conj() << 4) | (t.is_neg() << 5));
+}
+
+// What the Python body's plan and path depend on (torch_flash/ops/_plans.py, signature): every
+// tensor's dtype, device, shape, strides and 16-byte alignment, every other argument's value.
+// False for arguments the key cannot hold (those calls always take the Python path).
+bool make_key(c10::ArrayRef<c10::IValue> args, Key& key) {
+  key.clear();
+  key.push_back(c10::cuda::current_device());
+  for (const c10::IValue& v : args) {
+    if (v.isTensor()) {
+      const at::Tensor& t = v.toTensor();
+      if (!t.defined()) {
+        key.push_back(1);
+        continue;
+      }
+      if (!t.is_cuda() || t.layout() != at::kStrided) return false;
+      key.push_back(2);
+      push_tensor_key(key, t);
+    } else if (v.isNone()) {
+      key.push_back(3);
+    } else if (v.isInt()) {  // ScalarType and MemoryFormat arguments too
+      key.push_back(4);
+      key.push_back(v.toInt());
+    } else if (v.isDouble()) {
+      const double d = v.toDouble();
+      int64_t bits;
+      std::memcpy(&bits, &d, sizeof bits);
+      key.push_back(5);
+      key.push_back(bits);
+    } else if (v.isBool()) {
+      key.push_back(6 + v.toBool());
+    } else if (v.isIntList()) {
+      key.push_back(8);
+      const auto list = v.toIntList();
+      key.push_back(static_cast<int64_t>(list.size()));
+      for (int64_t x : list) key.push_back(x);
+    } else if (v.isString()) {
+      const auto& s = v.toStringRef();
+      key.push_back(9);
+      key.push_back(static_cast<int64_t>(s.size()));
+      for (size_t i = 0; i < s.size(); i += 8) {
+        int64_t word = 0;
+        std::memcpy(&word, s.data() + i, std::min<size_t>(8, s.size() - i));
+        key.push_back(word);
+      }
+    } else {
+      return false;
+    }
+  }
+  return true;
+}
+
+std::vector<at::Tensor> replay(const OpState& state, const Recipe& recipe, c10::ArrayRef<c10::IValue> args) {
+  c10::Allocator* allocator = c10::cuda::CUDACachingAllocator::get();
+  std::vector<c10::Storage> buffers;
+  buffers.reserve(recipe.allocs.size());
+  for (int64_t nbytes : recipe.allocs) {
+    buffers.emplace_back(c10::Storage::use_byte_size_t(), nbytes, allocator, /*resizable=*/false);
+  }
+  const CUstream stream = c10::cuda::getCurrentCUDAStream(recipe.device).stream();
+  for (const Launch& launch : recipe.launches) {
+    if (!launch.grid[0] || !launch.grid[1] || !launch.grid[2]) continue;  // as Triton: nothing to launch
+    const size_t n = launch.params.size();
+    c10::SmallVector<int64_t, 32> slots(n);
+    c10::SmallVector<void*, 32> pointers(n);
+    for (size_t i = 0; i < n; ++i) {
+      const Param& p = launch.params[i];
+      switch (p.kind) {
+        case Param::kInput:
+          slots[i] = reinterpret_cast<int64_t>(args[p.index].toTensor().const_data_ptr()) + p.payload;
+          break;
+        case Param::kAlloc:
+          slots[i] = reinterpret_cast<int64_t>(buffers[p.index].data()) + p.payload;
+          break;
+        case Param::kValue:
+          slots[i] = p.payload;
+          break;
+      }
+      pointers[i] = &slots[i];
+    }
+    const CUresult err = launch_kernel()(reinterpret_cast<CUfunction>(launch.function), launch.grid[0],
+                                         launch.grid[1], launch.grid[2], launch.threads, 1, 1, launch.shared,
+                                         stream, pointers.data(), nullptr);
+    TORCH_CHECK(err == CUDA_SUCCESS, "flash.", state.name, ": launching its recorded kernel failed (CUresult ",
+                num(err), ")");
+  }
+  std::vector<at::Tensor> outputs;
+  outputs.reserve(recipe.outputs.size());
+  for (const Output& o : recipe.outputs) {
+    auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(buffers[o.alloc]),
+                                                     c10::DispatchKeySet(c10::DispatchKey::CUDA),
+                                                     caffe2::TypeMeta::fromScalarType(o.dtype));
+    impl->set_sizes_and_strides(o.sizes, o.strides, o.storage_offset);
+    outputs.emplace_back(std::move(impl));
+  }
+  return outputs;
+}
+
+// The op's Python body: fallback(args, record) -> (result, recipe or None).
+void call_python(OpState& state, const c10::OperatorHandle& op, torch::jit::Stack* stack, const Key* key) {
+  py::gil_scoped_acquire gil;
+  const py::tuple py_args = to_python(op, torch::jit::pop(*stack, state.num_args));
+  PyObject* got = PyObject_CallFunctionObjArgs(state.fallback, py_args.ptr(), key ? Py_True : Py_False, nullptr);
+  if (!got) throw python_error();
+  const py::tuple result = py::reinterpret_steal<py::tuple>(got);
+  push_returns(op, stack, result[0]);
+  if (!key) return;
+  std::shared_ptr<const Recipe> recipe = parse_recipe(result[1]);
+  std::lock_guard<std::mutex> guard(state.mutex);
+  if (state.table.size() >= kMaxRecipes) state.table.clear();
+  Entry& entry = state.table[*key];
+  if (recipe) {
+    entry.recipe = std::move(recipe);
+  } else {
+    ++entry.attempts;
+  }
+}
+
+}  // namespace
+
+namespace {
+
+// toPyObject turns a dtype argument (an int inside an IValue) into an int: the schema says which
+// ints are dtypes
+py::object arg_to_python(const c10::Argument& arg, const c10::IValue& v) {
+  if (v.isInt()) {
+    c10::TypePtr type = arg.real_type();
+    if (auto optional = type->cast<c10::OptionalType>()) type = optional->getElementType();
+    if (type->kind() == c10::TypeKind::ScalarTypeType) return py::cast(static_cast<at::ScalarType>(v.toInt()));
+  }
+  return torch::jit::toPyObject(v);
+}
+
+}  // namespace
+
+py::tuple to_python(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args) {
+  const auto& schema = op.schema().arguments();
+  py::tuple out(args.size());
+  for (size_t i = 0; i < args.size(); ++i) out[i] = arg_to_python(schema[i], args[i]);
+  return out;
+}
+
+std::pair<py::tuple, py::dict> to_python_call(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args) {
+  const auto& schema = op.schema().arguments();
+  size_t positional = 0;
+  while (positional < schema.size() && !schema[positional].kwarg_only()) ++positional;
+  py::tuple py_args(positional);
+  py::dict py_kwargs;
+  for (size_t i = 0; i < args.size(); ++i) {
+    py::object v = arg_to_python(schema[i], args[i]);
+    if (i < positional) {
+      py_args[i] = std::move(v);
+    } else {
+      py_kwargs[py::str(schema[i].name())] = std::move(v);
+    }
+  }
+  return {py_args, py_kwargs};
+}
+
+void push_returns(const c10::OperatorHandle& op, torch::jit::Stack* stack, py::handle out) {
+  const auto& returns = op.schema().returns();
+  if (returns.size() == 1) {
+    stack->push_back(torch::jit::toIValue(out, returns[0].real_type()));
+    return;
+  }
+  const auto items = out.cast<py::tuple>();
+  TORCH_CHECK(items.size() == returns.size(), "torch_flash fast path: ", op.schema().name(), " returned ",
+              num(items.size()), " values, its schema ", num(returns.size()));
+  for (size_t i = 0; i < returns.size(); ++i) stack->push_back(torch::jit::toIValue(items[i], returns[i].real_type()));
+}
+
+size_t KeyHash::operator()(const Key& key) const noexcept {
+  uint64_t h = 1469598103934665603ull;
+  for (int64_t v : key) h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ull;
+  return static_cast<size_t>(h);
+}
+
+void set_backend_key(std::string key) { backend_key() = std::move(key); }
+
+// recipe: (path, device, [nbytes], [(function, (gx, gy, gz), threads, shared, [(kind, index, payload,
+// size)])], [(alloc, dtype, sizes, strides, storage_offset)]), or None. Returns null where the
+// kernels' parameters (as the driver reports them) are not what the recipe passes.
+std::shared_ptr<const Recipe> parse_recipe(py::handle obj) {
+  if (obj.is_none()) return nullptr;
+  const auto t = obj.cast<py::tuple>();
+  auto recipe = std::make_shared<Recipe>();
+  recipe->path = intern(t[0].cast<std::string>());
+  recipe->device = t[1].cast<int>();
+  recipe->allocs = t[2].cast<std::vector<int64_t>>();
+  for (py::handle l : t[3]) {
+    const auto lt = l.cast<py::tuple>();
+    Launch launch;
+    launch.function = reinterpret_cast<void*>(lt[0].cast<uintptr_t>());
+    const auto grid = lt[1].cast<std::vector<unsigned>>();
+    TORCH_CHECK(grid.size() == 3, "torch_flash fast path: a recipe's grid has 3 dimensions");
+    std::copy(grid.begin(), grid.end(), launch.grid);
+    launch.threads = lt[2].cast<unsigned>();
+    launch.shared = lt[3].cast<unsigned>();
+    const auto function = reinterpret_cast<CUfunction>(launch.function);
+    size_t index = 0;
+    for (py::handle p : lt[4]) {
+      const auto pt = p.cast<py::tuple>();
+      size_t offset = 0, size = 0;
+      if (param_info()(function, index++, &offset, &size) != CUDA_SUCCESS || size != pt[3].cast<size_t>()) {
+        return nullptr;
+      }
+      launch.params.push_back({static_cast<Param::Kind>(pt[0].cast<int>()), pt[1].cast<int>(), pt[2].cast<int64_t>()});
+    }
+    size_t offset = 0, size = 0;
+    if (param_info()(function, index, &offset, &size) == CUDA_SUCCESS) return nullptr;  // more than recorded
+    recipe->launches.push_back(std::move(launch));
+  }
+  for (py::handle o : t[4]) {
+    const auto ot = o.cast<py::tuple>();
+    recipe->outputs.push_back({ot[0].cast<int>(), ot[1].cast<c10::ScalarType>(), ot[2].cast<std::vector<int64_t>>(),
+                               ot[3].cast<std::vector<int64_t>>(), ot[4].cast<int64_t>()});
+  }
+  return recipe;
+}
+
+void cuda_kernel(OpState& state, const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  const auto args = torch::jit::last(*stack, state.num_args);
+  Key key;
+  bool record = false;
+  if (!backend_forced() && make_key(args, key)) {
+    std::shared_ptr<const Recipe> recipe;
+    {
+      std::lock_guard<std::mutex> guard(state.mutex);
+      const auto it = state.table.find(key);
+      if (it != state.table.end()) {
+        recipe = it->second.recipe;
+        record = !recipe && it->second.attempts < kMaxAttempts;
+      } else {
+        record = true;
+      }
+    }
+    if (recipe) {
+      std::vector<at::Tensor> outputs = replay(state, *recipe, args);
+      torch::jit::drop(*stack, state.num_args);
+      for (auto& t : outputs) stack->emplace_back(std::move(t));
+      state.last.store(recipe->path, std::memory_order_relaxed);
+      state.replays.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
+  }
+  state.last.store(nullptr, std::memory_order_relaxed);
+  state.fallbacks.fetch_add(1, std::memory_order_relaxed);
+  call_python(state, op, stack, record ? &key : nullptr);
+}
+
+}  // namespace torch_flash::fast

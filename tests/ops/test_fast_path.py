@@ -1,0 +1,182 @@
+"""The compiled eager fast path (torch_flash/ops/_fast.py, csrc/fast/): after a signature's first
+calls, its calls replay the recorded kernels from C++ and the autograd node is C++. Every
+replay must give the Python path's results bit for bit, with fresh inputs each call."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch_flash
+from torch_flash import _extension
+from torch_flash.ops import _autograd
+
+from _utils import assert_rel_close, to64
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available() or not hasattr(_extension.load(), "fast_enable")
+                       or not _autograd.FAST, reason="needs the CUDA extension with the fast path"),
+]
+DEV = "cuda"
+
+
+def _stats(op: str) -> tuple[int, int, int]:
+    return _extension.load().fast_stats()[op]
+
+
+def _cases():
+    """op -> (public function, make inputs (x first), keyword arguments)."""
+    def rows(dtype, n=1024, m=48, transposed=False):
+        x = torch.randn(n, m, device=DEV, dtype=dtype).t() if transposed else torch.randn(m, n, device=DEV, dtype=dtype)
+        return x
+    return {
+        "rms_norm": (torch_flash.rms_norm, lambda: (rows(torch.bfloat16), torch.randn(1024, device=DEV)), {}),
+        "rms_norm_gemma": (torch_flash.rms_norm,
+                           lambda: (rows(torch.float16), torch.randn(1024, device=DEV, dtype=torch.float16)),
+                           dict(weight_offset=1.0, cast_before_weight=False)),
+        "rms_norm_strided": (torch_flash.rms_norm, lambda: (rows(torch.float32, transposed=True)[:, :1000], None), {}),
+        "add_rms_norm": (torch_flash.add_rms_norm,
+                         lambda: (rows(torch.bfloat16), rows(torch.float32), torch.randn(1024, device=DEV)),
+                         dict(residual_in_fp32=True)),
+        "layer_norm": (torch_flash.layer_norm,
+                       lambda: (rows(torch.bfloat16, 4096), torch.randn(4096, device=DEV),
+                                torch.randn(4096, device=DEV)), {}),
+        "add_layer_norm": (torch_flash.add_layer_norm,
+                           lambda: (rows(torch.bfloat16, 768), rows(torch.bfloat16, 768),
+                                    torch.randn(768, device=DEV, dtype=torch.bfloat16), None),
+                           dict(out_dtype=torch.float32)),
+    }
+
+
+def _python_path(fn, args, kwargs):
+    """The same call on the Python path: the op's Python autograd rule, whose forward and
+    backward ops then run their Python bodies (TORCH_FLASH_FAST=0 in effect)."""
+    saved = dict(_autograd.FAST)
+    _autograd.FAST.clear()
+    try:
+        with torch_flash.use_backend("triton"):  # use_backend sends the C++ kernels to Python
+            return fn(*args, **kwargs)
+    finally:
+        _autograd.FAST.update(saved)
+
+
+@pytest.mark.parametrize("case", list(_cases()))
+def test_replay_equals_python_path(case):
+    fn, make, kwargs = _cases()[case]
+    op = fn.__name__
+    for call in range(4):  # compile, record, then replays; fresh values every call
+        args = make()
+        leaves = [a.detach().requires_grad_() if a is not None else None for a in args]
+        out = fn(*leaves, **kwargs)
+        outs = out if isinstance(out, tuple) else (out,)
+        grads = [torch.randn_like(o) for o in outs]
+        torch.autograd.backward(outs, grads)
+        want_leaves = [a.detach().requires_grad_() if a is not None else None for a in args]
+        want = _python_path(fn, want_leaves, kwargs)
+        wants = want if isinstance(want, tuple) else (want,)
+        torch.autograd.backward(wants, grads)
+        for got_t, want_t in zip(outs, wants):
+            assert got_t.dtype == want_t.dtype and got_t.stride() == want_t.stride()
+            assert torch.equal(got_t, want_t), f"{case}: output of call {call}"
+        for leaf, want_leaf in zip(leaves, want_leaves):
+            if leaf is not None:
+                assert torch.equal(leaf.grad, want_leaf.grad), f"{case}: gradient of call {call}"
+        assert f"flash::{op} backward" == outs[0].grad_fn.name()
+    spec = _autograd.SPECS[op]
+    for ran in (spec.forward or op, spec.backward):  # with a gradient the op runs these two
+        replays, _, recipes = _stats(ran)
+        assert replays >= 2 and recipes >= 1, f"{ran}: {_stats(ran)}"
+        assert torch_flash._dispatch.LAST[ran] == "triton"
+
+
+def test_replay_against_float64():
+    x, w = torch.randn(37, 3000, device=DEV, dtype=torch.bfloat16), torch.randn(3000, device=DEV)
+    for _ in range(3):
+        y = torch_flash.rms_norm(x, w, 1e-5)
+    x64, w64 = to64(x, w)
+    ref = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert_rel_close(y, (ref.to(torch.bfloat16).double() * w64))
+
+
+def test_backward_op_replays_on_the_engine_thread():
+    x = torch.randn(64, 2048, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(2048, device=DEV, requires_grad=True)
+    g = torch.randn_like(x)
+    before = _stats("rms_norm_backward")[0]
+    for _ in range(4):
+        torch_flash.rms_norm(x, w).backward(g)
+    assert _stats("rms_norm_backward")[0] >= before + 2
+
+
+def test_inplace_change_of_a_saved_input_is_caught():
+    x = torch.randn(16, 1024, device=DEV, requires_grad=True)
+    w = torch.randn(1024, device=DEV, requires_grad=True)
+    h = x * 2
+    y = torch_flash.rms_norm(h, w)
+    h.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_saved_output_version_is_checked():
+    x, r = (torch.randn(16, 1024, device=DEV, requires_grad=True) for _ in range(2))
+    w = torch.randn(1024, device=DEV, requires_grad=True)
+    y, s = torch_flash.add_layer_norm(x, r, w, None)
+    s.mul_(2)  # the backward reads the saved statistics and s's data
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (y.sum() + s.sum()).backward()
+
+
+def test_forced_backend_takes_the_python_path():
+    x, w = torch.randn(8, 1024, device=DEV), torch.randn(1024, device=DEV)
+    for _ in range(3):
+        torch_flash.rms_norm(x, w)
+    with torch_flash.use_backend("reference"):
+        y = torch_flash.rms_norm(x, w)
+        assert torch_flash._dispatch.LAST["rms_norm"] == "reference"
+    assert_rel_close(y, torch_flash.reference.rms_norm.rms_norm(*to64(x, w), 1e-6))
+    torch_flash.rms_norm(x, w)
+    assert torch_flash._dispatch.LAST["rms_norm"] == "triton"
+
+
+def test_bad_input_after_replays_names_the_op():
+    x, w = torch.randn(8, 1024, device=DEV), torch.randn(1024, device=DEV)
+    for _ in range(3):
+        torch_flash.rms_norm(x, w)
+    with pytest.raises(ValueError, match="rms_norm.*weight"):
+        torch_flash.rms_norm(x, torch.randn(1000, device=DEV))
+
+
+def test_compile_still_sees_the_kernels():
+    x = torch.randn(32, 1024, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(1024, device=DEV, requires_grad=True)
+
+    def f(x, w):
+        return torch_flash.rms_norm(x * 2, w).float().pow(2).sum()
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True)
+    gx, gw = torch.autograd.grad(compiled(x, w), (x, w))
+    ex, ew = torch.autograd.grad(f(x, w), (x, w))
+    assert_rel_close(gx, ex.double(), 2e-2)
+    assert_rel_close(gw, ew.double(), 2e-2)
+
+
+def test_cuda_graph_capture_of_forward_and_backward():
+    x = torch.randn(64, 1024, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(1024, device=DEV, requires_grad=True)
+    step = lambda: torch.autograd.grad(torch_flash.rms_norm(x, w).float().sum(), (x, w))  # noqa: E731
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        gx, gw = step()
+    with torch.no_grad():
+        x.copy_(torch.randn_like(x))
+        w.copy_(torch.randn_like(w))
+    g.replay()
+    ex, ew = step()
+    assert torch.equal(gx, ex) and torch.equal(gw, ew)
