@@ -3,7 +3,6 @@
 #include <torch/extension.h>
 
 #include "build_info.h"
-#include "fast/fast_path.h"
 
 #ifndef FLASH_CUTLASS_VERSION
 #define FLASH_CUTLASS_VERSION "unknown"
@@ -43,5 +42,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return info;
       },
       "dict: archs, hdims, backward_hdims, cuda_version, cutlass_version, ops (flash ops with CUDA kernels here)");
-  torch_flash::fast::bind(m);
 }

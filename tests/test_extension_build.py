@@ -256,3 +256,32 @@ def test_sweep_params_match_the_header():
     sweep = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sweep)
     assert [name for name, _ in sweep.Params._fields_] == declared
+
+
+def test_fast_path_is_not_part_of_the_cuda_extension():
+    csrc = _build.find_csrc()
+    if csrc is None:
+        pytest.skip("no csrc/ sources in this checkout")
+    fast = _build.fast_sources(csrc)
+    assert fast and all(os.sep + _build.FAST_SUBDIR + os.sep in p for p in fast)
+    assert not set(fast) & set(_build.spec(csrc=csrc).sources)
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="a CUDA build of torch compiles the fast path")
+def test_fast_path_without_cuda_is_silent():
+    code = ("import torch, torch_flash; from torch_flash import _extension; "
+            "x = torch_flash.rms_norm(torch.randn(4, 32), torch.randn(32)); "
+            "print(_extension.load_fast(), _extension.fast_error())")
+    out = _run("-c", code)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert out.stdout.strip() == f"None torch {torch.__version__} has no CUDA"
+    info = _run("-m", "torch_flash", "info")
+    assert f"eager fast path (csrc/fast)    unavailable (torch {torch.__version__} has no CUDA)" in info.stdout
+
+
+def test_fast_path_off_by_environment(monkeypatch):
+    monkeypatch.setattr(_extension, "_fast_tried", False)
+    monkeypatch.setattr(_extension, "_fast", None)
+    monkeypatch.setattr(_extension, "_fast_error", None)
+    monkeypatch.setenv("TORCH_FLASH_FAST", "0")
+    assert _extension.load_fast() is None and _extension.fast_error() == "disabled (TORCH_FLASH_FAST=0)"

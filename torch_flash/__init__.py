@@ -29,7 +29,4 @@ __all__ = [
 # last: its CUDA kernels register for the op schemas defined above
 from . import _extension  # noqa: E402
 
-_module = _extension.load()
-if _module is not None:
-    from .ops import _fast
-    _fast.enable(_module)
+_extension.load()

@@ -46,7 +46,25 @@ def info() -> None:
         print(f"  {e.name:<{name_width}} {e.family:<9} {back}{mut}")
 
 
+def _fast_row() -> tuple[str, str]:
+    from torch_flash import _build
+
+    name = "eager fast path (csrc/fast)"
+    if os.environ.get("TORCH_FLASH_FAST") == "0":
+        return name, "off (TORCH_FLASH_FAST=0)"
+    reason = _build.fast_why_not()
+    if reason:
+        return name, f"unavailable ({reason}): eager calls take the Python path"
+    if _build.fast_built():
+        return name, f"compiled ({_build.fast_build_dir()})"
+    return name, "compiled on the first CUDA call (about a minute, once), or by python -m torch_flash build"
+
+
 def _extension_rows() -> list[tuple[str, str]]:
+    return [*_cuda_extension_rows(), _fast_row()]
+
+
+def _cuda_extension_rows() -> list[tuple[str, str]]:
     from torch_flash import _build, _extension
 
     name = "CUDA extension torch_flash._C"
@@ -99,6 +117,9 @@ def build(hdims: str | None, jobs: int | None) -> int:
     # a kernel whose signature does not match its op's schema aborts the import: show why
     result = out.stdout.strip() if out.returncode == 0 else "\n".join(out.stderr.splitlines()[:8])
     print(f"built {target}\n{result}")
+    from torch_flash import _extension
+    fast = _extension.load_fast()  # compiles it where it is not yet
+    print("eager fast path: " + ("ready" if fast is not None else f"unavailable ({_extension.fast_error()})"))
     return 0 if ok else 1
 
 

@@ -41,6 +41,12 @@ EXAMPLE_PATCHES = (
 )
 
 _HDIM = re.compile(r"_hdim(\d+)(?!\d)")
+# csrc/fast, the eager fast path (torch_flash/ops/_fast.py): a module of its own, a few C++
+# files without CUTLASS, compiled on first use (build_fast) rather than with torch_flash._C
+FAST_SUBDIR = "fast"
+FAST_NAME = "torch_flash_fast"
+FAST_MODULE_SOURCE = ('#include "fast/fast_path.h"\n'
+                      "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { torch_flash::fast::bind(m); }\n")
 
 # C++20 for the .cpp files, which include torch's headers: torch's own standard, and
 # cpp_extension's default. The .cu files include only CUDA and CUTLASS headers, which compile
@@ -171,7 +177,7 @@ def spec(hdims: str | None = None, csrc: str | None = None, origin: str = "FLASH
     if csrc is None:
         raise BuildError(_no_sources())
     csrc = os.path.abspath(csrc)
-    all_sources = _sources_under(csrc)
+    all_sources = [p for p in _sources_under(csrc) if p not in fast_sources(csrc)]
     available = sorted({d for d in map(_hdim_of, all_sources) if d is not None})
     chosen = select_hdims(os.environ.get("FLASH_HDIMS") if hdims is None else hdims, available, origin)
     sources = [s for s in all_sources if _hdim_of(s) in (None, *chosen)]
@@ -250,6 +256,59 @@ def build(s: Spec, jobs: int | None = None, dest: str = PACKAGE_DIR) -> str:
     return target
 
 
+def fast_sources(csrc: str) -> list[str]:
+    return _sources_under(os.path.join(csrc, FAST_SUBDIR))
+
+
+def fast_why_not() -> str | None:
+    """Why the fast path's module cannot be compiled here, or None."""
+    import torch
+    from torch.utils import cpp_extension
+
+    if not torch.version.cuda:
+        return f"torch {torch.__version__} has no CUDA"
+    home = cpp_extension.CUDA_HOME
+    if not home or not os.path.exists(os.path.join(home, "include", "cuda.h")):
+        return "the CUDA toolkit's headers were not found (set CUDA_HOME)"
+    csrc = find_csrc()
+    if csrc is None or not fast_sources(csrc):
+        return _no_sources()
+    return None
+
+
+def fast_build_dir() -> str:
+    """Where the fast path's module is built and kept: one directory per torch, CUDA, Python and
+    content of its sources."""
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    digest = hashlib.sha256(json.dumps([torch.__version__, torch.version.cuda, CUDA_HOME, sys.version,
+                                        FAST_MODULE_SOURCE, CXX_FLAGS]).encode())
+    for path in fast_sources(find_csrc()) + [os.path.join(find_csrc(), FAST_SUBDIR, "fast_path.h")]:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return os.path.join(_cache_root(), "fast-" + digest.hexdigest()[:16])
+
+
+def fast_built() -> bool:
+    directory = fast_build_dir()
+    return os.path.isdir(directory) and any(f.startswith(FAST_NAME) and f.endswith(".so") for f in os.listdir(directory))
+
+
+def build_fast(verbose: bool = False):
+    """Compile (or, when fast_built(), just load) the fast path's module; returns it."""
+    from torch.utils.cpp_extension import load
+
+    csrc, directory = find_csrc(), fast_build_dir()
+    os.makedirs(directory, exist_ok=True)
+    module_source = os.path.join(directory, "module.cpp")
+    if not os.path.exists(module_source):
+        with open(module_source, "w") as f:
+            f.write(FAST_MODULE_SOURCE)
+    return load(name=FAST_NAME, sources=[*fast_sources(csrc), module_source], extra_cflags=list(CXX_FLAGS),
+                extra_include_paths=[csrc], build_directory=directory, with_cuda=True, verbose=verbose)
+
+
 def _cuda_home() -> str | None:
     """The CUDA toolkit for compile checks; a CPU build of torch does not look for one."""
     from torch.utils.cpp_extension import CUDA_HOME
@@ -286,7 +345,7 @@ def check_commands(s: Spec, out_dir: str, files: list[str] | None = None) -> lis
               *(f"-I{d}" for d in s.include_dirs)]
     for d in system:
         common += ["-isystem", d]
-    chosen = [os.path.abspath(f) for f in files] if files else list(s.sources)
+    chosen = [os.path.abspath(f) for f in files] if files else [*s.sources, *fast_sources(s.csrc)]
     commands = []
     for i, src in enumerate(chosen):
         if src.endswith(".cu"):

@@ -14,6 +14,8 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import sys
+import time
 import warnings
 from types import ModuleType
 
@@ -62,3 +64,51 @@ def build_info() -> dict | None:
     """What the loaded extension was built for: {"archs": ["sm_90a"], "hdims": [...],
     "cuda_version": str, "cutlass_version": str, "ops": ["flash::...", ...]}; None if not loaded."""
     return dict(_module.build_info()) if _module is not None else None
+
+
+_fast: ModuleType | None = None
+_fast_error: str | None = None
+_fast_tried = False
+
+
+def load_fast() -> ModuleType | None:
+    """The eager fast path's compiled module (csrc/fast, torch_flash/ops/_fast.py): compiled on
+    first use where torch has CUDA and the CUDA headers are installed, once per torch, CUDA and
+    Python version (a line says so, and how long it took), then loaded from the cache. None where
+    it cannot be, after one line saying why (silent on machines without CUDA), or with
+    TORCH_FLASH_FAST=0; the Python path then serves every call. Never raises."""
+    global _fast, _fast_error, _fast_tried
+    if _fast_tried:
+        return _fast
+    _fast_tried = True
+    if os.environ.get("TORCH_FLASH_FAST") == "0":
+        _fast_error = "disabled (TORCH_FLASH_FAST=0)"
+        return None
+    from . import _build
+    try:
+        _fast_error = _build.fast_why_not()
+        if _fast_error is not None:
+            import torch
+            if torch.version.cuda:
+                print(f"torch_flash: eager fast path unavailable ({_fast_error}); "
+                      "eager calls take the Python path", file=sys.stderr)
+            return None
+        building = not _build.fast_built()
+        if building:
+            print(f"torch_flash: compiling the eager fast path into {_build.fast_build_dir()} "
+                  "(once per torch/CUDA version, about a minute)...", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        _fast = _build.build_fast()
+        if building:
+            print(f"torch_flash: eager fast path compiled in {time.perf_counter() - start:.0f} s",
+                  file=sys.stderr, flush=True)
+    except Exception as e:  # a compiler error, or a library built for another torch
+        _fast_error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+        print(f"torch_flash: eager fast path unavailable ({_fast_error}); eager calls take the Python "
+              "path", file=sys.stderr)
+    return _fast
+
+
+def fast_error() -> str | None:
+    """Why the fast path is not loaded (None when it is, or was not tried yet)."""
+    return _fast_error

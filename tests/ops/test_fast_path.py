@@ -8,20 +8,20 @@ import torch
 
 import torch_flash
 from torch_flash import _extension
-from torch_flash.ops import _autograd
+from torch_flash.ops import _autograd, _fast
 
 from _utils import assert_rel_close, to64
 
 pytestmark = [
     pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available() or not hasattr(_extension.load(), "fast_enable")
-                       or not _autograd.FAST, reason="needs the CUDA extension with the fast path"),
+    pytest.mark.skipif(not torch.cuda.is_available() or not _fast.ensure(),
+                       reason=f"needs the compiled fast path ({_extension.fast_error()})"),
 ]
 DEV = "cuda"
 
 
 def _stats(op: str) -> tuple[int, int, int]:
-    return _extension.load().fast_stats()[op]
+    return _extension.load_fast().fast_stats()[op]
 
 
 def _cases():
@@ -41,10 +41,11 @@ def _cases():
         "layer_norm": (torch_flash.layer_norm,
                        lambda: (rows(torch.bfloat16, 4096), torch.randn(4096, device=DEV),
                                 torch.randn(4096, device=DEV)), {}),
+        # fp32 sum stream, bf16 normalised output written by the kernel itself
         "add_layer_norm": (torch_flash.add_layer_norm,
-                           lambda: (rows(torch.bfloat16, 768), rows(torch.bfloat16, 768),
-                                    torch.randn(768, device=DEV, dtype=torch.bfloat16), None),
-                           dict(out_dtype=torch.float32)),
+                           lambda: (rows(torch.float32, 768), rows(torch.float32, 768),
+                                    torch.randn(768, device=DEV), None),
+                           dict(out_dtype=torch.bfloat16)),
     }
 
 
@@ -87,6 +88,18 @@ def test_replay_equals_python_path(case):
         replays, _, recipes = _stats(ran)
         assert replays >= 2 and recipes >= 1, f"{ran}: {_stats(ran)}"
         assert torch_flash._dispatch.LAST[ran] == "triton"
+
+
+def test_a_call_with_more_than_launches_stays_on_the_python_path():
+    """bf16 LayerNorm with out_dtype=fp32 casts y after the kernel (a torch op): no recipe, and
+    after three recordings its calls stop trying; the results are the Python path's."""
+    x, w = torch.randn(8, 512, device=DEV, dtype=torch.bfloat16), torch.randn(512, device=DEV)
+    before = _stats("layer_norm")
+    for _ in range(5):
+        y = torch_flash.layer_norm(x, w, None, out_dtype=torch.float32)
+    replays, fallbacks, recipes = _stats("layer_norm")
+    assert (replays, recipes) == before[::2] and fallbacks == before[1] + 5
+    assert torch.equal(y, _python_path(torch_flash.layer_norm, (x, w, None), dict(out_dtype=torch.float32)))
 
 
 def test_replay_against_float64():

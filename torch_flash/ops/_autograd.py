@@ -161,10 +161,12 @@ def call(op: str, *args, **kwargs):
     kernels there are C++ (ops/_fast.py)."""
     if torch.compiler.is_compiling():  # Dynamo traces the op call, nothing else here
         return getattr(torch.ops.flash, op).default(*args, **kwargs)
-    overload = FAST.get(op)
-    if overload is not None:
-        first = args[0] if args else next(iter(kwargs.values()), None)
-        if isinstance(first, torch.Tensor) and first.is_cuda:  # the dispatcher reaches C++ directly
+    first = args[0] if args else next(iter(kwargs.values()), None)
+    if isinstance(first, torch.Tensor) and first.is_cuda:
+        if _FAST_PENDING:
+            _load_fast()
+        overload = FAST.get(op)
+        if overload is not None:  # the dispatcher reaches C++ directly
             return overload(*args, **kwargs)
     body, mutated = _BODIES.get(op), _MUTATED.get(op, ())
     kind = _NOT_PLAIN if body is None or (mutated and len(args) <= mutated[-1]) else _classify(args, kwargs)
@@ -183,6 +185,17 @@ def call(op: str, *args, **kwargs):
 # op name -> its OpOverload, for ops whose CUDA and AutogradCUDA kernels are the compiled fast
 # path's (ops/_fast.py): their CUDA calls go straight to the dispatcher
 FAST: dict[str, Any] = {}
+# whether the compiled fast path is still to be loaded (on the first CUDA call)
+_FAST_PENDING = True
+
+
+def _load_fast() -> None:
+    global _FAST_PENDING
+    _FAST_PENDING = False
+    from . import _fast
+    _fast.ensure()
+
+
 # op name -> its autograd rule callable as rule(*args, **kwargs) without the dispatcher, or None
 _DIRECT: dict[str, Callable | None] = {}
 

@@ -18,7 +18,6 @@ TORCH_FLASH_FAST=0 keeps every op on the Python path (to compare the two).
 """
 from __future__ import annotations
 
-import os
 import struct
 import threading
 from typing import Any, Callable
@@ -26,7 +25,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .. import _dispatch
+from .. import _dispatch, _extension
 from ..kernels.triton import launch as _launch
 from . import _autograd
 
@@ -189,11 +188,22 @@ def _spec_tuple(op: str) -> tuple | None:
             f"flash::{spec.backward}", sources, grads)
 
 
+_ready: bool | None = None
+
+
+def ensure() -> bool:
+    """Loads (compiling it the first time) the fast path's module and registers OPS' C++
+    kernels, once; ops/_autograd.py's call() asks on the first CUDA call. False where it is not
+    available (_extension.load_fast says why)."""
+    global _ready
+    if _ready is None:
+        module = _extension.load_fast()
+        _ready = module is not None and enable(module)
+    return _ready
+
+
 def enable(module) -> bool:
-    """Registers OPS' C++ kernels from the loaded extension `module`; False where it has none
-    (built before the fast path existed) or TORCH_FLASH_FAST=0."""
-    if os.environ.get("TORCH_FLASH_FAST", "1") == "0" or not hasattr(module, "fast_enable"):
-        return False
+    """Registers OPS' C++ kernels from the fast path's module."""
     module.fast_set_backend_key(_dispatch.BACKEND_TLS_KEY)
     for op in OPS:
         module.fast_enable(op, _fallback(op), _autograd.REGISTERED.get(op), _spec_tuple(op))
