@@ -42,7 +42,7 @@ struct Quiet final : c10::WarningHandler {
   void process(const c10::Warning&) override {}
 };
 
-void enable(const std::string& name, py::object fallback, py::object rule, py::object spec) {
+void enable(const std::string& name, py::object fallback, py::object rule, py::object spec, bool autograd) {
   TORCH_CHECK(!registry().count(name), "torch_flash fast path: flash.", name, " is already enabled");
   auto state = std::make_unique<OpState>();
   state->name = name;
@@ -58,16 +58,19 @@ void enable(const std::string& name, py::object fallback, py::object rule, py::o
   // never destroyed: the kernels stay registered for the life of the process
   auto* cuda = new torch::Library(torch::Library::IMPL, "flash", c10::DispatchKey::CUDA, __FILE__, __LINE__);
   cuda->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::make_unique<CudaKernel>(raw)));
-  auto* autograd =
-      new torch::Library(torch::Library::IMPL, "flash", c10::DispatchKey::AutogradCUDA, __FILE__, __LINE__);
-  autograd->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::make_unique<AutogradKernel>(raw)));
+  if (autograd) {
+    auto* lib = new torch::Library(torch::Library::IMPL, "flash", c10::DispatchKey::AutogradCUDA, __FILE__, __LINE__);
+    lib->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::make_unique<AutogradKernel>(raw)));
+  }
 }
 
 }  // namespace
 
 void bind(py::module_& m) {
   m.def("fast_enable", &enable, py::arg("name"), py::arg("fallback"), py::arg("rule"), py::arg("spec"),
-        "Registers flash.<name>'s CUDA and AutogradCUDA kernels in C++ (torch_flash/ops/_fast.py)");
+        py::arg("autograd"),
+        "Registers flash.<name>'s CUDA kernel in C++, and its AutogradCUDA one where autograd is set "
+        "(torch_flash/ops/_fast.py)");
   m.def("fast_set_backend_key", &set_backend_key,
         "The thread-local key of use_backend(): calls under it take the Python path");
   m.def(

@@ -52,13 +52,15 @@ def _cases():
 def _python_path(fn, args, kwargs):
     """The same call on the Python path: the op's Python autograd rule, whose forward and
     backward ops then run their Python bodies (TORCH_FLASH_FAST=0 in effect)."""
-    saved = dict(_autograd.FAST)
+    saved = dict(_autograd.FAST), dict(_autograd.FAST_FORWARD)
     _autograd.FAST.clear()
+    _autograd.FAST_FORWARD.clear()
     try:
         with torch_flash.use_backend("triton"):  # use_backend sends the C++ kernels to Python
             return fn(*args, **kwargs)
     finally:
-        _autograd.FAST.update(saved)
+        _autograd.FAST.update(saved[0])
+        _autograd.FAST_FORWARD.update(saved[1])
 
 
 @pytest.mark.parametrize("case", list(_cases()))
@@ -88,6 +90,33 @@ def test_replay_equals_python_path(case):
         replays, _, recipes = _stats(ran)
         assert replays >= 2 and recipes >= 1, f"{ran}: {_stats(ran)}"
         assert torch_flash._dispatch.LAST[ran] == "triton"
+
+
+def _forward_cases():
+    """op -> (public function, make inputs, keyword arguments) of the ops whose CUDA kernel alone
+    is on the fast path (calls without a gradient)."""
+    cos, sin = torch_flash.rotary_cos_sin(256, 64, device=DEV)
+    qkv = lambda h: torch.randn(2, h, 256, 64, device=DEV, dtype=torch.bfloat16)  # noqa: E731
+    return {
+        "rotary": (torch_flash.rotary, lambda: (qkv(4).transpose(1, 2), cos, sin), {}),
+        "rotary_qk": (torch_flash.rotary_qk, lambda: (qkv(4), qkv(2), cos, sin), {}),
+        "attention": (torch_flash.attention, lambda: (qkv(4), qkv(2), qkv(2)), dict(causal=True)),
+    }
+
+
+@pytest.mark.parametrize("case", list(_forward_cases()))
+def test_forward_replay_equals_python_path(case):
+    fn, make, kwargs = _forward_cases()[case]
+    if case not in _autograd.FAST_FORWARD:
+        pytest.skip(f"flash.{case} is not on the fast path here (torch_flash._C serves it)")
+    for call in range(4):
+        args = make()
+        got = fn(*args, **kwargs)
+        want = _python_path(fn, args, kwargs)
+        for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+            assert g.stride() == w.stride() and torch.equal(g, w), f"{case}: call {call}"
+    replays, _, recipes = _stats(case)
+    assert replays >= 2 and recipes >= 1, f"{case}: {_stats(case)}"
 
 
 def test_a_call_with_more_than_launches_stays_on_the_python_path():

@@ -158,11 +158,12 @@ def call(op: str, *args, **kwargs):
     written tensors' version counters themselves, as ADInplaceOrView would (written tensors
     must be passed positionally for that); with one, the op's autograd rule runs directly
     (_direct_rule). Ops on the compiled fast path take the dispatcher for CUDA tensors: their
-    kernels there are C++ (ops/_fast.py)."""
+    kernels there are C++ (ops/_fast.py; FAST_FORWARD ops without a gradient only)."""
     if torch.compiler.is_compiling():  # Dynamo traces the op call, nothing else here
         return getattr(torch.ops.flash, op).default(*args, **kwargs)
     first = args[0] if args else next(iter(kwargs.values()), None)
-    if isinstance(first, torch.Tensor) and first.is_cuda:
+    cuda = isinstance(first, torch.Tensor) and first.is_cuda
+    if cuda:
         if _FAST_PENDING:
             _load_fast()
         overload = FAST.get(op)
@@ -171,6 +172,10 @@ def call(op: str, *args, **kwargs):
     body, mutated = _BODIES.get(op), _MUTATED.get(op, ())
     kind = _NOT_PLAIN if body is None or (mutated and len(args) <= mutated[-1]) else _classify(args, kwargs)
     if kind == _NO_GRAD:
+        forward = FAST_FORWARD.get(op) if cuda else None
+        if forward is not None:  # straight to the C++ CUDA kernel
+            with torch._C._AutoDispatchBelowAutograd():
+                return forward(*args, **kwargs)
         out = body(*args, **kwargs)
         for i in mutated:
             if args[i] is not None:
@@ -185,6 +190,9 @@ def call(op: str, *args, **kwargs):
 # op name -> its OpOverload, for ops whose CUDA and AutogradCUDA kernels are the compiled fast
 # path's (ops/_fast.py): their CUDA calls go straight to the dispatcher
 FAST: dict[str, Any] = {}
+# the same for ops whose CUDA kernel alone is C++ (their autograd rule stays Python): calls
+# without a gradient go to it
+FAST_FORWARD: dict[str, Any] = {}
 # whether the compiled fast path is still to be loaded (on the first CUDA call)
 _FAST_PENDING = True
 

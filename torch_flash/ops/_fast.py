@@ -31,11 +31,16 @@ from . import _autograd
 
 aten = torch.ops.aten
 
-# Ops served here: the norms (their Triton plans are pure functions of the signature), their
-# statistics siblings and their backward ops.
+# Ops served here, CUDA and autograd: the norms (their Triton plans are pure functions of the
+# signature, their autograd rules Specs), their statistics siblings and their backward ops.
 OPS = ("rms_norm", "rms_norm_backward", "add_rms_norm", "add_rms_norm_backward",
        "layer_norm", "layer_norm_with_stats", "layer_norm_backward",
        "add_layer_norm", "add_layer_norm_with_stats", "add_layer_norm_backward")
+# ops whose CUDA kernel alone is served here: their calls without a gradient (autograd: Python).
+# Attention only without torch_flash._C: its Hopper kernels are an op call, which a recipe does
+# not hold, and every call would pay the way through C++ to the Python body.
+FORWARD_OPS = ("rotary", "rotary_qk")
+ATTENTION_OPS = ("attention", "attention_with_lse")
 
 # ATen calls a recorded body may make: allocations (replayed) and views (their effect is in the
 # pointers and strides recorded)
@@ -206,7 +211,11 @@ def enable(module) -> bool:
     """Registers OPS' C++ kernels from the fast path's module."""
     module.fast_set_backend_key(_dispatch.BACKEND_TLS_KEY)
     for op in OPS:
-        module.fast_enable(op, _fallback(op), _autograd.REGISTERED.get(op), _spec_tuple(op))
+        module.fast_enable(op, _fallback(op), _autograd.REGISTERED.get(op), _spec_tuple(op), True)
         _autograd.FAST[op] = getattr(torch.ops.flash, op).default
-    _dispatch.LAST.attach(module.fast_last, module.fast_forget, OPS)
+    forward = FORWARD_OPS + (() if _extension.loaded() else ATTENTION_OPS)
+    for op in forward:
+        module.fast_enable(op, _fallback(op), None, None, False)
+        _autograd.FAST_FORWARD[op] = getattr(torch.ops.flash, op).default
+    _dispatch.LAST.attach(module.fast_last, module.fast_forget, OPS + forward)
     return True
