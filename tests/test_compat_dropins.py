@@ -242,6 +242,26 @@ def test_cross_entropy_inplace_backward_half():
     assert_rel_close(h.grad, ref_h.grad, TOL[torch.bfloat16])
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_cross_entropy_inplace_backward_leaf(reduction):
+    """As FlashAttention's: a leaf's own memory is overwritten with its gradient."""
+    x = torch.randn(16, 64, requires_grad=True)
+    ref_x = x.detach().double().requires_grad_()
+    y = torch.randint(0, 64, (16,))
+    y[:2] = -100
+    loss = CrossEntropyLoss(inplace_backward=True, label_smoothing=0.1, lse_square_scale=1e-3,
+                            reduction=reduction)(x, y)
+    want = F.cross_entropy(ref_x, y, label_smoothing=0.1, reduction="none") + 1e-3 * torch.logsumexp(
+        ref_x, -1).square().masked_fill(y == -100, 0.0)
+    want = want.sum() / 14 if reduction == "mean" else want
+    assert_rel_close(loss, want, TOL[torch.float32])
+    g = torch.randn_like(loss)
+    loss.backward(g)
+    want.backward(g.double())
+    assert_rel_close(x.grad, ref_x.grad, TOL[torch.float32])
+    assert torch.equal(x.detach(), x.grad)
+
+
 def test_cross_entropy_refuses_reduction():
     with pytest.raises(NotImplementedError, match="reduction"):
         CrossEntropyLoss(reduction="batchmean")

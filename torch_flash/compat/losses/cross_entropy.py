@@ -6,6 +6,9 @@ Any device (FlashAttention's needs CUDA). logit_scale != 1 multiplies the logits
 fp32 copy that the fused loss then reads (one extra pass and buffer). return_z_loss computes the z-loss term,
 for logging only as in FlashAttention, from each row's log-sum-exp (one more read of the logits,
 no gradient). precomputed_lse is accepted and not needed: the loss computes its own.
+inplace_backward=True on logits that are a leaf requiring grad (FlashAttention's tests pass one)
+overwrites that leaf with its gradient too, as FlashAttention does; flash.cross_entropy itself
+refuses leaves, so such calls go through _LeafInplace.
 """
 from __future__ import annotations
 
@@ -14,6 +17,30 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ...ops.cross_entropy import cross_entropy
+
+
+def _leaf_storage(t: Tensor) -> bool:
+    """Whether t is a leaf that requires grad, or a view of one."""
+    base = t if t._base is None else t._base
+    return t.requires_grad and base.is_leaf
+
+
+class _LeafInplace(torch.autograd.Function):
+    """flash.cross_entropy whose backward writes the gradient over the logits, for a leaf."""
+
+    @staticmethod
+    def forward(ctx, logits, target, options, reduction):
+        loss, lse = torch.ops.flash.cross_entropy_with_lse(logits, target, **options, reduction=reduction)
+        ctx.save_for_backward(logits, target, lse)
+        ctx.options, ctx.reduction = options, reduction
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, target, lse = ctx.saved_tensors
+        torch.ops.flash.cross_entropy_backward_inplace(grad_loss.contiguous(), logits, target, lse, **ctx.options,
+                                                       reduction=ctx.reduction)
+        return logits, None, None, None
 
 
 class CrossEntropyLoss(nn.Module):
@@ -37,9 +64,16 @@ class CrossEntropyLoss(nn.Module):
         return_z_loss."""
         # scaled in fp32, as FlashAttention's kernel does (a half copy would round the scaled logits)
         logits = input.float() * self.logit_scale if self.logit_scale != 1.0 else input
-        loss = cross_entropy(logits, target, ignore_index=self.ignore_index, label_smoothing=self.label_smoothing,
-                             z_loss=self.lse_square_scale, reduction=self.reduction,
-                             inplace_backward=self.inplace_backward, process_group=self.process_group)
+        if (self.inplace_backward and self.process_group is None and torch.is_grad_enabled()
+                and _leaf_storage(logits)):
+            options = dict(ignore_index=self.ignore_index, label_smoothing=self.label_smoothing,
+                           z_loss=self.lse_square_scale)
+            loss = _LeafInplace.apply(logits, target, options, self.reduction)
+        else:
+            loss = cross_entropy(logits, target, ignore_index=self.ignore_index,
+                                 label_smoothing=self.label_smoothing, z_loss=self.lse_square_scale,
+                                 reduction=self.reduction, inplace_backward=self.inplace_backward,
+                                 process_group=self.process_group)
         if not self.return_z_loss:
             return loss
         with torch.no_grad():
