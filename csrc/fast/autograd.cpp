@@ -50,6 +50,7 @@ struct SpecNode final : Node {
   std::vector<c10::IValue> args;         // the call's non-tensor arguments (None for tensors)
   std::vector<c10::ScalarType> dtypes;   // each tensor argument's dtype
   std::vector<bool> present;             // whether argument i is a tensor
+  std::vector<bool> required;            // whether argument i required a gradient
   std::vector<torch::autograd::SavedVariable> saved;
 };
 
@@ -76,6 +77,12 @@ variable_list SpecNode::apply(variable_list&& grads) {
       case Source::kDtypeOf:
         stack.push_back(c10::IValue(dtypes[s.index]));
         break;
+      case Source::kNone:
+        stack.emplace_back();
+        break;
+      case Source::kRequiresGrad:
+        stack.push_back(c10::IValue(static_cast<bool>(required[s.index])));
+        break;
     }
   }
   spec.backward.callBoxed(&stack);
@@ -90,10 +97,21 @@ variable_list SpecNode::apply(variable_list&& grads) {
   return out;
 }
 
+bool requires_grad(const c10::IValue& a) {
+  return a.isTensor() && a.toTensor().defined() && a.toTensor().requires_grad();
+}
+
 bool needs_grad(c10::ArrayRef<c10::IValue> args) {
   if (!c10::GradMode::is_enabled()) return false;
   for (const c10::IValue& a : args) {
-    if (a.isTensor() && a.toTensor().defined() && a.toTensor().requires_grad()) return true;
+    if (requires_grad(a)) return true;
+  }
+  return false;
+}
+
+bool python_only(const Spec& spec, c10::ArrayRef<c10::IValue> args) {
+  for (int i : spec.python_only) {
+    if (requires_grad(args[i])) return true;
   }
   return false;
 }
@@ -146,7 +164,7 @@ void autograd_kernel(OpState& state, const c10::OperatorHandle& op, c10::Dispatc
   const bool plain =
       (below - c10::DispatchKeySet(c10::DispatchKey::ADInplaceOrView)).highestPriorityTypeId() ==
       c10::DispatchKey::CUDA;
-  if (state.rule && (!plain || !state.spec)) {
+  if (state.rule && (!plain || !state.spec || python_only(*state.spec, args))) {
     call_rule(state, op, stack);
     return;
   }
@@ -166,10 +184,12 @@ void autograd_kernel(OpState& state, const c10::OperatorHandle& op, c10::Dispatc
   node->args.resize(args.size());
   node->dtypes.assign(args.size(), c10::ScalarType::Undefined);
   node->present.assign(args.size(), false);
+  node->required.assign(args.size(), false);
   for (size_t i = 0; i < args.size(); ++i) {
     if (args[i].isTensor()) {
       const at::Tensor& t = args[i].toTensor();
       node->present[i] = t.defined();
+      node->required[i] = requires_grad(args[i]);
       if (t.defined()) node->dtypes[i] = t.scalar_type();
     } else {
       node->args[i] = args[i];
@@ -204,8 +224,9 @@ void autograd_kernel(OpState& state, const c10::OperatorHandle& op, c10::Dispatc
   for (auto& v : outputs) stack->push_back(std::move(v));
 }
 
-// spec: (forward op or "", forward_args, public_outputs, saved, backward op, backward_args, grads);
-// saved and backward_args hold (Source kind, index) pairs, grads (backward return, cast) pairs.
+// spec: (forward op or "", forward_args, public_outputs, saved, backward op, backward_args, grads,
+// python_only); saved and backward_args hold (Source kind, index) pairs, grads (backward return,
+// cast) pairs.
 std::unique_ptr<Spec> parse_spec(py::handle obj) {
   if (obj.is_none()) return nullptr;
   const auto t = obj.cast<py::tuple>();
@@ -222,7 +243,7 @@ std::unique_ptr<Spec> parse_spec(py::handle obj) {
       forward.empty() ? std::nullopt : std::optional(dispatcher.findSchemaOrThrow(forward.c_str(), "")),
       t[1].cast<std::vector<int>>(), t[2].cast<std::vector<int>>(), sources(t[3]),
       dispatcher.findSchemaOrThrow(t[4].cast<std::string>().c_str(), ""), sources(t[5]),
-      t[6].cast<std::vector<std::pair<int, int>>>()});
+      t[6].cast<std::vector<std::pair<int, int>>>(), t[7].cast<std::vector<int>>()});
   return spec;
 }
 

@@ -59,7 +59,7 @@ struct Recipe {
 
 // What the autograd node of an op does (torch_flash/ops/_fast.py, Spec, documents the fields).
 struct Source {
-  enum Kind : int { kArg = 0, kSaved = 1, kGrad = 2, kGradOrNone = 3, kDtypeOf = 4 };
+  enum Kind : int { kArg = 0, kSaved = 1, kGrad = 2, kGradOrNone = 3, kDtypeOf = 4, kNone = 5, kRequiresGrad = 6 };
   Kind kind;
   int index;
 };
@@ -72,6 +72,7 @@ struct Spec {
   c10::OperatorHandle backward;
   std::vector<Source> backward_args;
   std::vector<std::pair<int, int>> grads;  // per argument: (backward return or -1, cast to dtype of arg or -1)
+  std::vector<int> python_only;  // arguments whose gradient only the Python rule computes
 };
 
 using Key = std::vector<int64_t>;

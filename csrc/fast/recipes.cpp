@@ -88,6 +88,9 @@ void push_tensor_key(Key& key, const at::Tensor& t) {
 bool make_key(c10::ArrayRef<c10::IValue> args, Key& key) {
   key.clear();
   key.push_back(c10::cuda::current_device());
+  // global switches a plan may read (attention's backward chooses cuDNN by them)
+  auto& context = at::globalContext();
+  key.push_back(context.deterministicAlgorithms() | (context.userEnabledCuDNNSDP() << 1));
   for (const c10::IValue& v : args) {
     if (v.isTensor()) {
       const at::Tensor& t = v.toTensor();

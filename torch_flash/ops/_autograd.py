@@ -26,6 +26,7 @@ sibling, keeps its extra state on `ctx`, and returns the public outputs.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import inspect
@@ -308,16 +309,18 @@ def register_autograd_via(opdef: CustomOpDef, *, forward: Callable[..., tuple[An
     register_autograd_kernel(opdef, rule)
 
 
-ARG, SAVED, GRAD, GRAD_OR_NONE, DTYPE_OF = range(5)  # csrc/fast/fast_path.h, Source::Kind
+# csrc/fast/fast_path.h, Source::Kind
+ARG, SAVED, GRAD, GRAD_OR_NONE, DTYPE_OF, NONE, REQUIRES_GRAD = range(7)
 
 
 @dataclasses.dataclass(frozen=True)
 class Src:
     """Where one argument of a backward op comes from: ARG (the forward's argument `ref`, not a
     tensor), SAVED (the ref-th saved tensor), GRAD / GRAD_OR_NONE (the gradient of the ref-th
-    output; an unused output's is zeros / None), DTYPE_OF (the dtype of tensor argument `ref`)."""
+    output; an unused output's is zeros / None), DTYPE_OF (the dtype of tensor argument `ref`),
+    NONE (None), REQUIRES_GRAD (whether tensor argument `ref` requires a gradient)."""
     kind: int
-    ref: int | str
+    ref: int | str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,13 +333,16 @@ class Spec:
     returns the op returns. save: what the backward keeps, an argument by name or forward's i-th
     return. backward, backward_args: the backward op and where its arguments come from. grads:
     argument name -> (index of its gradient among backward's returns, name of the argument whose
-    dtype it is cast to, or None); arguments that were None get none."""
+    dtype it is cast to, or None); arguments that were None get none. python_grads: argument
+    name -> fn(saved, grads) computing its gradient in Python (grads: zeros for unused outputs);
+    a call where such an argument needs a gradient runs the Python rule."""
     backward: str
     backward_args: tuple[Src, ...]
     grads: tuple[tuple[str, int, str | None], ...]
     save: tuple[str | int, ...]
     forward: str | None = None
     outputs: tuple[int, ...] = (0,)
+    python_grads: tuple[tuple[str, Callable], ...] = ()
 
 
 # op name -> its Spec (the fast path hands them to C++)
@@ -354,17 +360,26 @@ def register_autograd_spec(opdef: CustomOpDef, spec: Spec) -> None:
         return (public if len(public) > 1 else public[0]), outs
 
     def setup_context(ctx, inputs, output, outs):
+        # an unused output's gradient: zeros for GRAD (made here), None for GRAD_OR_NONE
+        ctx.set_materialize_grads(False)
+        ctx.outputs = [(outs[i].shape, outs[i].dtype, outs[i].device) for i in spec.outputs]
         ctx.save_for_backward(*(inputs[s] if isinstance(s, str) else outs[s] for s in spec.save))
         ctx.values = {n: v for n, v in inputs.items() if not isinstance(v, torch.Tensor)}
         ctx.dtypes = {n: v.dtype for n, v in inputs.items() if isinstance(v, torch.Tensor)}
+        ctx.requires = {n: v.requires_grad for n, v in inputs.items() if isinstance(v, torch.Tensor)}
 
     def backward(ctx, *grads):
         saved = ctx.saved_tensors
-        sources = {ARG: ctx.values, SAVED: saved, GRAD: grads, GRAD_OR_NONE: grads, DTYPE_OF: ctx.dtypes}
+        zeros = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+                 for g, (shape, dtype, device) in zip(grads, ctx.outputs)]
+        sources = {ARG: ctx.values, SAVED: saved, GRAD: zeros, GRAD_OR_NONE: grads, DTYPE_OF: ctx.dtypes,
+                   NONE: {None: None}, REQUIRES_GRAD: collections.defaultdict(bool, ctx.requires)}
         out = call(spec.backward, *(sources[s.kind][s.ref] for s in spec.backward_args))
         out = out if isinstance(out, tuple) else (out,)
-        return {n: out[i] if cast is None else out[i].to(ctx.dtypes[cast])
-                for n, i, cast in spec.grads if n in ctx.dtypes}
+        result = {n: out[i] if cast is None else out[i].to(ctx.dtypes[cast])
+                  for n, i, cast in spec.grads if ctx.requires.get(n)}
+        result.update({n: fn(saved, zeros) for n, fn in spec.python_grads if ctx.requires.get(n)})
+        return result
 
     register_autograd_via(opdef, forward=forward, setup_context=setup_context, backward=backward)
     SPECS[name] = spec

@@ -36,11 +36,11 @@ aten = torch.ops.aten
 OPS = ("rms_norm", "rms_norm_backward", "add_rms_norm", "add_rms_norm_backward",
        "layer_norm", "layer_norm_with_stats", "layer_norm_backward",
        "add_layer_norm", "add_layer_norm_with_stats", "add_layer_norm_backward")
-# ops whose CUDA kernel alone is served here: their calls without a gradient (autograd: Python).
-# Attention only without torch_flash._C: its Hopper kernels are an op call, which a recipe does
-# not hold, and every call would pay the way through C++ to the Python body.
+# Attention, the same, where torch_flash._C is not loaded: its Hopper kernels are an op call,
+# which a recipe does not hold, and every call would pay the way through C++ to the Python body.
+ATTENTION_OPS = ("attention", "attention_with_lse", "attention_backward")
+# ops whose CUDA kernel alone is served here: their calls without a gradient (autograd: Python)
 FORWARD_OPS = ("rotary", "rotary_qk")
-ATTENTION_OPS = ("attention", "attention_with_lse")
 
 # ATen calls a recorded body may make: allocations (replayed) and views (their effect is in the
 # pointers and strides recorded)
@@ -185,12 +185,13 @@ def _spec_tuple(op: str) -> tuple | None:
     forward = spec.forward or op
     forward_args = [names.index(a.name) for a in getattr(torch.ops.flash, forward).default._schema.arguments]
     saved = [(_autograd.ARG, names.index(s)) if isinstance(s, str) else (_autograd.SAVED, s) for s in spec.save]
-    sources = [(s.kind, names.index(s.ref) if isinstance(s.ref, str) else s.ref) for s in spec.backward_args]
+    sources = [(s.kind, names.index(s.ref) if isinstance(s.ref, str) else s.ref or 0) for s in spec.backward_args]
     grads = [(-1, -1)] * len(names)
     for name, ret, cast in spec.grads:
         grads[names.index(name)] = (ret, -1 if cast is None else names.index(cast))
+    python_only = [names.index(name) for name, _ in spec.python_grads]
     return (f"flash::{spec.forward}" if spec.forward else "", forward_args, list(spec.outputs), saved,
-            f"flash::{spec.backward}", sources, grads)
+            f"flash::{spec.backward}", sources, grads, python_only)
 
 
 _ready: bool | None = None
@@ -210,12 +211,12 @@ def ensure() -> bool:
 def enable(module) -> bool:
     """Registers OPS' C++ kernels from the fast path's module."""
     module.fast_set_backend_key(_dispatch.BACKEND_TLS_KEY)
-    for op in OPS:
+    ops = OPS + (() if _extension.loaded() else ATTENTION_OPS)
+    for op in ops:
         module.fast_enable(op, _fallback(op), _autograd.REGISTERED.get(op), _spec_tuple(op), True)
         _autograd.FAST[op] = getattr(torch.ops.flash, op).default
-    forward = FORWARD_OPS + (() if _extension.loaded() else ATTENTION_OPS)
-    for op in forward:
+    for op in FORWARD_OPS:
         module.fast_enable(op, _fallback(op), None, None, False)
         _autograd.FAST_FORWARD[op] = getattr(torch.ops.flash, op).default
-    _dispatch.LAST.attach(module.fast_last, module.fast_forget, OPS + forward)
+    _dispatch.LAST.attach(module.fast_last, module.fast_forget, ops + FORWARD_OPS)
     return True

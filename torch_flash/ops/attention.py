@@ -21,7 +21,8 @@ from torch import Tensor
 from .. import _dispatch, _extension
 from ..reference import attention as ref
 from ..reference._common import compute_dtype
-from ._autograd import call, grad_or_empty, register_autograd_via, triton_op
+from ._autograd import (ARG, GRAD, GRAD_OR_NONE, NONE, REQUIRES_GRAD, SAVED, Spec, Src, call, grad_or_empty,
+                        register_autograd_spec, triton_op)
 from ._checks import (FLOAT_DTYPES, check, check_last_dim_contiguous, check_like, check_probability,
                       check_same_device, check_same_dtype, check_tensor)
 from ._plans import Plans
@@ -375,7 +376,7 @@ BACKWARD_PLANS = Plans()
 @triton_op("flash::attention_backward", mutates_args=())
 def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor,
                         v: Tensor, attn_bias: Optional[Tensor], out: Tensor, lse: Tensor,
-                        scale: float, causal: bool, window_left: int, window_right: int,
+                        scale: Optional[float], causal: bool, window_left: int, window_right: int,
                         softcap: float, dropout_p: float, dropout_seed: Optional[Tensor],
                         bias_requires_grad: bool, alibi_slopes: Optional[Tensor] = None,
                         sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -447,48 +448,32 @@ def _attention_bwd_sm90(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
     return ref.attention_bwd_sm90(grad_out, q, k, v, out, lse, scale, causal)
 
 
-_SCALARS = ("causal", "window_left", "window_right", "softcap", "dropout_p")
+def _sinks_grad(saved, grads) -> Tensor:
+    """The sinks' gradient (ref.sink_grad) from the saved tensors of _spec."""
+    out, lse, sinks = saved[4], saved[5], saved[8]
+    return ref.sink_grad(sinks, out, grads[0], lse, grads[1] if len(grads) > 1 else None)
 
 
-def _save(ctx, args: dict, out: Tensor, lse: Tensor) -> None:
-    q = args["q"]
-    ctx.save_for_backward(q, args["k"], args["v"], args["attn_bias"], out, lse, args["dropout_seed"],
-                          args["alibi_slopes"], args["sinks"])
-    ctx.scale = ref.resolve_scale(args["scale"], q.shape[-1])
-    ctx.scalars = [args[n] for n in _SCALARS]
-    # not ctx.needs_input_grad: the dispatcher drops trailing default arguments (bias None)
-    ctx.bias_grad = args["attn_bias"] is not None and args["attn_bias"].requires_grad
-    ctx.sinks_grad = args["sinks"] is not None and args["sinks"].requires_grad
+def _spec(with_lse: bool) -> Spec:
+    """flash.attention's (and flash.attention_with_lse's) autograd rule: the forward keeps its lse
+    (attention runs its sibling attention_with_lse), the backward op gives dq, dk, dv and dbias
+    (where the bias needs one); the sinks' gradient is Python's (ref.sink_grad)."""
+    saved = tuple(Src(SAVED, i) for i in range(9))
+    return Spec(
+        forward=None if with_lse else "attention_with_lse",
+        outputs=(0, 1) if with_lse else (0,),
+        save=("q", "k", "v", "attn_bias", 0, 1, "dropout_seed", "alibi_slopes", "sinks"),
+        backward="attention_backward",
+        backward_args=(Src(GRAD, 0), Src(GRAD_OR_NONE, 1) if with_lse else Src(NONE), *saved[:6],
+                       *(Src(ARG, n) for n in ("scale", "causal", "window_left", "window_right", "softcap",
+                                               "dropout_p")),
+                       saved[6], Src(REQUIRES_GRAD, "attn_bias"), saved[7], saved[8]),
+        grads=(("q", 0, None), ("k", 1, None), ("v", 2, None), ("attn_bias", 3, None)),
+        python_grads=(("sinks", _sinks_grad),))
 
 
-def _grads(ctx, grad_out: Tensor, grad_lse: Optional[Tensor]) -> tuple:
-    """Gradients of (q, k, v, attn_bias, sinks)."""
-    q, k, v, attn_bias, out, lse, dropout_seed, alibi_slopes, sinks = ctx.saved_tensors
-    dq, dk, dv, dbias = call("attention_backward",
-                             grad_out, grad_lse, q, k, v, attn_bias, out, lse, ctx.scale, *ctx.scalars,
-                             dropout_seed, ctx.bias_grad, alibi_slopes, sinks)
-    dsinks = ref.sink_grad(sinks, out, grad_out, lse, grad_lse) if ctx.sinks_grad else None
-    return dq, dk, dv, dbias if ctx.bias_grad else None, dsinks
-
-
-def _setup_with_lse(ctx, inputs, keyword_only_inputs, output):
-    q, k, v, attn_bias, dropout_seed, alibi_slopes, sinks = inputs
-    _save(ctx, dict(q=q, k=k, v=v, attn_bias=attn_bias, dropout_seed=dropout_seed, alibi_slopes=alibi_slopes,
-                    sinks=sinks, **keyword_only_inputs), *output)
-
-
-def _with_lse_backward(ctx, grad_out, grad_lse):
-    dq, dk, dv, dbias, dsinks = _grads(ctx, grad_out, grad_lse)
-    return dq, dk, dv, dbias, None, None, dsinks
-
-
-_attention_with_lse.register_autograd(_with_lse_backward, setup_context=_setup_with_lse)
-register_autograd_via(
-    _attention,
-    forward=lambda **inputs: call("attention_with_lse", **inputs),
-    setup_context=lambda ctx, inputs, out, lse: _save(ctx, inputs, out, lse),
-    backward=lambda ctx, grad_out: dict(zip(("q", "k", "v", "attn_bias", "sinks"), _grads(ctx, grad_out, None))),
-)
+register_autograd_spec(_attention_with_lse, _spec(with_lse=True))
+register_autograd_spec(_attention, _spec(with_lse=False))
 
 
 def op_kwargs(op: str, scale, causal, window, softcap, dropout_p) -> dict:
