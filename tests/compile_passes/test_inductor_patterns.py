@@ -1,6 +1,6 @@
 """PyTorch's own attention spellings. Inductor's (`_sfdp_pattern_*` in
-torch/_inductor/fx_passes/fuse_attention.py), in fp32 and in each input layout Inductor traces
-them with: every one is rewritten to one flash.attention, exported (torch.export, then
+torch/_inductor/fx_passes/fuse_attention.py), in fp32 and fp16 and each input layout Inductor
+traces them with: every one is rewritten to one flash.attention, exported (torch.export, then
 torch_flash.rewrite) with the pattern's own outputs, and through Dynamo with its outputs and
 input gradients. Scales arrive as 0-d tensors (`inv_scale`) or Python floats, as Inductor
 registers them; dropout is checked at p=0 for numbers, and at Inductor's p for the rewrite.
@@ -25,11 +25,11 @@ for _name, _fn in vars(fuse_attention).items():
 
 
 def _patterns() -> dict:
-    """name -> (pattern, Inductor's example inputs, its scalar arguments), fp32, one per layout."""
+    """name -> (pattern, Inductor's example inputs, its scalar arguments), one per dtype and layout."""
     found = {}
     for name, d in fuse_attention._get_sfdp_patterns(torch.device("cpu")):
         key = name.replace("_training", "").replace("_inference", "")
-        if "half" not in name and key not in found:
+        if key not in found:
             base = re.match(r"_sfdp_pattern_\d+", name).group(0)
             found[key] = (_NS[base], d["example_inputs"], d["scalar_workaround"])
     return found
@@ -48,14 +48,14 @@ def _inputs(example: list, fn) -> list:
             x[..., 0] = True
             x[0, ..., 0, :] = False
         elif t.dim() == 0:
-            x = torch.tensor(1.7)
+            x = torch.tensor(1.7, dtype=t.dtype)
         elif t.dim() == 2:  # compared with 0: where it is 0 the key is hidden
-            x = (torch.rand(t.shape) > 0.3).float()
+            x = (torch.rand(t.shape) > 0.3).to(t.dtype)
             x[..., 0] = 1
         elif t.shape[0] == 1024:
-            x = torch.randn(4, 8, 16)
+            x = torch.randn(4, 8, 16, dtype=t.dtype)
         else:
-            x = torch.empty_strided(t.shape, t.stride()).copy_(torch.randn(t.shape))
+            x = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype).copy_(torch.randn(t.shape))
         out.append(x.requires_grad_(t.requires_grad))
     return out
 
@@ -82,8 +82,10 @@ class Pattern(torch.nn.Module):
         return out[0] if isinstance(out, tuple) else out  # some return key and value too
 
 
-def _tol(out: torch.Tensor) -> float:
-    return 2e-3 if out.dtype == torch.float16 else 1e-5  # patterns 7-10 cast the weights to fp16
+def _tol(args: list, out: torch.Tensor) -> float:
+    """fp32 1e-5; the fp16 model's own rounding where it computes in fp16 (patterns 7-10 cast
+    the weights to fp16 from fp32 inputs)."""
+    return 5e-3 if args[0].dtype == torch.float16 else 2e-3 if out.dtype == torch.float16 else 1e-5
 
 
 @pytest.mark.parametrize("name", list(PATTERNS))
@@ -99,7 +101,7 @@ def test_inductor_pattern(name):
     assert [s.op for s in report.sites] == ["attention"], str(report)
     out = torch_flash.rewrite(ep).module()(*[a.detach() for a in args])
     ref = model(*[a.detach() for a in args])
-    assert_rel_close(out, ref, tol=_tol(ref))
+    assert_rel_close(out, ref, tol=_tol(args, ref))
 
     # Dynamo: outputs and input gradients, the rewritten graph run eagerly
     graphs = []
@@ -118,9 +120,9 @@ def test_inductor_pattern(name):
     (ref, ref_grads), (out, grads) = results
     calls = [n for g in graphs for n in g.graph.find_nodes(op="call_function", target=torch.ops.flash.attention.default)]
     assert len(calls) == 1
-    assert_rel_close(out, ref, tol=_tol(ref))
+    assert_rel_close(out, ref, tol=_tol(args, ref))
     for i, (g, r) in enumerate(zip(grads, ref_grads)):
-        assert_rel_close(g, r, tol=_tol(ref), what=f"grad {i}")
+        assert_rel_close(g, r, tol=_tol(args, ref), what=f"grad {i}")
 
 
 @pytest.mark.parametrize("name", [n for n, (fn, ex, w) in PATTERNS.items() if "dropout_p" in w])
