@@ -145,6 +145,26 @@ def test_sinks_that_need_a_gradient_take_the_python_rule():
         assert_rel_close(got, w, TOL[torch.bfloat16])
 
 
+def test_decode_replay_writes_the_cache():
+    if "attention_decode" not in _autograd.FAST_FORWARD:
+        pytest.skip("flash.attention_decode is not on the fast path here")
+    b, hq, hkv, d, cap = 2, 8, 2, 64, 512
+    for call in range(4):
+        q = torch.randn(b, hq, 1, d, device=DEV, dtype=torch.bfloat16)
+        k_cache, v_cache = (torch.randn(b, hkv, cap, d, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+        k_new, v_new = (torch.randn(b, hkv, 1, d, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+        lens = torch.tensor([100, 300], device=DEV, dtype=torch.int32)
+        caches = (k_cache.clone(), v_cache.clone())
+        version = k_cache._version
+        out = torch_flash.attention_decode(q, k_cache, v_cache, lens, k_new, v_new)
+        assert k_cache._version > version
+        want = _python_path(torch_flash.attention_decode, (q, *caches, lens, k_new, v_new), {})
+        assert all(torch.equal(g, w) for g, w in zip(out, want))  # (out, lse)
+        assert torch.equal(k_cache, caches[0]) and torch.equal(v_cache, caches[1])
+    replays, _, recipes = _stats("attention_decode")
+    assert replays >= 2 and recipes >= 1, _stats("attention_decode")
+
+
 def test_a_call_with_more_than_launches_stays_on_the_python_path():
     """bf16 LayerNorm with out_dtype=fp32 casts y after the kernel (a torch op): no recipe, and
     after three recordings its calls stop trying; the results are the Python path's."""

@@ -175,9 +175,10 @@ def call(op: str, *args, **kwargs):
     if kind == _NO_GRAD:
         forward = FAST_FORWARD.get(op) if cuda else None
         if forward is not None:  # straight to the C++ CUDA kernel
-            with torch._C._AutoDispatchBelowAutograd():
-                return forward(*args, **kwargs)
-        out = body(*args, **kwargs)
+            with torch._C._AutoDispatchBelowADInplaceOrView():
+                out = forward(*args, **kwargs)
+        else:
+            out = body(*args, **kwargs)
         for i in mutated:
             if args[i] is not None:
                 torch.autograd.graph.increment_version(args[i])

@@ -39,8 +39,9 @@ OPS = ("rms_norm", "rms_norm_backward", "add_rms_norm", "add_rms_norm_backward",
 # Attention, the same, where torch_flash._C is not loaded: its Hopper kernels are an op call,
 # which a recipe does not hold, and every call would pay the way through C++ to the Python body.
 ATTENTION_OPS = ("attention", "attention_with_lse", "attention_backward")
-# ops whose CUDA kernel alone is served here: their calls without a gradient (autograd: Python)
-FORWARD_OPS = ("rotary", "rotary_qk")
+# ops whose CUDA kernel alone is served here: their calls without a gradient (autograd: Python;
+# decode writes the new keys into the cache, call() moves its version counters)
+FORWARD_OPS = ("rotary", "rotary_qk", "attention_decode")
 
 # ATen calls a recorded body may make: allocations (replayed) and views (their effect is in the
 # pointers and strides recorded)
