@@ -104,11 +104,11 @@ def test_replay_equals_python_path(case):
 def _forward_cases():
     """op -> (public function, make inputs, keyword arguments) of the ops whose CUDA kernel alone
     is on the fast path (calls without a gradient)."""
-    cos, sin = torch_flash.rotary_cos_sin(256, 64, device=DEV)
     qkv = lambda h: torch.randn(2, h, 256, 64, device=DEV, dtype=torch.bfloat16)  # noqa: E731
+    tables = lambda: torch_flash.rotary_cos_sin(256, 64, device=DEV)  # noqa: E731
     return {
-        "rotary": (torch_flash.rotary, lambda: (qkv(4).transpose(1, 2), cos, sin), {}),
-        "rotary_qk": (torch_flash.rotary_qk, lambda: (qkv(4), qkv(2), cos, sin), {}),
+        "rotary": (torch_flash.rotary, lambda: (qkv(4).transpose(1, 2), *tables()), {}),
+        "rotary_qk": (torch_flash.rotary_qk, lambda: (qkv(4), qkv(2), *tables()), {}),
         "attention": (torch_flash.attention, lambda: (qkv(4), qkv(2), qkv(2)), dict(causal=True)),
     }
 
