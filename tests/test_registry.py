@@ -55,3 +55,32 @@ def test_public_functions():
     for e in (e for e in OPS if e.public):
         fn = getattr(torch_flash, e.name, None)
         assert callable(fn) and fn.__doc__, f"torch_flash.{e.name} missing or undocumented"
+
+
+@pytest.mark.parametrize("op", sorted(_autograd.SPECS))
+def test_spec_matches_the_schemas(op):
+    """An op's autograd Spec (run by the Python rule and by the fast path's C++ node) names its
+    arguments, its forward's returns and every argument of its backward op."""
+    from torch_flash.ops import _fast
+
+    spec = _autograd.SPECS[op]
+    schema = getattr(torch.ops.flash, op).default._schema
+    names = [a.name for a in schema.arguments]
+    forward = getattr(torch.ops.flash, spec.forward or op).default._schema
+    backward = getattr(torch.ops.flash, spec.backward).default._schema
+    assert {a.name for a in forward.arguments} <= set(names)
+    assert len(spec.outputs) == len(schema.returns) and max(spec.outputs) < len(forward.returns)
+    assert len(spec.backward_args) == len(backward.arguments)
+    for s in spec.save:
+        assert s in names if isinstance(s, str) else s < len(forward.returns)
+    for name, ret, cast in spec.grads:
+        assert name in names and ret < len(backward.returns) and (cast is None or cast in names)
+    for s in spec.backward_args:
+        if s.kind in (_autograd.ARG, _autograd.DTYPE_OF, _autograd.REQUIRES_GRAD):
+            assert s.ref in names
+        elif s.kind == _autograd.SAVED:
+            assert s.ref < len(spec.save)
+        elif s.kind in (_autograd.GRAD, _autograd.GRAD_OR_NONE):
+            assert s.ref < len(spec.outputs)
+    converted = _fast._spec_tuple(op)  # what the C++ node is given
+    assert len(converted[1]) == len(forward.arguments) and len(converted[6]) == len(names)
