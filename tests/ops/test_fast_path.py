@@ -12,10 +12,10 @@ from torch_flash.ops import _autograd, _fast
 
 from _utils import TOL, assert_rel_close, to64
 
+_READY = torch.cuda.is_available() and _fast.ensure()
 pytestmark = [
     pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available() or not _fast.ensure(),
-                       reason=f"needs the compiled fast path ({_extension.fast_error()})"),
+    pytest.mark.skipif(not _READY, reason=f"needs the compiled fast path ({_extension.fast_error() or 'no GPU'})"),
 ]
 DEV = "cuda"
 
