@@ -190,7 +190,12 @@ void call_python(OpState& state, const c10::OperatorHandle& op, torch::jit::Stac
   const py::tuple result = py::reinterpret_steal<py::tuple>(got);
   push_returns(op, stack, result[0]);
   if (!key) return;
-  std::shared_ptr<const Recipe> recipe = parse_recipe(result[1]);
+  std::shared_ptr<const Recipe> recipe;
+  try {  // a recipe the driver or pybind refuses is no recipe; the call itself succeeded
+    recipe = parse_recipe(result[1]);
+  } catch (const std::exception&) {
+    PyErr_Clear();
+  }
   std::lock_guard<std::mutex> guard(state.mutex);
   if (state.table.size() >= kMaxRecipes) state.table.clear();
   Entry& entry = state.table[*key];
