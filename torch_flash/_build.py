@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -177,7 +178,8 @@ def spec(hdims: str | None = None, csrc: str | None = None, origin: str = "FLASH
     if csrc is None:
         raise BuildError(_no_sources())
     csrc = os.path.abspath(csrc)
-    all_sources = [p for p in _sources_under(csrc) if p not in fast_sources(csrc)]
+    fast = set(fast_sources(csrc))
+    all_sources = [p for p in _sources_under(csrc) if p not in fast]
     available = sorted({d for d in map(_hdim_of, all_sources) if d is not None})
     chosen = select_hdims(os.environ.get("FLASH_HDIMS") if hdims is None else hdims, available, origin)
     sources = [s for s in all_sources if _hdim_of(s) in (None, *chosen)]
@@ -276,15 +278,17 @@ def fast_why_not() -> str | None:
     return None
 
 
+@functools.cache
 def fast_build_dir() -> str:
     """Where the fast path's module is built and kept: one directory per torch, CUDA, Python and
-    content of its sources."""
+    content of its sources (read once per process)."""
     import torch
     from torch.utils.cpp_extension import CUDA_HOME
 
     digest = hashlib.sha256(json.dumps([torch.__version__, torch.version.cuda, CUDA_HOME, sys.version,
                                         FAST_MODULE_SOURCE, CXX_FLAGS]).encode())
-    for path in fast_sources(find_csrc()) + [os.path.join(find_csrc(), FAST_SUBDIR, "fast_path.h")]:
+    csrc = find_csrc()
+    for path in fast_sources(csrc) + [os.path.join(csrc, FAST_SUBDIR, "fast_path.h")]:
         with open(path, "rb") as f:
             digest.update(f.read())
     return os.path.join(_cache_root(), "fast-" + digest.hexdigest()[:16])
