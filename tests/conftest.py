@@ -1,5 +1,6 @@
 import contextlib
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -18,6 +19,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # one autotune config per kernel: tests check results, the benchmarks tune
 os.environ.setdefault("TORCH_FLASH_AUTOTUNE", "0")
+# Under pytest-xdist (-n N) the workers share the machine's cores: each takes its share of
+# threads, and so do the processes it starts, instead of every worker oversubscribing all cores.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    _threads = max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
+    torch.set_num_threads(_threads)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -31,8 +38,13 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _seed(request):
-    # fresh inputs per test, reproducible per test name (crc32: str hash() is salted per process)
-    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+    # fresh inputs per test, reproducible per test name (crc32: str hash() is salted per process);
+    # under pytest-xdist's --dist loadgroup a test marked xdist_group has "@<group>" appended to
+    # its node id: the seed stays the one of its plain name
+    nodeid = request.node.nodeid
+    if request.node.get_closest_marker("xdist_group") and "@" in nodeid:
+        nodeid = nodeid.rpartition("@")[0]
+    torch.manual_seed(zlib.crc32(nodeid.encode()))
 
 
 @pytest.fixture
@@ -50,8 +62,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="session")
 def wheel(tmp_path_factory):
     """A wheel of this checkout without the CUDA extension, built once for the tests of a normal
-    install (tests/test_install.py, tests/test_extension_build.py)."""
-    tmp = tmp_path_factory.mktemp("wheel")
+    install (tests/test_install.py, tests/test_extension_build.py): once per run also under
+    pytest-xdist, whose workers share the parent of their base temp directories."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return _build_wheel(tmp_path_factory.mktemp("wheel"))
+    from filelock import FileLock  # a dependency of torch
+    shared = tmp_path_factory.getbasetemp().parent
+    with FileLock(str(shared / "wheel.lock")):
+        built = shared / "wheel.path"
+        if built.exists():
+            return pathlib.Path(built.read_text())
+        path = _build_wheel(shared / "wheel")
+        built.write_text(str(path))
+        return path
+
+
+def _build_wheel(tmp: pathlib.Path) -> pathlib.Path:
+    tmp.mkdir(exist_ok=True)
     # from a copy: an in-tree build leaves build/ and torch_flash.egg-info in the checkout, whose stale
     # metadata (entry points) would shadow the installed package's for anything run from there
     src = tmp / "src"

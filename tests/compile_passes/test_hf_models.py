@@ -145,7 +145,10 @@ MODELS = {
                                 decoder_start_token_id=0, pad_token_id=0),
                "T5ForConditionalGeneration", "seq2seq", _t5),
 }
-CASES = [pytest.param(name, impl, id=f"{name}-{impl}") for name in MODELS for impl in ("eager", "sdpa")]
+# Under pytest-xdist (--dist loadgroup) a model's tests run in one worker, which compiles each of
+# its runs (_run) once
+CASES = [pytest.param(name, impl, id=f"{name}-{impl}", marks=pytest.mark.xdist_group(f"hf_{name}"))
+         for name in MODELS for impl in ("eager", "sdpa")]
 
 def _batch(task: str, left_padded: bool = False) -> dict:
     if task == "image":

@@ -20,6 +20,10 @@ import torch.multiprocessing as mp
 from torch_flash.testing.samples import cross_entropy as ce
 from _utils import TOL, assert_rel_close
 
+# the module-scoped `results` (two gloo ranks, seconds to start) once per run: under pytest-xdist
+# (--dist loadgroup) this file's tests run in one worker
+pytestmark = pytest.mark.xdist_group("vocab_parallel")
+
 WORLD = 2
 V_LOCAL = 8
 FP64, FP32, BF16 = torch.float64, torch.float32, torch.bfloat16
