@@ -12,7 +12,7 @@ import sys
 
 from ._common import write_json
 
-SUITES = ("attention", "norm", "cross_entropy", "linear_cross_entropy", "rotary", "decode")
+SUITES = ("attention", "norm", "cross_entropy", "linear_cross_entropy", "rotary", "decode", "train")
 
 DESCRIPTION = """\
 Time a fused op against the strongest alternatives in the same process on the same inputs
@@ -39,6 +39,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--targets", action="store_true",
                    help="attention: the Hopper forward's target points; linear_cross_entropy: "
                         "8192 x 4096 x 128256; each alone, in more rounds (SUITE_targets.json)")
+    p.add_argument("--contexts", help="train: tokens a sequence, comma-separated (default: 4096,16384)")
+    p.add_argument("--configs", help="train: configurations, comma-separated (default: all; see bench/train.py)")
+    p.add_argument("--steps", type=int, help="train: timed steps a configuration (default: 10)")
     return p
 
 
@@ -74,6 +77,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.targets and args.suite not in ("attention", "linear_cross_entropy"):
         p.error("--targets is for the attention and linear_cross_entropy suites")
+    if args.suite != "train" and (args.contexts or args.configs or args.steps):
+        p.error("--contexts, --configs and --steps are for the train suite")
     if args.suite == "plot":
         if not args.files:
             p.error("plot: name one or more JSON files written by the bench")
@@ -104,7 +109,7 @@ def main(argv=None) -> None:
         rows = mod.run(args)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"{args.suite}{'_targets' if args.targets else ''}.json")
-    write_json(path, args.suite, rows)
+    write_json(path, args.suite, rows, mod.extra(args) if hasattr(mod, "extra") else None)
     missing = _needs_matplotlib()
     if missing:  # plot later, where matplotlib is installed
         print(f"no plot: {missing}; later: python -m torch_flash.bench plot {path}")
