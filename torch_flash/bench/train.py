@@ -19,8 +19,8 @@ Per configuration: WARMUP steps (compiling; their times are warmup_step_s, their
 then STEPS timed steps, each synchronised: step_ms is their median; tokens_per_s = tokens /
 step time; peak_bytes = torch.cuda.max_memory_allocated over the timed steps (weights, gradients,
 optimizer state and activations; peak_warmup_bytes: over the warm-up, compiling and autotuning
-included; a failed configuration's peak_bytes: since its start or its warm-up); mfu = model FLOPs per step /
-step time / the card's dense bf16 peak (PEAK_TFLOPS; null for other devices). Model FLOPs =
+included; a failed configuration's peak_bytes: since its start or its warm-up); mfu = model
+FLOPs per step / step time / the card's dense bf16 peak (PEAK_TFLOPS; null for other devices). Model FLOPs =
 6 x matmul parameters (every nn.Linear, the lm-head included, the embedding not) x tokens +
 attention 4*B*H*S*S*D per layer, halved for causal, x 3.5 for forward and backward (the
 attention bench's convention: backward 2.5x the forward); eager attention counts the same
@@ -42,7 +42,8 @@ tokens, fp32), 2 + 2 steps, configurations QUICK_CONFIGS, the flash ops on their
 of the full width, 2 x 4096 tokens, 2 + 3 steps.
 Rows: {context, batch, seq, tokens, config, attention, compile, patch, status, error, oom,
 first_loss, loss_rel_diff, loss_agrees, losses, warmup_step_s, warmup_s, step_ms, step_ms_all,
-tokens_per_s, flops_per_step, tflops, mfu, peak_bytes, peak_warmup_bytes, rewrites, graph_breaks, warnings, started}.
+tokens_per_s, flops_per_step, tflops, mfu, peak_bytes, peak_warmup_bytes, rewrites, graph_breaks,
+warnings, started}.
 """
 from __future__ import annotations
 
