@@ -7,8 +7,8 @@
 // example's own small kernels: sum(dO * O) per row before, the dQ buffer's conversion to dq's
 // dtype after. GQA runs one launch per query head of a group (as the forward does), each
 // into its own slice of dk and dv. The mainloop (attention_bwd_sm90_mainloop.cuh) splits dQ over
-// both warpgroups at head dim 128 and, under torch.use_deterministic_algorithms, adds each dQ
-// tile's contributions in key-block order.
+// both warpgroups (by head dim at 128, by keys at 64) and, under
+// torch.use_deterministic_algorithms, adds each dQ tile's contributions in key-block order.
 #pragma once
 
 #include <algorithm>

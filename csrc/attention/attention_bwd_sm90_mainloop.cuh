@@ -3,11 +3,20 @@
 // 88_hopper_fmha's backward gives each consumer warpgroup half of the CTA's key block: both
 // compute S, dP, dV and dK of their half (four 64 x 64 x D GEMMs a query tile), and the second
 // warpgroup alone computes the query tile's whole dQ = dS K over the block's keys (two more), so
-// it runs six GEMMs to the first's four. Here each warpgroup computes dQ for half of the head dim
-// over all keys of the block (five each). The dS halves are exchanged through shared memory as
-// in the example; named barriers order the exchange:
-//   kDsReady         both warpgroups' dS of this query tile are in shared memory
-//   kDsFree + w      warpgroup w may overwrite its dS: the other one's dQ GEMM has read it
+// it runs six GEMMs to the first's four. Here both warpgroups share the dQ GEMM, five each:
+//   D = 128  each warpgroup computes dQ for half of the head dim over all keys of the block; the
+//            dS halves are exchanged through shared memory as in the example.
+//   D = 64   a half of D (64 bytes) is narrower than a 128-byte swizzle atom, so dQ is split by
+//            keys instead: each warpgroup computes dQ over its own keys from its own dS and K,
+//            the first writes its partial into the reducer's stage and the second adds its own
+//            (a fixed order: deterministic). No dS exchange.
+// Named barriers (user ids):
+//   kDsReady         D = 128: both warpgroups' dS of this query tile are in shared memory
+//   kDsFree + w      D = 128: warpgroup w may overwrite its dS: the other one's dQ GEMM has read it
+//   kDsStored + w    D = 64: warpgroup w's dS of this query tile is in shared memory
+//   kDqPartial + s   D = 64: the first warpgroup's partial dQ is in reducer stage s (one barrier
+//                    a stage: the first may run a tile ahead, never two, as a stage is returned
+//                    only once the second has added into it)
 // The reducer warp returns a dQ stage to the consumers only once its TMA reduction has read it
 // (the example's returned it one reduction early). Producer and epilogue are the example's.
 #pragma once
@@ -46,11 +55,12 @@ struct BwdMainloop
   static_assert(Base::NumMmaWarpGroups == 2);
   static_assert(get<0>(TileShape{}) == kBwdQueryRows);
   // A GMMA operand slice of half the head dim must span whole 128-byte swizzle atoms; where it
-  // cannot (D = 64), the example's consumers run.
+  // cannot (D = 64), dQ is split by keys instead.
   static constexpr bool kSplitDQ = kHeadDim / 2 * sizeof(Element) % 128 == 0;
+  static constexpr int kDQCols = kSplitDQ ? kHeadDim / 2 : kHeadDim;
 
-  // (query rows, half the head dim, keys of one warpgroup): each warpgroup's dQ GEMM per dS half.
-  using TileShapeDQ = Shape<tuple_element_t<0, TileShapeMD>, Int<kHeadDim / 2>, tuple_element_t<2, TileShapeMD>>;
+  // (query rows, head-dim columns, keys of one warpgroup): each warpgroup's dQ GEMM per dS half.
+  using TileShapeDQ = Shape<tuple_element_t<0, TileShapeMD>, Int<kDQCols>, tuple_element_t<2, TileShapeMD>>;
   using TiledMmaDQ = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
       Element, cute::tuple<_1, int, cute::tuple<int, int>>, Base::Alignment,
@@ -60,7 +70,9 @@ struct BwdMainloop
 
   static constexpr int kConsumerThreads = 2 * cutlass::NumThreadsPerWarpGroup;
   static constexpr int kDsReady = 0;  // user named-barrier ids (CUTLASS reserves the ones below)
-  static constexpr int kDsFree = 1;
+  static constexpr int kDsFree = 1;     // and 2
+  static constexpr int kDsStored = 3;   // and 4
+  static constexpr int kDqPartial = 5;  // and 6
 
   // dq_semaphore (B, H, query tiles) int32 zeros, or null: each dQ tile then takes the key
   // blocks' reductions in key-block order (torch.use_deterministic_algorithms), each CTA waiting
@@ -150,11 +162,6 @@ struct BwdMainloop
                               PipelineStateQ& smem_pipe_read_outer, PipelineReducer& pipeline_reducer,
                               PipelineStateReducer& smem_pipe_write_reducer, SharedStorage& storage,
                               OrderBarrier& order_barrier) {
-    if constexpr (!kSplitDQ) {
-      return Base::compute(blk_coord, wg_coord, params, problem_size, pipeline_inner, smem_pipe_read_inner,
-                           pipeline_outer, smem_pipe_read_outer, pipeline_reducer, smem_pipe_write_reducer,
-                           storage, order_barrier);
-    } else {
     const int thread_idx = int(threadIdx.x) % cutlass::NumThreadsPerWarpGroup;
     const int wg_idx = __shfl_sync(0xffffffff, get<1>(wg_coord) % 2, 0);
     constexpr auto kRows = get<1>(TileShapeNM{});  // query rows a step
@@ -202,17 +209,19 @@ struct BwdMainloop
     auto thr_nd_ss = TiledMmaND_SS{}.get_thread_slice(thread_idx);
     Tensor tDKrDS = thr_nd_ss.make_fragment_A(thr_nd_ss.partition_A(sDSt));
 
-    // dQ[:, this warpgroup's half of D] = dS K: K (D, keys, stage) sliced to the half.
+    // D = 128: dQ[:, this warpgroup's half of D] = dS K, K (D, keys, stage) sliced to the half.
+    // D = 64: dQ partial = dS K over this warpgroup's keys, all of D (the slices are whole).
+    const int dq_part = kSplitDQ ? wg_idx : 0;
     TiledMmaDQ mma_dq;
     auto thr_dq = mma_dq.get_thread_slice(thread_idx);
     Tensor tDQrDS = thr_dq.make_fragment_A(thr_dq.partition_A(sDS));
     Tensor sKp = make_tensor(make_smem_ptr(storage.smem_kp.data()), typename Base::SmemLayoutKp{});
-    Tensor sKpHalf = local_tile(sKp, make_shape(Int<kHeadDim / 2>{}, size<1>(sKp), size<2>(sKp)),
-                                make_coord(wg_idx, _0{}, _0{}));
-    Tensor tDQrK = thr_dq.make_fragment_B(thr_dq.partition_B(sKpHalf));
+    Tensor sKpPart = local_tile(sKp, make_shape(Int<kDQCols>{}, size<1>(sKp), size<2>(sKp)),
+                                make_coord(dq_part, _0{}, _0{}));
+    Tensor tDQrK = thr_dq.make_fragment_B(thr_dq.partition_B(sKpPart));
     Tensor sDQ = make_tensor(make_smem_ptr(storage.smem_dq.data()), typename Base::SmemLayoutDQ{});
     Tensor tDQsDQ = thr_dq.partition_C(local_tile(
-        sDQ, make_shape(size<0>(sDQ), Int<kHeadDim / 2>{}, size<2>(sDQ)), make_coord(_0{}, wg_idx, _0{})));
+        sDQ, make_shape(size<0>(sDQ), Int<kDQCols>{}, size<2>(sDQ)), make_coord(_0{}, dq_part, _0{})));
     const int k_stage[2] = {wg_idx == 0 ? read_k.index() : read_k_other.index(),
                             wg_idx == 1 ? read_k.index() : read_k_other.index()};
 
@@ -229,10 +238,13 @@ struct BwdMainloop
     const int key_block = get<1>(wg_coord);
     tScS.data() = tScS.data() + E<0>{} * key_block * get<0>(TileShapeNM{});
 
-    cutlass::arch::NamedBarrier ds_ready(kConsumerThreads, kDsReady);
+    // ds_ready: the dS this warpgroup's GEMMs read is in shared memory (both halves at D = 128).
+    cutlass::arch::NamedBarrier ds_ready(kSplitDQ ? kConsumerThreads : cutlass::NumThreadsPerWarpGroup,
+                                         kSplitDQ ? kDsReady : kDsStored + wg_idx);
     cutlass::arch::NamedBarrier my_ds_free(kConsumerThreads, kDsFree + wg_idx);
     cutlass::arch::NamedBarrier other_ds_free(kConsumerThreads, kDsFree + 1 - wg_idx);
-    other_ds_free.arrive();  // nothing of the other's dS read yet; balanced by the sync after the loop
+    // Nothing of the other's dS read yet; balanced by the sync after the loop.
+    if constexpr (kSplitDQ) other_ds_free.arrive();
 
     int tiles = this->get_inner_tile_count(wg_coord, problem_size);
     int q_tile = 0;
@@ -294,8 +306,9 @@ struct BwdMainloop
       cute::gemm(mma_nd, op_P, tDVrDO(_, _, _, read_do.index()), acc_DV);
       warpgroup_commit_batch();
 
-      // Publish this warpgroup's dS once the other's dQ GEMM of the previous tile has read it.
-      my_ds_free.sync();
+      // Publish this warpgroup's dS (at D = 128 once the other's dQ GEMM of the previous tile has
+      // read it; at D = 64 only this warpgroup reads it, and its GEMMs of that tile are done).
+      if constexpr (kSplitDQ) my_ds_free.sync();
       using Pair = uint_bit_t<2 * sizeof_bits_v<Element>>;
       auto ds_dst = recast<Pair>(tDPsDS(_, _, _, wg_idx));
       auto ds_src = recast<Pair>(acc_DS);
@@ -307,8 +320,12 @@ struct BwdMainloop
       Tensor acc_DQ = partition_fragment_C(mma_dq, take<0, 2>(TileShapeDQ{}));
       warpgroup_fence_operand(acc_DQ);
       warpgroup_arrive();
-      cutlass::fmha::collective::gemm_zero_acc(mma_dq, tDQrDS(_, _, _, 0), tDQrK(_, _, _, k_stage[0]), acc_DQ);
-      cute::gemm(mma_dq, tDQrDS(_, _, _, 1), tDQrK(_, _, _, k_stage[1]), acc_DQ);
+      if constexpr (kSplitDQ) {
+        cutlass::fmha::collective::gemm_zero_acc(mma_dq, tDQrDS(_, _, _, 0), tDQrK(_, _, _, k_stage[0]), acc_DQ);
+        cute::gemm(mma_dq, tDQrDS(_, _, _, 1), tDQrK(_, _, _, k_stage[1]), acc_DQ);
+      } else {
+        cutlass::fmha::collective::gemm_zero_acc(mma_dq, tDQrDS(_, _, _, wg_idx), tDQrK(_, _, _, read_k.index()), acc_DQ);
+      }
       warpgroup_commit_batch();
 
       warpgroup_fence_operand(acc_DK);
@@ -318,16 +335,29 @@ struct BwdMainloop
 
       warpgroup_wait<1>();  // dV and dQ done, dK may still run
       warpgroup_fence_operand(acc_DQ);
-      other_ds_free.arrive();
+      if constexpr (kSplitDQ) other_ds_free.arrive();
 
-      // This half of the dQ tile into the reducer's stage; the reducer warp adds the whole tile
-      // into the fp32 dQ buffer once both halves are in.
+      // This warpgroup's part of the dQ tile into the reducer's stage; the reducer warp adds the
+      // whole tile into the fp32 dQ buffer once both warpgroups have committed. At D = 64 the
+      // second adds its partial to the first's, each thread to the elements its twin wrote.
       pipeline_reducer.producer_acquire(smem_pipe_write_reducer);
-      using Vec = uint_bit_t<2 * sizeof_bits_v<float>>;
-      auto dq_dst = recast<Vec>(tDQsDQ(_, _, _, smem_pipe_write_reducer.index()));
-      auto dq_src = recast<Vec>(acc_DQ);
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(dq_src); i++) dq_dst(i) = dq_src(i);
+      const int stage = smem_pipe_write_reducer.index();
+      auto dq_dst = recast<float2>(tDQsDQ(_, _, _, stage));
+      auto dq_src = recast<float2>(acc_DQ);
+      if (kSplitDQ || wg_idx == 0) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(dq_src); i++) dq_dst(i) = dq_src(i);
+        if constexpr (!kSplitDQ) cutlass::arch::NamedBarrier::arrive(kConsumerThreads, kDqPartial + stage);
+      } else {
+        cutlass::arch::NamedBarrier::sync(kConsumerThreads, kDqPartial + stage);
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(dq_src); i++) {
+          float2 sum = dq_dst(i);
+          sum.x += dq_src(i).x;
+          sum.y += dq_src(i).y;
+          dq_dst(i) = sum;
+        }
+      }
       cutlass::arch::fence_view_async_shared();
       pipeline_reducer.producer_commit(smem_pipe_write_reducer);
       ++smem_pipe_write_reducer;
@@ -342,7 +372,7 @@ struct BwdMainloop
       ++q_tile;
       tScS.data() = tScS.data() + E<1>{} * get<1>(TileShapeNM{});
     }
-    my_ds_free.sync();
+    if constexpr (kSplitDQ) my_ds_free.sync();
 
     pipeline_outer.consumer_release(read_k);
     pipeline_outer.consumer_release(read_v);
@@ -351,7 +381,6 @@ struct BwdMainloop
     warpgroup_fence_operand(acc_DK);
     warpgroup_fence_operand(acc_DV);
     return make_tuple(acc_DK, acc_DV);
-    }
   }
 };
 
