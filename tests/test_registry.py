@@ -82,5 +82,9 @@ def test_spec_matches_the_schemas(op):
             assert s.ref < len(spec.save)
         elif s.kind in (_autograd.GRAD, _autograd.GRAD_OR_NONE):
             assert s.ref < len(spec.outputs)
+        elif s.kind == _autograd.CONST:
+            assert isinstance(s.ref, int)
+    kinds = {a.name: a.type.kind() for a in schema.arguments}
+    assert all(kinds.get(name) == "BoolType" for name in spec.python_if)
     converted = _fast._spec_tuple(op)  # what the C++ node is given
     assert len(converted[1]) == len(forward.arguments) and len(converted[6]) == len(names)

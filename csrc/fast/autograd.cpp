@@ -83,6 +83,9 @@ variable_list SpecNode::apply(variable_list&& grads) {
       case Source::kRequiresGrad:
         stack.push_back(c10::IValue(static_cast<bool>(required[s.index])));
         break;
+      case Source::kConst:
+        stack.push_back(c10::IValue(static_cast<int64_t>(s.index)));
+        break;
     }
   }
   spec.backward.callBoxed(&stack);
@@ -112,6 +115,9 @@ bool needs_grad(c10::ArrayRef<c10::IValue> args) {
 bool python_only(const Spec& spec, c10::ArrayRef<c10::IValue> args) {
   for (int i : spec.python_only) {
     if (requires_grad(args[i])) return true;
+  }
+  for (int i : spec.python_if) {
+    if (args[i].isBool() && args[i].toBool()) return true;
   }
   return false;
 }
@@ -225,8 +231,8 @@ void autograd_kernel(OpState& state, const c10::OperatorHandle& op, c10::Dispatc
 }
 
 // spec: (forward op or "", forward_args, public_outputs, saved, backward op, backward_args, grads,
-// python_only); saved and backward_args hold (Source kind, index) pairs, grads (backward return,
-// cast) pairs.
+// python_only, python_if); saved and backward_args hold (Source kind, index) pairs, grads (backward
+// return, cast) pairs.
 std::unique_ptr<Spec> parse_spec(py::handle obj) {
   if (obj.is_none()) return nullptr;
   const auto t = obj.cast<py::tuple>();
@@ -243,7 +249,7 @@ std::unique_ptr<Spec> parse_spec(py::handle obj) {
       forward.empty() ? std::nullopt : std::optional(dispatcher.findSchemaOrThrow(forward.c_str(), "")),
       t[1].cast<std::vector<int>>(), t[2].cast<std::vector<int>>(), sources(t[3]),
       dispatcher.findSchemaOrThrow(t[4].cast<std::string>().c_str(), ""), sources(t[5]),
-      t[6].cast<std::vector<std::pair<int, int>>>(), t[7].cast<std::vector<int>>()});
+      t[6].cast<std::vector<std::pair<int, int>>>(), t[7].cast<std::vector<int>>(), t[8].cast<std::vector<int>>()});
   return spec;
 }
 

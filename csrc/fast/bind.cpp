@@ -1,6 +1,8 @@
 // Python's handle on the fast path: torch_flash/ops/_fast.py enables it op by op.
+#include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
+#include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 
 #include "fast/fast_path.h"
@@ -71,6 +73,22 @@ void bind(py::module_& m) {
         py::arg("autograd"),
         "Registers flash.<name>'s CUDA kernel in C++, and its AutogradCUDA one where autograd is set "
         "(torch_flash/ops/_fast.py)");
+  m.def(
+      "fast_target_check",
+      [](const at::Tensor& summary, int64_t n_classes, int64_t ignore_index, const std::string& op, bool wait) {
+        TORCH_CHECK(summary.is_cuda() && summary.scalar_type() == at::kLong && summary.numel() == 3 &&
+                        summary.is_contiguous(),
+                    "torch_flash fast path: a target summary is 3 contiguous int64 on a GPU");
+        const int device = summary.get_device();
+        target_check(summary.const_data_ptr(), device, c10::cuda::getCurrentCUDAStream(device).stream(), n_classes,
+                     ignore_index, intern(op), wait);
+      },
+      py::arg("summary"), py::arg("n_classes"), py::arg("ignore_index"), py::arg("op"), py::arg("wait"),
+      py::call_guard<py::gil_scoped_release>(),
+      "Queue flash.<op>'s check of a (count, min, max) target summary, raising ValueError for the oldest "
+      "bad one already in (with wait: for this one too, waiting for it)");
+  m.def("fast_raise_pending", &raise_pending, py::arg("wait"), py::call_guard<py::gil_scoped_release>(),
+        "ValueError for the oldest bad target check whose verdict is in (wait: also those on their way)");
   m.def("fast_set_backend_key", &set_backend_key,
         "The thread-local key of use_backend(): calls under it take the Python path");
   m.def(

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <cuda_runtime_api.h>
 #include <pybind11/pybind11.h>
 
 #include <atomic>
@@ -24,13 +25,14 @@
 
 namespace torch_flash::fast {
 
-// One kernel argument of a recorded launch: a pointer into an input or a fresh buffer, or a
-// value (its bytes, little-endian, in the low `size` bytes).
+// Where a recipe finds memory: an input (its argument position), a buffer it allocates, a
+// tensor an op call of the recipe returned, or a tensor from outside the call that the recipe
+// keeps (a cached stand-in); or a value (kernel arguments only).
 struct Param {
-  enum Kind : int { kInput = 0, kAlloc = 1, kValue = 2 };
+  enum Kind : int { kInput = 0, kAlloc = 1, kValue = 2, kProduced = 3, kKept = 4 };
   Kind kind;
-  int index;        // argument position (kInput) or buffer (kAlloc)
-  int64_t payload;  // byte offset from the tensor's data pointer, or the value's bits
+  int index;        // argument position, buffer, op-call output or kept tensor
+  int64_t payload;  // byte offset (from an input's data, from the start of the others' storage), or the value's bits
 };
 
 struct Launch {
@@ -41,25 +43,55 @@ struct Launch {
   std::vector<Param> params;
 };
 
-// A returned tensor: a view of one of the recipe's buffers.
-struct Output {
-  int alloc;
+// A tensor the recipe passes to an op call or returns: a view of an input, buffer or op output.
+struct TensorRef {
+  Param base;
   c10::ScalarType dtype;
   std::vector<int64_t> sizes, strides;
-  int64_t storage_offset;
+};
+
+// A loss op's deferred target check (checks.cpp): `summary` points at the (count, min, max) int64
+// summary of the non-ignored targets.
+struct Check {
+  Param summary;
+  int64_t n_classes, ignore_index;
+  const std::string* op;  // interned
+  bool wait;              // read the verdict in the call (else: at a later loss call)
+};
+
+// An op called through the dispatcher (csrc/attention's kernels, cuDNN's backward, copies):
+// its arguments (a tensor, or the value itself), its returns appended to the recipe's outputs of
+// op calls.
+struct Call {
+  c10::OperatorHandle op;
+  std::vector<std::optional<TensorRef>> tensors;
+  std::vector<c10::IValue> values;  // where tensors[i] is empty
+  size_t returns;
+};
+
+struct Step {
+  enum Kind : int { kLaunch, kCheck, kCall };
+  Kind kind;
+  size_t index;  // into launches, checks or calls
 };
 
 struct Recipe {
   const std::string* path;  // the backend it records (interned), reported as the op's latest path
   int device;
   std::vector<int64_t> allocs;  // byte sizes
+  std::vector<Step> steps;
   std::vector<Launch> launches;
-  std::vector<Output> outputs;
+  std::vector<Check> checks;
+  std::vector<Call> calls;
+  std::vector<at::Tensor> kept;
+  std::vector<TensorRef> outputs;
 };
 
 // What the autograd node of an op does (torch_flash/ops/_fast.py, Spec, documents the fields).
 struct Source {
-  enum Kind : int { kArg = 0, kSaved = 1, kGrad = 2, kGradOrNone = 3, kDtypeOf = 4, kNone = 5, kRequiresGrad = 6 };
+  enum Kind : int {
+    kArg = 0, kSaved = 1, kGrad = 2, kGradOrNone = 3, kDtypeOf = 4, kNone = 5, kRequiresGrad = 6, kConst = 7
+  };
   Kind kind;
   int index;
 };
@@ -73,6 +105,7 @@ struct Spec {
   std::vector<Source> backward_args;
   std::vector<std::pair<int, int>> grads;  // per argument: (backward return or -1, cast to dtype of arg or -1)
   std::vector<int> python_only;  // arguments whose gradient only the Python rule computes
+  std::vector<int> python_if;    // bool arguments that, when true, send the call to the Python rule
 };
 
 using Key = std::vector<int64_t>;
@@ -108,6 +141,13 @@ void push_returns(const c10::OperatorHandle& op, torch::jit::Stack* stack, pybin
 void cuda_kernel(OpState& state, const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack);
 std::shared_ptr<const Recipe> parse_recipe(pybind11::handle recipe);
 void set_backend_key(std::string key);
+const std::string* intern(const std::string& text);
+// checks.cpp: raise (ValueError) for the oldest bad target check whose verdict is in, once; wait:
+// also for those still on their way. target_check: queue one (or read it at once with wait).
+void raise_pending(bool wait);
+void target_check(const void* summary, int device, cudaStream_t stream, int64_t n_classes, int64_t ignore_index,
+                  const std::string* op, bool wait);
+bool stream_capturing(cudaStream_t stream);
 // autograd.cpp
 void autograd_kernel(OpState& state, const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                      torch::jit::Stack* stack);

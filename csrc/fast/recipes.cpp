@@ -65,13 +65,6 @@ bool backend_forced() {
   return at::impl::ThreadLocalPythonObjects::get(key)->ptr(getPyInterpreter()) != Py_None;
 }
 
-const std::string* intern(const std::string& path) {
-  static std::mutex mutex;
-  static std::set<std::string> paths;
-  std::lock_guard<std::mutex> guard(mutex);
-  return &*paths.insert(path).first;
-}
-
 void push_tensor_key(Key& key, const at::Tensor& t) {
   key.push_back(static_cast<int64_t>(t.scalar_type()));
   key.push_back(t.get_device());
@@ -135,49 +128,117 @@ bool make_key(c10::ArrayRef<c10::IValue> args, Key& key) {
   return true;
 }
 
+// A replay's memory: the call's inputs, the buffers it allocated, the op calls' outputs so far.
+struct Memory {
+  c10::ArrayRef<c10::IValue> args;
+  const std::vector<at::Tensor>& kept;
+  std::vector<c10::Storage> buffers;
+  std::vector<at::Tensor> produced;
+
+  const at::Tensor& input(int index) const { return args[index].toTensor(); }
+
+  const c10::Storage& storage(const Param& p) const {
+    return p.kind == Param::kAlloc ? buffers[p.index]
+        : p.kind == Param::kProduced ? produced[p.index].storage() : kept[p.index].storage();
+  }
+
+  int64_t address(const Param& p) const {
+    switch (p.kind) {
+      case Param::kInput:
+        return reinterpret_cast<int64_t>(input(p.index).const_data_ptr()) + p.payload;
+      case Param::kAlloc:
+      case Param::kProduced:
+      case Param::kKept:
+        return reinterpret_cast<int64_t>(storage(p).data()) + p.payload;
+      case Param::kValue:
+        break;
+    }
+    return p.payload;
+  }
+
+  at::Tensor tensor(const TensorRef& ref) const {
+    const size_t item = c10::elementSize(ref.dtype);
+    int64_t offset = ref.base.payload;  // bytes from the start of the storage
+    const bool from_input = ref.base.kind == Param::kInput;
+    if (from_input) {
+      const at::Tensor& whole = input(ref.base.index);
+      if (offset == 0 && whole.scalar_type() == ref.dtype && whole.sizes() == c10::IntArrayRef(ref.sizes) &&
+          whole.strides() == c10::IntArrayRef(ref.strides)) {
+        return whole;
+      }
+      offset += whole.storage_offset() * whole.element_size();
+    }
+    auto impl = c10::make_intrusive<c10::TensorImpl>(
+        c10::Storage(from_input ? input(ref.base.index).storage() : storage(ref.base)),
+        c10::DispatchKeySet(c10::DispatchKey::CUDA), caffe2::TypeMeta::fromScalarType(ref.dtype));
+    impl->set_sizes_and_strides(ref.sizes, ref.strides, offset / static_cast<int64_t>(item));
+    return at::Tensor(std::move(impl));
+  }
+};
+
+void launch(const OpState& state, const Memory& memory, const Launch& launch, CUstream stream) {
+  if (!launch.grid[0] || !launch.grid[1] || !launch.grid[2]) return;  // as Triton: nothing to launch
+  const size_t n = launch.params.size();
+  c10::SmallVector<int64_t, 32> slots(n);
+  c10::SmallVector<void*, 32> pointers(n);
+  for (size_t i = 0; i < n; ++i) {
+    slots[i] = memory.address(launch.params[i]);
+    pointers[i] = &slots[i];
+  }
+  const CUresult err = launch_kernel()(reinterpret_cast<CUfunction>(launch.function), launch.grid[0], launch.grid[1],
+                                       launch.grid[2], launch.threads, 1, 1, launch.shared, stream, pointers.data(),
+                                       nullptr);
+  TORCH_CHECK(err == CUDA_SUCCESS, "flash.", state.name, ": launching its recorded kernel failed (CUresult ", num(err),
+              ")");
+}
+
+void call(Memory& memory, const Call& call) {
+  torch::jit::Stack stack;
+  stack.reserve(call.tensors.size());
+  for (size_t i = 0; i < call.tensors.size(); ++i) {
+    if (call.tensors[i]) {
+      stack.emplace_back(memory.tensor(*call.tensors[i]));
+    } else {
+      stack.push_back(call.values[i]);
+    }
+  }
+  call.op.callBoxed(stack);
+  for (size_t i = 0; i < call.returns; ++i) {
+    memory.produced.push_back(stack[i].isTensor() ? stack[i].toTensor() : at::Tensor());
+  }
+}
+
 std::vector<at::Tensor> replay(const OpState& state, const Recipe& recipe, c10::ArrayRef<c10::IValue> args) {
   c10::Allocator* allocator = c10::cuda::CUDACachingAllocator::get();
-  std::vector<c10::Storage> buffers;
-  buffers.reserve(recipe.allocs.size());
+  Memory memory{args, recipe.kept, {}, {}};
+  memory.buffers.reserve(recipe.allocs.size());
   for (int64_t nbytes : recipe.allocs) {
-    buffers.emplace_back(c10::Storage::use_byte_size_t(), nbytes, allocator, /*resizable=*/false);
+    memory.buffers.emplace_back(c10::Storage::use_byte_size_t(), nbytes, allocator, /*resizable=*/false);
   }
   const CUstream stream = c10::cuda::getCurrentCUDAStream(recipe.device).stream();
-  for (const Launch& launch : recipe.launches) {
-    if (!launch.grid[0] || !launch.grid[1] || !launch.grid[2]) continue;  // as Triton: nothing to launch
-    const size_t n = launch.params.size();
-    c10::SmallVector<int64_t, 32> slots(n);
-    c10::SmallVector<void*, 32> pointers(n);
-    for (size_t i = 0; i < n; ++i) {
-      const Param& p = launch.params[i];
-      switch (p.kind) {
-        case Param::kInput:
-          slots[i] = reinterpret_cast<int64_t>(args[p.index].toTensor().const_data_ptr()) + p.payload;
-          break;
-        case Param::kAlloc:
-          slots[i] = reinterpret_cast<int64_t>(buffers[p.index].data()) + p.payload;
-          break;
-        case Param::kValue:
-          slots[i] = p.payload;
-          break;
-      }
-      pointers[i] = &slots[i];
+  // target checks, as the Python path makes them: none while a CUDA graph is captured
+  const bool checking = !recipe.checks.empty() && !stream_capturing(stream);
+  if (checking) raise_pending(false);
+  for (const Step& step : recipe.steps) {
+    switch (step.kind) {
+      case Step::kLaunch:
+        launch(state, memory, recipe.launches[step.index], stream);
+        break;
+      case Step::kCheck:
+        if (checking) {
+          const Check& c = recipe.checks[step.index];
+          target_check(reinterpret_cast<const void*>(memory.address(c.summary)), recipe.device, stream, c.n_classes,
+                       c.ignore_index, c.op, c.wait);
+        }
+        break;
+      case Step::kCall:
+        call(memory, recipe.calls[step.index]);
+        break;
     }
-    const CUresult err = launch_kernel()(reinterpret_cast<CUfunction>(launch.function), launch.grid[0],
-                                         launch.grid[1], launch.grid[2], launch.threads, 1, 1, launch.shared,
-                                         stream, pointers.data(), nullptr);
-    TORCH_CHECK(err == CUDA_SUCCESS, "flash.", state.name, ": launching its recorded kernel failed (CUresult ",
-                num(err), ")");
   }
   std::vector<at::Tensor> outputs;
   outputs.reserve(recipe.outputs.size());
-  for (const Output& o : recipe.outputs) {
-    auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(buffers[o.alloc]),
-                                                     c10::DispatchKeySet(c10::DispatchKey::CUDA),
-                                                     caffe2::TypeMeta::fromScalarType(o.dtype));
-    impl->set_sizes_and_strides(o.sizes, o.strides, o.storage_offset);
-    outputs.emplace_back(std::move(impl));
-  }
+  for (const TensorRef& o : recipe.outputs) outputs.push_back(memory.tensor(o));
   return outputs;
 }
 
@@ -267,9 +328,79 @@ size_t KeyHash::operator()(const Key& key) const noexcept {
 
 void set_backend_key(std::string key) { backend_key() = std::move(key); }
 
-// recipe: (path, device, [nbytes], [(function, (gx, gy, gz), threads, shared, [(kind, index, payload,
-// size)])], [(alloc, dtype, sizes, strides, storage_offset)]), or None. Returns null where the
-// kernels' parameters (as the driver reports them) are not what the recipe passes.
+const std::string* intern(const std::string& text) {
+  static std::mutex mutex;
+  static std::set<std::string> texts;
+  std::lock_guard<std::mutex> guard(mutex);
+  return &*texts.insert(text).first;
+}
+
+namespace {
+
+Param parse_param(py::handle obj) {
+  const auto t = obj.cast<py::tuple>();
+  return {static_cast<Param::Kind>(t[0].cast<int>()), t[1].cast<int>(), t[2].cast<int64_t>()};
+}
+
+// (kind, index, byte offset, dtype, sizes, strides)
+TensorRef parse_tensor(py::handle obj) {
+  const auto t = obj.cast<py::tuple>();
+  return {{static_cast<Param::Kind>(t[0].cast<int>()), t[1].cast<int>(), t[2].cast<int64_t>()},
+          t[3].cast<c10::ScalarType>(), t[4].cast<std::vector<int64_t>>(), t[5].cast<std::vector<int64_t>>()};
+}
+
+// (function, (gx, gy, gz), threads, shared, [(kind, index, payload, size)]); nullopt where the
+// kernel's parameters (as the driver reports them) are not what the recipe passes.
+std::optional<Launch> parse_launch(const py::tuple& t) {
+  Launch launch;
+  launch.function = reinterpret_cast<void*>(t[0].cast<uintptr_t>());
+  const auto grid = t[1].cast<std::vector<unsigned>>();
+  TORCH_CHECK(grid.size() == 3, "torch_flash fast path: a recipe's grid has 3 dimensions");
+  std::copy(grid.begin(), grid.end(), launch.grid);
+  launch.threads = t[2].cast<unsigned>();
+  launch.shared = t[3].cast<unsigned>();
+  const auto function = reinterpret_cast<CUfunction>(launch.function);
+  size_t index = 0, offset = 0, size = 0;
+  for (py::handle p : t[4]) {
+    const auto pt = p.cast<py::tuple>();
+    if (param_info()(function, index++, &offset, &size) != CUDA_SUCCESS || size != pt[3].cast<size_t>()) {
+      return std::nullopt;
+    }
+    launch.params.push_back(parse_param(pt));
+  }
+  if (param_info()(function, index, &offset, &size) == CUDA_SUCCESS) return std::nullopt;  // more than recorded
+  return launch;
+}
+
+// (qualified name, overload, [("tensor", tensor) or ("value", value)]) in schema order
+Call parse_call(const py::tuple& t) {
+  const auto name = t[0].cast<std::string>(), overload = t[1].cast<std::string>();
+  Call call{c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str()), {}, {}, 0};
+  const auto& schema = call.op.schema();
+  call.returns = schema.returns().size();
+  size_t i = 0;
+  for (py::handle a : t[2]) {
+    const auto at = a.cast<py::tuple>();
+    if (at[0].cast<std::string>() == "tensor") {
+      call.tensors.emplace_back(parse_tensor(at[1]));
+      call.values.emplace_back();
+    } else {
+      call.tensors.emplace_back();
+      call.values.push_back(torch::jit::toIValue(at[1], schema.arguments()[i].real_type()));
+    }
+    ++i;
+  }
+  TORCH_CHECK(i == schema.arguments().size(), "torch_flash fast path: a recorded call of ", name, " has ", num(i),
+              " arguments");
+  return call;
+}
+
+}  // namespace
+
+// recipe: (path, device, [nbytes], [(kind, step)], [output tensor], [kept tensor]), or None; a step is
+// ("launch", launch), ("check", ((kind, index, payload), n_classes, ignore_index, op, wait)) or
+// ("call", call), as parsed above. Returns null where a kernel's parameters are not what the
+// recipe passes.
 std::shared_ptr<const Recipe> parse_recipe(py::handle obj) {
   if (obj.is_none()) return nullptr;
   const auto t = obj.cast<py::tuple>();
@@ -277,34 +408,27 @@ std::shared_ptr<const Recipe> parse_recipe(py::handle obj) {
   recipe->path = intern(t[0].cast<std::string>());
   recipe->device = t[1].cast<int>();
   recipe->allocs = t[2].cast<std::vector<int64_t>>();
-  for (py::handle l : t[3]) {
-    const auto lt = l.cast<py::tuple>();
-    Launch launch;
-    launch.function = reinterpret_cast<void*>(lt[0].cast<uintptr_t>());
-    const auto grid = lt[1].cast<std::vector<unsigned>>();
-    TORCH_CHECK(grid.size() == 3, "torch_flash fast path: a recipe's grid has 3 dimensions");
-    std::copy(grid.begin(), grid.end(), launch.grid);
-    launch.threads = lt[2].cast<unsigned>();
-    launch.shared = lt[3].cast<unsigned>();
-    const auto function = reinterpret_cast<CUfunction>(launch.function);
-    size_t index = 0;
-    for (py::handle p : lt[4]) {
-      const auto pt = p.cast<py::tuple>();
-      size_t offset = 0, size = 0;
-      if (param_info()(function, index++, &offset, &size) != CUDA_SUCCESS || size != pt[3].cast<size_t>()) {
-        return nullptr;
-      }
-      launch.params.push_back({static_cast<Param::Kind>(pt[0].cast<int>()), pt[1].cast<int>(), pt[2].cast<int64_t>()});
+  for (py::handle s : t[3]) {
+    const auto st = s.cast<py::tuple>();
+    const auto kind = st[0].cast<std::string>();
+    const auto body = st[1].cast<py::tuple>();
+    if (kind == "launch") {
+      auto launch = parse_launch(body);
+      if (!launch) return nullptr;
+      recipe->steps.push_back({Step::kLaunch, recipe->launches.size()});
+      recipe->launches.push_back(std::move(*launch));
+    } else if (kind == "check") {
+      recipe->steps.push_back({Step::kCheck, recipe->checks.size()});
+      recipe->checks.push_back({parse_param(body[0]), body[1].cast<int64_t>(), body[2].cast<int64_t>(),
+                                intern(body[3].cast<std::string>()), body[4].cast<bool>()});
+    } else {
+      TORCH_CHECK(kind == "call", "torch_flash fast path: unknown recipe step ", kind);
+      recipe->steps.push_back({Step::kCall, recipe->calls.size()});
+      recipe->calls.push_back(parse_call(body));
     }
-    size_t offset = 0, size = 0;
-    if (param_info()(function, index, &offset, &size) == CUDA_SUCCESS) return nullptr;  // more than recorded
-    recipe->launches.push_back(std::move(launch));
   }
-  for (py::handle o : t[4]) {
-    const auto ot = o.cast<py::tuple>();
-    recipe->outputs.push_back({ot[0].cast<int>(), ot[1].cast<c10::ScalarType>(), ot[2].cast<std::vector<int64_t>>(),
-                               ot[3].cast<std::vector<int64_t>>(), ot[4].cast<int64_t>()});
-  }
+  for (py::handle o : t[4]) recipe->outputs.push_back(parse_tensor(o));
+  recipe->kept = t[5].cast<std::vector<at::Tensor>>();
   return recipe;
 }
 
@@ -333,6 +457,8 @@ void cuda_kernel(OpState& state, const c10::OperatorHandle& op, c10::DispatchKey
       return;
     }
   }
+  // a call captured into a CUDA graph skips what a replay must do (the loss ops' target checks)
+  if (record) record = !stream_capturing(c10::cuda::getCurrentCUDAStream().stream());
   state.last.store(nullptr, std::memory_order_relaxed);
   state.fallbacks.fetch_add(1, std::memory_order_relaxed);
   call_python(state, op, stack, record ? &key : nullptr);

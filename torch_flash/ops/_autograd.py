@@ -274,6 +274,13 @@ def register_autograd_via(opdef: CustomOpDef, *, forward: Callable[..., tuple[An
     backward(ctx, *grad_outputs) -> {input name: gradient}. pass_needs_grad: forward(needs_grad,
     **inputs) with the frozenset of input names that need a gradient, for a forward that
     computes gradients itself and should skip the others."""
+    register_autograd_kernel(opdef, autograd_rule(opdef, forward=forward, setup_context=setup_context,
+                                                  backward=backward, pass_needs_grad=pass_needs_grad))
+
+
+def autograd_rule(opdef: CustomOpDef, *, forward: Callable[..., tuple[Any, Any]], setup_context: Callable,
+                  backward: Callable, pass_needs_grad: bool = False) -> Callable:
+    """register_autograd_via's rule, rule(*args, **kwargs), not registered."""
     overload = opdef._opoverload
     # bind by the schema: triton_op's implementation is a (*args, **kwargs) wrapper
     arguments = overload._schema.arguments
@@ -307,11 +314,11 @@ def register_autograd_via(opdef: CustomOpDef, *, forward: Callable[..., tuple[An
                 return overload(*args, **kwargs)
         return _Function.apply(*values)
 
-    register_autograd_kernel(opdef, rule)
+    return rule
 
 
 # csrc/fast/fast_path.h, Source::Kind
-ARG, SAVED, GRAD, GRAD_OR_NONE, DTYPE_OF, NONE, REQUIRES_GRAD = range(7)
+ARG, SAVED, GRAD, GRAD_OR_NONE, DTYPE_OF, NONE, REQUIRES_GRAD, CONST = range(8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,7 +326,8 @@ class Src:
     """Where one argument of a backward op comes from: ARG (the forward's argument `ref`, not a
     tensor), SAVED (the ref-th saved tensor), GRAD / GRAD_OR_NONE (the gradient of the ref-th
     output; an unused output's is zeros / None), DTYPE_OF (the dtype of tensor argument `ref`),
-    NONE (None), REQUIRES_GRAD (whether tensor argument `ref` requires a gradient)."""
+    NONE (None), REQUIRES_GRAD (whether tensor argument `ref` requires a gradient), CONST (the
+    integer `ref`)."""
     kind: int
     ref: int | str | None = None
 
@@ -336,7 +344,8 @@ class Spec:
     argument name -> (index of its gradient among backward's returns, name of the argument whose
     dtype it is cast to, or None); arguments that were None get none. python_grads: argument
     name -> fn(saved, grads) computing its gradient in Python (grads: zeros for unused outputs);
-    a call where such an argument needs a gradient runs the Python rule."""
+    a call where such an argument needs a gradient runs the Python rule. python_if: arguments
+    that, when true, send the call to the rule register_autograd_spec is given beside the Spec."""
     backward: str
     backward_args: tuple[Src, ...]
     grads: tuple[tuple[str, int, str | None], ...]
@@ -344,18 +353,29 @@ class Spec:
     forward: str | None = None
     outputs: tuple[int, ...] = (0,)
     python_grads: tuple[tuple[str, Callable], ...] = ()
+    python_if: tuple[str, ...] = ()
 
 
 # op name -> its Spec (the fast path hands them to C++)
 SPECS: dict[str, Spec] = {}
 
 
-def register_autograd_spec(opdef: CustomOpDef, spec: Spec) -> None:
-    """opdef's autograd rule from its Spec (through register_autograd_via)."""
+def _schema_names(op: str) -> tuple[list[str], list[str]]:
+    """(positional, keyword-only) argument names of flash.<op>."""
+    arguments = getattr(torch.ops.flash, op).default._schema.arguments
+    return [a.name for a in arguments if not a.kwarg_only], [a.name for a in arguments if a.kwarg_only]
+
+
+def register_autograd_spec(opdef: CustomOpDef, spec: Spec, otherwise: Callable | None = None) -> None:
+    """opdef's autograd rule from its Spec (through register_autograd_via); otherwise: the rule
+    (as autograd_rule returns it) of the calls whose spec.python_if arguments are not all false."""
     name = opdef._name
+    forward_names = sum(_schema_names(spec.forward or name), [])
+    backward_positional, keyword = _schema_names(spec.backward)
+    n_positional = len(backward_positional)
 
     def forward(**inputs):
-        out = call(spec.forward or name, **inputs)
+        out = call(spec.forward or name, **{n: inputs[n] for n in forward_names})
         outs = out if isinstance(out, tuple) else (out,)
         public = tuple(outs[i] for i in spec.outputs)
         return (public if len(public) > 1 else public[0]), outs
@@ -375,14 +395,25 @@ def register_autograd_spec(opdef: CustomOpDef, spec: Spec) -> None:
                  for g, (shape, dtype, device) in zip(grads, ctx.outputs)]
         sources = {ARG: ctx.values, SAVED: saved, GRAD: zeros, GRAD_OR_NONE: grads, DTYPE_OF: ctx.dtypes,
                    NONE: {None: None}, REQUIRES_GRAD: collections.defaultdict(bool, ctx.requires)}
-        out = call(spec.backward, *(sources[s.kind][s.ref] for s in spec.backward_args))
+        args = [s.ref if s.kind == CONST else sources[s.kind][s.ref] for s in spec.backward_args]
+        out = call(spec.backward, *args[:n_positional], **dict(zip(keyword, args[n_positional:])))
         out = out if isinstance(out, tuple) else (out,)
         result = {n: out[i] if cast is None else out[i].to(ctx.dtypes[cast])
                   for n, i, cast in spec.grads if ctx.requires.get(n)}
         result.update({n: fn(saved, zeros) for n, fn in spec.python_grads if ctx.requires.get(n)})
         return result
 
-    register_autograd_via(opdef, forward=forward, setup_context=setup_context, backward=backward)
+    rule = autograd_rule(opdef, forward=forward, setup_context=setup_context, backward=backward)
+    if spec.python_if:
+        names = [a.name for a in opdef._opoverload._schema.arguments]
+        defaults = {a.name: a.default_value for a in opdef._opoverload._schema.arguments if a.has_default_value()}
+        flags = [(names.index(n), n) for n in spec.python_if]
+        spec_rule = rule
+
+        def rule(*args, **kwargs):
+            flagged = any(args[i] if i < len(args) else kwargs.get(n, defaults.get(n)) for i, n in flags)
+            return (otherwise if flagged else spec_rule)(*args, **kwargs)
+    register_autograd_kernel(opdef, rule)
     SPECS[name] = spec
 
 

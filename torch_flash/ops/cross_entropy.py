@@ -29,9 +29,12 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 
 from .. import _dispatch
+from ..kernels.triton import launch as _launch
 from ..reference import cross_entropy as ref
 from ..reference._common import compute_dtype
-from ._autograd import call, register_autograd_via, triton_op
+from . import _fast
+from ._autograd import (ARG, CONST, GRAD, NONE, SAVED, Spec, Src, autograd_rule, call, register_autograd_spec,
+                        triton_op)
 from ._checks import INDEX_DTYPES, check, check_same_device, check_tensor, fail
 from ._plans import Plans
 
@@ -92,7 +95,7 @@ class TargetCheck:
         if (not enabled or is_fake(target) or target.numel() == 0
                 or (target.is_cuda and torch.cuda.is_current_stream_capturing())):
             return
-        if _PENDING:
+        if _PENDING or (target.is_cuda and _fast.MODULE is not None):
             raise_pending()
         if summary is None:
             if _dispatch.triton_can_run(target.device) and _dispatch.forced_backend() != "reference":
@@ -103,6 +106,8 @@ class TargetCheck:
                 valid = flat != ignore_index
                 summary = torch.stack([valid.sum(), *torch.aminmax(torch.where(valid, flat, 0))])
         self.summary = summary
+        if target.is_cuda and _fast.MODULE is not None:
+            return  # the fast path's module queues it (raise_if_bad)
         if target.is_cuda:
             self.host = torch.empty(3, dtype=summary.dtype, pin_memory=True).copy_(summary, non_blocking=True)
             free = _FREE_EVENTS.get(target.device)
@@ -120,6 +125,12 @@ class TargetCheck:
         """Raises if a target is out of range. wait=False (kernels that keep such rows NaN and in
         bounds): on CUDA only where the verdict is in already, else it joins the pending ones."""
         if self.host is None:
+            if self.summary is not None:  # CUDA, through the fast path's module (csrc/fast/checks.cpp)
+                if _launch.RECORDING is not None:  # a recipe replays it
+                    _launch.RECORDING.checked(self.summary, self.n_classes, self.ignore_index, self.op,
+                                              wait or _LAUNCH_BLOCKING)
+                _fast.MODULE.fast_target_check(self.summary, self.n_classes, self.ignore_index, self.op,
+                                               wait or _LAUNCH_BLOCKING)
             return
         if self.event is not None:
             if not (wait or _LAUNCH_BLOCKING or self.event.query()):
@@ -153,6 +164,8 @@ _FREE_EVENTS: dict[torch.device, list] = {}
 def raise_pending(wait: bool = False) -> None:
     """Raises for the oldest pending target check that found a bad target, dropping the good
     ones before it; wait: also for verdicts still on their way (else those stay pending)."""
+    if _fast.MODULE is not None:
+        _fast.MODULE.fast_raise_pending(wait)
     while _PENDING:
         check = _PENDING[0]
         if not (wait or check.event.query()):
@@ -398,9 +411,8 @@ def _check_inplace(op: str, logits: Tensor) -> None:
 
 
 def _forward_with_lse(*, inplace_backward, **inputs):
-    """The autograd forward (a gradient is needed)."""
-    if inplace_backward:
-        _check_inplace("cross_entropy", inputs["logits"])
+    """The autograd forward of inplace_backward=True (a gradient is needed)."""
+    _check_inplace("cross_entropy", inputs["logits"])
     return call("cross_entropy_with_lse", **inputs)
 
 
@@ -415,7 +427,13 @@ def _backward(ctx, grad_loss):
     return {"logits": _grad_logits(ctx.inplace, grad_loss, logits, target, lse, **ctx.options)}
 
 
-register_autograd_via(_cross_entropy, forward=_forward_with_lse, setup_context=_setup, backward=_backward)
+# the gradient from the saved lse; inplace_backward's (written over the logits) by the rule above
+register_autograd_spec(_cross_entropy, Spec(
+    forward="cross_entropy_with_lse", save=("logits", "target", 1), backward="cross_entropy_backward",
+    backward_args=(Src(GRAD, 0), Src(SAVED, 0), Src(SAVED, 1), Src(SAVED, 2), *(Src(ARG, n) for n in _OPTIONS),
+                   Src(CONST, 0), Src(NONE)),
+    grads=(("logits", 0, None),), python_if=("inplace_backward",)),
+    otherwise=autograd_rule(_cross_entropy, forward=_forward_with_lse, setup_context=_setup, backward=_backward))
 
 
 # --------------------------------------------------------------------------------------
