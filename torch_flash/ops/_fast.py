@@ -40,7 +40,7 @@ OPS = ("rms_norm", "rms_norm_backward", "add_rms_norm", "add_rms_norm_backward",
        "layer_norm", "layer_norm_with_stats", "layer_norm_backward",
        "add_layer_norm", "add_layer_norm_with_stats", "add_layer_norm_backward",
        "cross_entropy", "cross_entropy_with_lse", "cross_entropy_backward",
-       "attention", "attention_with_lse", "attention_backward")
+       "attention", "attention_with_lse", "attention_backward", "attention_varlen", "attention_varlen_backward")
 # ops whose CUDA kernel alone is served here: their calls without a gradient (autograd: Python;
 # decode writes the new keys into the cache, call() moves its version counters)
 FORWARD_OPS = ("rotary", "rotary_qk", "attention_decode")

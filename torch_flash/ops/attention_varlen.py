@@ -18,8 +18,8 @@ from torch._subclasses.fake_tensor import is_fake
 
 from ..reference import attention_varlen as ref
 from ..reference._common import compute_dtype
-from ..reference.attention import resolve_scale, sink_grad
-from ._autograd import call, triton_op
+from ..reference.attention import sink_grad
+from ._autograd import ARG, GRAD, GRAD_OR_NONE, SAVED, Spec, Src, call, register_autograd_spec, triton_op
 from ._checks import INDEX_DTYPES, check, check_same_device, check_tensor
 from ._plans import Plans
 from .attention import (check_alibi, check_common, check_saved_and_grads, check_sinks, kernel_flags, op_kwargs,
@@ -118,7 +118,7 @@ def _attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_
 def _attention_varlen_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor,
                                v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                                max_seqlen_q: int, max_seqlen_k: int, out: Tensor, lse: Tensor,
-                               scale: float, causal: bool, window_left: int, window_right: int,
+                               scale: Optional[float], causal: bool, window_left: int, window_right: int,
                                softcap: float, dropout_p: float, dropout_seed: Optional[Tensor],
                                alibi_slopes: Optional[Tensor] = None,
                                sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -148,26 +148,24 @@ def _attention_varlen_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: 
     return ref.backward(grad_out, grad_lse, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, spec)
 
 
-def _setup(ctx, inputs, keyword_only_inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_seed, alibi_slopes, sinks = inputs
-    kw = keyword_only_inputs
-    ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, *output, dropout_seed, alibi_slopes, sinks)
-    ctx.sinks_grad = sinks is not None and sinks.requires_grad
-    ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
-    ctx.scalars = (resolve_scale(kw["scale"], q.shape[-1]), kw["causal"], kw["window_left"],
-                   kw["window_right"], kw["softcap"], kw["dropout_p"])
+def _sinks_grad(saved, grads) -> Tensor:
+    """The sinks' gradient (sink_grad) from the saved tensors of the Spec below."""
+    out, lse, sinks = saved[5], saved[6], saved[9]
+    return sink_grad(sinks, out, grads[0], lse, grads[1])
 
 
-def _backward(ctx, grad_out, grad_lse):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, dropout_seed, alibi_slopes, sinks = ctx.saved_tensors
-    dq, dk, dv = call("attention_varlen_backward",
-                      grad_out, grad_lse, q, k, v, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens, out, lse,
-                      *ctx.scalars, dropout_seed, alibi_slopes, sinks)
-    dsinks = sink_grad(sinks, out, grad_out, lse, grad_lse) if ctx.sinks_grad else None
-    return dq, dk, dv, None, None, None, None, None, None, dsinks
-
-
-_attention_varlen.register_autograd(_backward, setup_context=_setup)
+# The backward op gives dq, dk, dv from the saved out and lse; the sinks' gradient is Python's.
+_SAVED = tuple(Src(SAVED, i) for i in range(10))
+register_autograd_spec(_attention_varlen, Spec(
+    outputs=(0, 1),
+    save=("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", 0, 1, "dropout_seed", "alibi_slopes", "sinks"),
+    backward="attention_varlen_backward",
+    backward_args=(Src(GRAD, 0), Src(GRAD_OR_NONE, 1), *_SAVED[:5], Src(ARG, "max_seqlen_q"),
+                   Src(ARG, "max_seqlen_k"), *_SAVED[5:7],
+                   *(Src(ARG, n) for n in ("scale", "causal", "window_left", "window_right", "softcap", "dropout_p")),
+                   *_SAVED[7:]),
+    grads=(("q", 0, None), ("k", 1, None), ("v", 2, None)),
+    python_grads=(("sinks", _sinks_grad),)))
 
 
 def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
