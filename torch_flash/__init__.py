@@ -13,6 +13,7 @@ from . import compat, data, nn
 from .ops.attention import attention, attention_with_lse
 from .ops.attention_decode import attention_decode
 from .ops.attention_varlen import attention_varlen
+from .context_parallel import context_parallel_attention
 from .ops.cross_entropy import cross_entropy, synchronize
 from .ops.layer_norm import add_layer_norm, layer_norm
 from .ops.linear_cross_entropy import linear_cross_entropy
@@ -22,7 +23,7 @@ from .ops.rotary import rotary, rotary_cos_sin, rotary_qk
 __version__ = "0.1.0"
 __all__ = [
     "OPS", "use_backend", "backend", "enable", "disable", "rewrite", "explain", "counters",
-    "attention", "attention_with_lse", "attention_varlen", "attention_decode", "rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm",
+    "attention", "attention_with_lse", "attention_varlen", "attention_decode", "context_parallel_attention", "rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm",
     "cross_entropy", "linear_cross_entropy", "synchronize", "rotary", "rotary_cos_sin", "rotary_qk", "compat", "data", "nn",
 ]
 

@@ -1,0 +1,170 @@
+"""torch_flash.context_parallel_attention (ring attention) over CPU processes (torch.multiprocessing
++ gloo) on the ops' reference path: rings of 3 ranks (the world), 2 (a subgroup: global ranks
+differ from group ranks) and 1, both layouts, causal and not, GQA / MQA, Dv != D, the lse as an
+output; forward and dq, dk, dv against single-process torch_flash.attention over the whole
+sequence in float64. Also the shard / unshard helpers and the module wrapper.
+
+One spawn of three processes runs every case (starting them costs most of the time) and saves
+what each rank got; the tests put the shards back together here and compare.
+"""
+import datetime
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from torch_flash.context_parallel import sequence_positions
+from _utils import TOL, assert_rel_close
+
+# one spawn per run: under pytest-xdist (--dist loadgroup) this file's tests run in one worker
+pytestmark = pytest.mark.xdist_group("context_parallel")
+
+WORLD = 3
+FP64, FP32 = torch.float64, torch.float32
+B, D, S_LOCAL = 2, 8, 6  # zigzag chunks of 3 tokens
+
+
+def _cases():
+    """name -> (ring size, layout, causal, dtype, Hq, Hkv, Dv, scale, return_lse). Rings of 2 are
+    global ranks 0 and 1, the ring of 1 global rank 2."""
+    cases = {}
+    for w in (3, 2):
+        cases.update({
+            f"zigzag-causal-gqa-fp64-w{w}": (w, "zigzag", True, FP64, 4, 2, D, None, False),
+            f"zigzag-mqa-fp32-w{w}": (w, "zigzag", False, FP32, 4, 1, D, None, False),
+            f"contiguous-causal-gqa-fp32-w{w}": (w, "contiguous", True, FP32, 4, 2, D, None, False),
+            f"contiguous-dv-scale-fp64-w{w}": (w, "contiguous", False, FP64, 2, 2, 6, 0.3, False),
+            f"zigzag-causal-lse-fp32-w{w}": (w, "zigzag", True, FP32, 4, 2, D, None, True),
+        })
+    cases["zigzag-causal-gqa-fp64-w1"] = (1, "zigzag", True, FP64, 4, 2, D, None, False)
+    return cases
+
+
+def _inputs(name, case):
+    """The whole sequence's q, k, v and upstream gradients (out, lse), the same in every process."""
+    w, _, _, dtype, hq, hkv, dv, _, _ = case
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    s = w * S_LOCAL
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, dtype=FP64).to(dtype)
+    return randn(B, hq, s, D), randn(B, hkv, s, D), randn(B, hkv, s, dv), randn(B, hq, s, dv), randn(B, hq, s)
+
+
+def _run_case(name, case, group):
+    """This rank's (out, lse or None, dq, dk, dv) of its tokens, and the whole out unsharded."""
+    from torch_flash.context_parallel import context_parallel_attention, shard_sequence, unshard_sequence
+
+    _, layout, causal, _, _, _, _, scale, return_lse = case
+    q, k, v, g_out, g_lse = (shard_sequence(t, group, layout=layout) for t in _inputs(name, case))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    res = context_parallel_attention(q, k, v, group, causal=causal, scale=scale, layout=layout,
+                                     return_lse=return_lse)
+    out, lse = res if return_lse else (res, None)
+    loss = (out * g_out).sum() + (0 if lse is None else (lse * g_lse).sum())
+    loss.backward()
+    detach = None if lse is None else lse.detach()
+    return (out.detach(), detach, q.grad, k.grad, v.grad), unshard_sequence(out.detach(), group, layout=layout)
+
+
+def _extras(group):
+    """The module wrapper against the function, and the error on an odd causal zigzag slice."""
+    from torch_flash.context_parallel import ContextParallelAttention, context_parallel_attention
+
+    g = torch.Generator().manual_seed(dist.get_rank(group))
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=g, dtype=FP64) for _ in range(3))
+    module = ContextParallelAttention(group, causal=True)
+    same = torch.equal(module(q, k, v), context_parallel_attention(q, k, v, group, causal=True))
+    try:
+        context_parallel_attention(q[:, :, :3], k[:, :, :3], v[:, :, :3], group, causal=True)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    return same, error
+
+
+def _worker(rank, init_file, out_dir):
+    torch.set_num_threads(1)  # three processes on a shared CPU
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        # every rank creates every group, in the same order
+        groups = {3: dist.group.WORLD, 2: dist.new_group([0, 1]), 1: dist.new_group([2])}
+        members = {3: (0, 1, 2), 2: (0, 1), 1: (2,)}
+        results = {name: _run_case(name, case, groups[case[0]])
+                   for name, case in _cases().items() if rank in members[case[0]]}
+        results["extras"] = _extras(groups[3])
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def results():
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_worker, args=(os.path.join(out_dir, "init"), out_dir), nprocs=WORLD, join=True)
+        yield [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(WORLD)]
+
+
+def _reference(name, case):
+    """(out, lse, dq, dk, dv) of torch_flash.attention(_with_lse) over the whole sequence, float64."""
+    import torch_flash
+
+    _, _, causal, _, _, _, _, scale, return_lse = case
+    q, k, v, g_out, g_lse = (t.double() for t in _inputs(name, case))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, lse = torch_flash.attention_with_lse(q, k, v, scale=scale, causal=causal)
+    loss = (out * g_out).sum() + ((lse * g_lse).sum() if return_lse else 0)
+    loss.backward()
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+def test_matches_single_process(results, name):
+    case = _cases()[name]
+    w, layout, _, dtype, _, _, _, _, return_lse = case
+    ranks = {3: (0, 1, 2), 2: (0, 1), 1: (2,)}[w]
+    exact = _reference(name, case)
+    s = w * S_LOCAL
+    for i, what in enumerate(("out", "lse", "dq", "dk", "dv")):
+        if what == "lse" and not return_lse:
+            continue
+        locals_ = [results[r][name][0][i] for r in ranks]
+        whole = torch.empty(exact[i].shape, dtype=locals_[0].dtype)
+        for group_rank, local in enumerate(locals_):
+            whole.index_copy_(2, sequence_positions(s, w, group_rank, layout), local)
+        assert whole.dtype == dtype  # lse: fp32 for fp32 inputs, fp64 for fp64
+        assert_rel_close(whole, exact[i], TOL[dtype], what=what)
+    for r in ranks:  # unshard_sequence gives every rank the whole output, in sequence order
+        assert_rel_close(results[r][name][1], exact[0], TOL[dtype], what=f"unsharded out on rank {r}")
+
+
+def test_module_and_errors(results):
+    for rank in range(WORLD):
+        same, error = results[rank]["extras"]
+        assert same, f"rank {rank}: ContextParallelAttention differs from context_parallel_attention"
+        assert error is not None and "causal zigzag needs an even S_local" in error, error
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_sequence_positions_partition(layout):
+    """Every position held by exactly one rank; zigzag rank r holds chunks r and 2W - 1 - r."""
+    pos = torch.cat([sequence_positions(24, 3, r, layout) for r in range(3)])
+    assert torch.equal(pos.sort().values, torch.arange(24))
+    if layout == "zigzag":
+        assert sequence_positions(24, 3, 1, layout).tolist() == [4, 5, 6, 7, 16, 17, 18, 19]
+
+
+def test_argument_errors():
+    from torch_flash.context_parallel import context_parallel_attention
+    with pytest.raises(ValueError, match="does not split into 6 equal parts"):
+        sequence_positions(8, 3, 0, "zigzag")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        sequence_positions(8, 2, 0, "ring")
+    if not dist.is_initialized():
+        q = torch.randn(1, 1, 2, 4)
+        with pytest.raises(ValueError, match="torch.distributed is not initialised"):
+            context_parallel_attention(q, q, q)
