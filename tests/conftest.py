@@ -21,10 +21,15 @@ if not torch.cuda.is_available():
 os.environ.setdefault("TORCH_FLASH_AUTOTUNE", "0")
 # Under pytest-xdist (-n N) the workers share the machine's cores: each takes its share of
 # threads, and so do the processes it starts, instead of every worker oversubscribing all cores.
+# Inductor compiles its C++ in the worker itself, without a pool of compile processes: the
+# workers already keep every core busy (test_backend.py::test_train_llama_block: 8% less CPU).
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     _threads = max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
     torch.set_num_threads(_threads)
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    import torch._inductor.config  # noqa: E402  (after TRITON_INTERPRET above)
+    torch._inductor.config.compile_threads = int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])
 
 
 def pytest_collection_modifyitems(config, items):
