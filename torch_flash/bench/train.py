@@ -141,7 +141,7 @@ CONFIGS = {
     "eager_flash": Config("eager", "flash"),
     "eager_compile": Config("eager", "inductor"),
 }
-QUICK_CONFIGS = ("sdpa_uncompiled", "sdpa_flash", "eager_flash")
+QUICK_CONFIGS = ("sdpa_uncompiled", "sdpa_flash")  # eager attention through the pass: tests/compile_passes
 REFERENCE = "sdpa_uncompiled"
 
 
