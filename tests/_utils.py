@@ -1,7 +1,11 @@
 """Shared test helpers: relative error against a float64 reference, where opcheck samples are."""
 from __future__ import annotations
 
+import datetime
+import os
+import tempfile
 import types
+from typing import Callable
 
 import pytest
 import torch
@@ -34,6 +38,26 @@ def assert_rel_close(out: torch.Tensor, ref: torch.Tensor, tol: float | None = N
 def to64(*ts):
     return tuple(None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in ts)
 
+
+
+def _gloo_rank(rank: int, work: Callable[[int], object], world: int, out_dir: str) -> None:
+    import torch.distributed as dist
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'init')}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        torch.save(work(rank), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_gloo_ranks(work: Callable[[int], object], world: int) -> list:
+    """work(rank) in `world` spawned processes joined in a gloo process group (the default
+    group); each rank's result, in rank order. work must be a module-level function."""
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_gloo_rank, args=(work, world, out_dir), nprocs=world, join=True)
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
 
 
 def samples_of(stem: str) -> types.ModuleType:

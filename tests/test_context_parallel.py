@@ -7,17 +7,13 @@ sequence in float64. Also the shard / unshard helpers and the module wrapper.
 One spawn of three processes runs every case (starting them costs most of the time) and saves
 what each rank got; the tests put the shards back together here and compare.
 """
-import datetime
-import os
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from torch_flash.context_parallel import sequence_positions
-from _utils import TOL, assert_rel_close, rel_err
+from _utils import TOL, assert_rel_close, rel_err, run_gloo_ranks
 
 # one spawn per run: under pytest-xdist (--dist loadgroup) this file's tests run in one worker
 pytestmark = pytest.mark.xdist_group("context_parallel")
@@ -88,27 +84,19 @@ def _extras(group):
     return same, error
 
 
-def _worker(rank, init_file, out_dir):
-    torch.set_num_threads(1)  # three processes on a shared CPU
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        # every rank creates every group, in the same order
-        groups = {3: dist.group.WORLD, 2: dist.new_group([0, 1]), 1: dist.new_group([2])}
-        members = {3: (0, 1, 2), 2: (0, 1), 1: (2,)}
-        results = {name: _run_case(name, case, groups[case[0]])
-                   for name, case in _cases().items() if rank in members[case[0]]}
-        results["extras"] = _extras(groups[3])
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _rank_results(rank):
+    # every rank creates every group, in the same order
+    groups = {3: dist.group.WORLD, 2: dist.new_group([0, 1]), 1: dist.new_group([2])}
+    members = {3: (0, 1, 2), 2: (0, 1), 1: (2,)}
+    results = {name: _run_case(name, case, groups[case[0]])
+               for name, case in _cases().items() if rank in members[case[0]]}
+    results["extras"] = _extras(groups[3])
+    return results
 
 
 @pytest.fixture(scope="module")
 def results():
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(os.path.join(out_dir, "init"), out_dir), nprocs=WORLD, join=True)
-        yield [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(WORLD)]
+    return run_gloo_ranks(_rank_results, WORLD)
 
 
 def _reference(name, case, dtype=FP64):

@@ -7,18 +7,15 @@ that every rank must raise together (a target outside the vocabulary, ranks that
 The two processes run every case once (one spawn: starting them costs most of the time) and
 save what they got; the tests compare it with the reference here.
 """
-import datetime
 import os
 import re
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from torch_flash.testing.samples import cross_entropy as ce
-from _utils import TOL, assert_rel_close
+from _utils import TOL, assert_rel_close, run_gloo_ranks
 
 # the module-scoped `results` (two gloo ranks, seconds to start) once per run: under pytest-xdist
 # (--dist loadgroup) this file's tests run in one worker
@@ -126,24 +123,17 @@ def _error_cases(rank):
     }
 
 
-def _worker(rank, init_file, out_dir):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        results = {name: _run_case(rank, name, case) for name, case in _cases().items()}
-        results.update({name: _expect_error(fn) for name, fn in _error_cases(rank).items()})
-        # the ranks are still in step after the errors: a last collective completes
-        results["after-errors"] = _run_case(rank, "opts0-mean", _cases()["opts0-mean"])
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _rank_results(rank):
+    results = {name: _run_case(rank, name, case) for name, case in _cases().items()}
+    results.update({name: _expect_error(fn) for name, fn in _error_cases(rank).items()})
+    # the ranks are still in step after the errors: a last collective completes
+    results["after-errors"] = _run_case(rank, "opts0-mean", _cases()["opts0-mean"])
+    return results
 
 
 @pytest.fixture(scope="module")
 def results():
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(os.path.join(out_dir, "init"), out_dir), nprocs=WORLD, join=True)
-        yield [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(WORLD)]
+    return run_gloo_ranks(_rank_results, WORLD)
 
 
 def _reference(name, case):
