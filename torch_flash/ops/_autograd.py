@@ -27,6 +27,7 @@ sibling, keeps its extra state on `ctx`, and returns the public outputs.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -84,10 +85,43 @@ def launching_directly(fn: Callable) -> Callable:
     return body
 
 
+class _KernelsOf(list):
+    """torch's scan of a triton op's body for the Triton kernels it calls, whose sources
+    AOTAutograd's cache key reads, run when first read instead of when the op is registered:
+    the scan imports Inductor and parses the body's source and everything it calls (about 2 s
+    of `import torch_flash`), and finds none in these ops, whose bodies launch through
+    kernels/triton/launch.py."""
+
+    def __init__(self, scan: Callable, fn: Callable):
+        super().__init__()
+        self._scan = (scan, fn)
+
+    def __iter__(self):
+        if self._scan is not None:
+            scan, fn = self._scan
+            self._scan = None
+            self.extend(scan(fn))
+        return super().__iter__()
+
+
+@contextlib.contextmanager
+def _kernel_scan_deferred():
+    scan = getattr(_library_triton, "get_inner_triton_kernels", None)  # torch >= 2.13
+    if scan is None:
+        yield
+        return
+    _library_triton.get_inner_triton_kernels = lambda fn: _KernelsOf(scan, fn)
+    try:
+        yield
+    finally:
+        _library_triton.get_inner_triton_kernels = scan
+
+
 def triton_op(name: str, *, mutates_args) -> Callable[[Callable], CustomOpDef]:
     """torch.library.triton_op, with the eager fast path (module docstring)."""
     def dec(fn: Callable) -> CustomOpDef:
-        opdef = torch.library.triton_op(name, mutates_args=mutates_args)(_fixing_inductor(fn))
+        with _kernel_scan_deferred():
+            opdef = torch.library.triton_op(name, mutates_args=mutates_args)(_fixing_inductor(fn))
         body = launching_directly(fn)
         for key in ("CPU", "CUDA"):
             opdef._lib.impl(opdef._name, body, key)
