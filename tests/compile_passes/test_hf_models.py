@@ -40,6 +40,10 @@ COMMON = dict(num_hidden_layers=1, num_attention_heads=4, max_position_embedding
 DECODER = dict(COMMON, vocab_size=VOCAB, hidden_size=32, intermediate_size=64)
 ENCODER = dict(COMMON, hidden_size=32, intermediate_size=64, hidden_dropout_prob=0.0,
                attention_probs_dropout_prob=0.0)
+SEQ2SEQ = dict(vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+               decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+               dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, use_cache=False, init_std=0.2,
+               decoder_start_token_id=0, pad_token_id=0)
 
 
 @dataclass
@@ -76,12 +80,13 @@ def _layer_norms(c, first_fused: bool, extra_layer_norms: int = 0):
     return ops
 
 
-def _parallel(c, norms_per_layer: int):
+def _parallel(c, norms_per_layer: int, loss: str = "linear_cross_entropy"):
     """Parallel attention and MLP (GPT-NeoX: one norm each, Phi: one shared), partial rotary:
-    the norms of a layer read one residual sum, which only the first of them can fuse."""
+    the norms of a layer read one residual sum, which only the first of them can fuse. loss:
+    cross_entropy where the logits are scaled after the LM head (Cohere)."""
     n = c.num_hidden_layers
     return {"attention": n, "layer_norm": 1 + n * (norms_per_layer - 1), "add_layer_norm": n,
-            "linear_cross_entropy": 1, "rotary": 2 * n}
+            loss: 1, "rotary": 2 * n}
 
 
 def _bloom(c):
@@ -99,6 +104,50 @@ def _t5(c):
     enc, dec = c.num_layers, c.num_decoder_layers
     return {"attention": enc + 2 * dec, "rms_norm": 2, "add_rms_norm": 2 * enc + 3 * dec,
             "linear_cross_entropy": 1}
+
+
+def _pre_norm(c, norm: str = "rms_norm", qk_norm: bool = False, loss: str = "linear_cross_entropy",
+              routers: bool = False):
+    """LLaMA's layout with another norm (LayerNorm), q and k norms (each reads a projection), or
+    logits changed after the LM head (scaled, softcapped: the loss then reads those logits, and
+    the head stays a matmul of its own). routers: an MoE layer's softmax router, a softmax over
+    2-D (tokens, experts) scores that explain reports as not attention, one per layer."""
+    n = c.num_hidden_layers
+    ops = {"attention": n, norm: 1 + 2 * n * qk_norm, "add_" + norm: 2 * n, loss: 1, "rotary": 2 * n}
+    return (ops, {("attention", "the scores are 2-D"): n}) if routers else ops
+
+
+def _sandwich(c, qk_norm: bool, loss: str = "linear_cross_entropy"):
+    """Gemma 2 and 3: a norm before and after each sublayer. The norms after read the sublayer's
+    output (no residual yet), the next one (or the final norm) reads the residual sum."""
+    n = c.num_hidden_layers
+    return {"attention": n, "rms_norm": 1 + 2 * n + 2 * n * qk_norm, "add_rms_norm": 2 * n, loss: 1,
+            "rotary": 2 * n}
+
+
+def _olmo2(c):
+    """OLMo 2: the norms of a layer read its sublayers' outputs (no residual) and q and k; only
+    the final norm reads a residual sum."""
+    n = c.num_hidden_layers
+    return {"attention": n, "rms_norm": 4 * n, "add_rms_norm": 1, "linear_cross_entropy": 1, "rotary": 2 * n}
+
+
+def _bart_like(c, pre_norm: bool, embedding_norm: bool):
+    """BART's encoder-decoder family, LayerNorm: 2 norms an encoder layer, 3 a decoder layer
+    (self, cross, MLP); attention self per layer and cross per decoder layer. Post-norm: each
+    layer's norms read residual sums. Pre-norm: one more per stack (the final norm), the first
+    reads the embeddings (or the embedding norm's output), the rest residual sums. An embedding
+    norm reads tokens + positions: the encoder's positions have the batch dim (fused), the
+    decoder's are (1, S, D) (not). The logits get final_logits_bias after the LM head, so the
+    loss reads them as they are."""
+    enc, dec = c.encoder_layers, c.decoder_layers
+    ops = Counter({"attention": enc + 2 * dec, "add_layer_norm": 2 * enc + 3 * dec, "cross_entropy": 1})
+    if embedding_norm:
+        ops["add_layer_norm"] += 1  # the encoder's
+        ops["layer_norm"] += 1  # the decoder's
+    if pre_norm:  # a stack's final norm reads a residual sum, its first norm does not
+        ops["layer_norm"] += 2
+    return dict(ops)
 
 
 MODELS = {
@@ -144,21 +193,113 @@ MODELS = {
                                 num_heads=4, relative_attention_num_buckets=8, dropout_rate=0.0, use_cache=False,
                                 decoder_start_token_id=0, pad_token_id=0),
                "T5ForConditionalGeneration", "seq2seq", _t5),
+    # --- pre-norm decoders: LLaMA's layout with other norms, q/k norms, MoE, scaled logits ---
+    # q and k RMSNorm per head
+    "qwen3": Spec("Qwen3Config", dict(DECODER, num_key_value_heads=2, head_dim=8), "Qwen3ForCausalLM", "causal",
+                  lambda c: _pre_norm(c, qk_norm=True)),
+    # MoE MLPs (softmax router, top-1 of 2 experts)
+    "mixtral": Spec("MixtralConfig", dict(DECODER, num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1),
+                    "MixtralForCausalLM", "causal", lambda c: _pre_norm(c, routers=True)),
+    "qwen2_moe": Spec("Qwen2MoeConfig", dict(DECODER, num_key_value_heads=2, num_experts=2, num_experts_per_tok=1,
+                                             moe_intermediate_size=32, shared_expert_intermediate_size=32),
+                      "Qwen2MoeForCausalLM", "causal", lambda c: _pre_norm(c, routers=True)),
+    # fused qkv and gate-up projections
+    "phi3": Spec("Phi3Config", dict(DECODER, num_key_value_heads=2, pad_token_id=0), "Phi3ForCausalLM", "causal",
+                 _pre_norm),
+    # multipliers on the embeddings, residual branches and scores; logits divided by logits_scaling
+    "granite": Spec("GraniteConfig", dict(DECODER, num_key_value_heads=2, embedding_multiplier=2.0,
+                                          residual_multiplier=0.5, attention_multiplier=0.25, logits_scaling=2.0),
+                    "GraniteForCausalLM", "causal", lambda c: _pre_norm(c, loss="cross_entropy")),
+    # LayerNorm (StableLM, StarCoder2: with bias; OLMo: no parameters), partial rotary (StableLM)
+    "stablelm": Spec("StableLmConfig", dict(DECODER, num_key_value_heads=2), "StableLmForCausalLM", "causal",
+                     lambda c: _pre_norm(c, norm="layer_norm")),
+    "starcoder2": Spec("Starcoder2Config", dict(DECODER, num_key_value_heads=2, residual_dropout=0.0,
+                                                embedding_dropout=0.0),
+                       "Starcoder2ForCausalLM", "causal", lambda c: _pre_norm(c, norm="layer_norm")),
+    "olmo": Spec("OlmoConfig", dict(DECODER, num_key_value_heads=2), "OlmoForCausalLM", "causal",
+                 lambda c: _pre_norm(c, norm="layer_norm")),
+    # norms after each sublayer, q and k norms over all heads
+    "olmo2": Spec("Olmo2Config", dict(DECODER, num_key_value_heads=2), "Olmo2ForCausalLM", "causal", _olmo2),
+    # sandwich norms, sliding windows, final logit softcap (Gemma 2: also the scores' tanh softcap; it has
+    # no SDPA), q/k norms (Gemma 3: a sliding and a full layer)
+    "gemma2": Spec("Gemma2Config", dict(DECODER, num_key_value_heads=2, head_dim=8, sliding_window=4),
+                   "Gemma2ForCausalLM", "causal", lambda c: _sandwich(c, qk_norm=False, loss="cross_entropy")),
+    "gemma3": Spec("Gemma3TextConfig", dict(DECODER, num_hidden_layers=2, num_key_value_heads=2, head_dim=8,
+                                            sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+                   "Gemma3ForCausalLM", "causal", lambda c: _sandwich(c, qk_norm=True)),
+    # --- parallel attention and MLP under one norm: Falcon (multi-query), GPT-J and CodeGen
+    # (interleaved partial rotary), Cohere (interleaved rotary, bias-free LayerNorm, logits scaled)
+    "falcon": Spec("FalconConfig", dict(DECODER, num_kv_heads=1), "FalconForCausalLM", "causal",
+                   lambda c: _parallel(c, norms_per_layer=1)),
+    "gptj": Spec("GPTJConfig", dict(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, rotary_dim=4, n_positions=64,
+                                    use_cache=False, initializer_range=0.2),
+                 "GPTJForCausalLM", "causal", lambda c: _parallel(c, norms_per_layer=1)),
+    "codegen": Spec("CodeGenConfig", dict(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, rotary_dim=4,
+                                          n_positions=64, use_cache=False, initializer_range=0.2),
+                    "CodeGenForCausalLM", "causal", lambda c: _parallel(c, norms_per_layer=1)),
+    "cohere": Spec("CohereConfig", dict(DECODER, num_key_value_heads=2), "CohereForCausalLM", "causal",
+                   lambda c: _parallel(c, norms_per_layer=1, loss="cross_entropy")),
+    # --- GPT-2's layout: multi-query with learned (1, S, D) positions (GPT-BigCode); ALiBi and
+    # bias-free LayerNorm, no positions (MPT: eager only), so the first norm reads the embeddings
+    "gpt_bigcode": Spec("GPTBigCodeConfig", dict(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=64,
+                                                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                                                 initializer_range=0.2),
+                        "GPTBigCodeForCausalLM", "causal", lambda c: _layer_norms(c, first_fused=False)),
+    "mpt": Spec("MptConfig", dict(vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=1, max_seq_len=64, use_cache=False,
+                                  initializer_range=0.2),
+                "MptForCausalLM", "causal", lambda c: _layer_norms(c, first_fused=False)),
+    # --- post-norm encoders as BERT: (1, S, D) positions, an MLM head norm. ALBERT: factorised
+    # embeddings, shared layers; DeBERTa-v2 (eager only) without relative attention, as configured
+    # by default
+    "distilbert": Spec("DistilBertConfig", dict(vocab_size=VOCAB, dim=32, n_layers=1, n_heads=4, hidden_dim=64,
+                                                dropout=0.0, attention_dropout=0.0, max_position_embeddings=64,
+                                                initializer_range=0.2),
+                       "DistilBertForMaskedLM", "masked",
+                       lambda c: _layer_norms(c, first_fused=False, extra_layer_norms=1)),
+    "electra": Spec("ElectraConfig", dict(ENCODER, vocab_size=VOCAB, embedding_size=16), "ElectraForMaskedLM", "masked",
+                    lambda c: _layer_norms(c, first_fused=False, extra_layer_norms=1)),
+    "albert": Spec("AlbertConfig", dict(ENCODER, vocab_size=VOCAB, embedding_size=16), "AlbertForMaskedLM", "masked",
+                   lambda c: _layer_norms(c, first_fused=False, extra_layer_norms=1)),
+    "deberta_v2": Spec("DebertaV2Config", dict(ENCODER, vocab_size=VOCAB), "DebertaV2ForMaskedLM", "masked",
+                       lambda c: _layer_norms(c, first_fused=False, extra_layer_norms=1)),
+    # RoBERTa's layout
+    "xlm_roberta": Spec("XLMRobertaConfig", dict(ENCODER, vocab_size=VOCAB), "XLMRobertaForMaskedLM", "masked",
+                        lambda c: _layer_norms(c, first_fused=True, extra_layer_norms=1)),
+    # ViT's, with a distillation token
+    "deit": Spec("DeiTConfig", dict(ENCODER, image_size=16, patch_size=8, num_labels=LABELS),
+                 "DeiTForImageClassification", "image", lambda c: _layer_norms(c, first_fused=False)),
+    # --- encoder-decoders: BART (post-norm, embedding norms), mBART (pre-norm, embedding and final
+    # norms), Marian (post-norm, sinusoidal positions), Pegasus (pre-norm, final norms, sinusoidal)
+    "bart": Spec("BartConfig", SEQ2SEQ, "BartForConditionalGeneration", "seq2seq",
+                 lambda c: _bart_like(c, pre_norm=False, embedding_norm=True)),
+    "mbart": Spec("MBartConfig", SEQ2SEQ, "MBartForConditionalGeneration", "seq2seq",
+                  lambda c: _bart_like(c, pre_norm=True, embedding_norm=True)),
+    "marian": Spec("MarianConfig", dict(SEQ2SEQ, decoder_vocab_size=VOCAB), "MarianMTModel", "seq2seq",
+                   lambda c: _bart_like(c, pre_norm=False, embedding_norm=False)),
+    "pegasus": Spec("PegasusConfig", SEQ2SEQ, "PegasusForConditionalGeneration", "seq2seq",
+                    lambda c: _bart_like(c, pre_norm=True, embedding_norm=False)),
 }
 # Under pytest-xdist (--dist loadgroup) a model's tests run in one worker, which compiles each of
 # its runs (_run) once
 CASES = [pytest.param(name, impl, id=f"{name}-{impl}", marks=pytest.mark.xdist_group(f"hf_{name}"))
          for name in MODELS for impl in ("eager", "sdpa")]
 
-def _batch(task: str, left_padded: bool = False) -> dict:
+def _batch(task: str, padding: str | None = None) -> dict:
+    """padding "left" (a batch for generation: the padding query rows of a causal model see no
+    key at all) or "right" (for training: the padding keys are hidden from every row): an
+    attention_mask over the first or last 3 tokens of one sequence (of the encoder's, for
+    seq2seq), whose labels are -100 there."""
     if task == "image":
         return {"pixel_values": torch.randn(B, 3, 16, 16), "labels": torch.randint(0, LABELS, (B,))}
     ids = torch.randint(1, VOCAB, (B, S))
     labels = torch.randint(1, VOCAB, (B, S)) if task == "seq2seq" else ids.clone()
-    if left_padded:  # a batch for generation: the padding query rows see no key at all
+    if padding is not None:
+        pads = slice(0, 3) if padding == "left" else slice(S - 3, S)
         attention_mask = torch.ones(B, S, dtype=torch.long)
-        attention_mask[0, :3] = 0
-        labels[0, :3] = -100
+        attention_mask[0, pads] = 0
+        labels[0, pads] = -100
+        if task == "masked":
+            labels[:, ::2] = -100
         return {"input_ids": ids, "attention_mask": attention_mask, "labels": labels}
     labels[0, -3:] = -100  # padding, as HF marks it
     if task == "masked":
@@ -177,6 +318,9 @@ class Run:
     forward_ops: set  # flash op names in the AOT forward graph
     backward_ops: set
     exact: tuple | None = None  # (loss, grads) of the model in float64, for autocast runs
+    # padded runs: the right-padded batch through the same compiled model (the left-padded one
+    # is the Run itself), as a Run
+    right: "Run | None" = None
 
 
 def _flash_ops(gm) -> set:
@@ -196,12 +340,13 @@ def _draws_for_layerdrop(model: str) -> bool:
 
 
 @functools.cache
-def _run(name: str, impl: str, autocast: bool = False, left_padded: bool = False) -> Run:
+def _run(name: str, impl: str, autocast: bool = False, padded: bool = False) -> Run:
     """One forward/backward of the model eagerly and through the flash backend. The backend
     hands the rewritten graph to AOTAutograd without Inductor (the graphs are what this
     tests, and Inductor would cost minutes here); the ops stay whole in those graphs.
     autocast: both forwards under CPU bf16 autocast, and the float64 model's run as well.
-    left_padded: an attention_mask that pads the first tokens of one sequence."""
+    padded: an attention_mask that pads the first tokens of one sequence, then (the same
+    compiled graphs: the mask is data) one that pads its last tokens, in run.right."""
     spec = MODELS[name]
     if _draws_for_layerdrop(spec.model):
         pytest.xfail(f"{spec.model} in transformers {transformers.__version__} branches on torch.rand "
@@ -214,9 +359,9 @@ def _run(name: str, impl: str, autocast: bool = False, left_padded: bool = False
     assert model.config._attn_implementation == impl
     # GPT2LMHeadModel's name gives no loss type: HF warns (a graph break) and uses this one
     model.loss_type = model.loss_type or "ForCausalLM"
-    batch = _batch(spec.task, left_padded)
+    batch = _batch(spec.task, "left" if padded else None)
 
-    def step(fn, model=model):
+    def step(fn, model=model, batch=batch):
         model.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = fn(**batch)
@@ -250,8 +395,38 @@ def _run(name: str, impl: str, autocast: bool = False, left_padded: bool = False
     if autocast:
         exact_model = copy.deepcopy(model).double()
         exact = step(lambda **kw: exact_model(**kw).loss, exact_model)
+    right = None
+    if padded:
+        right_batch = _batch(spec.task, "right")
+        right_ref_loss, right_ref_grads = step(loss_of, batch=right_batch)
+        with torch._functorch.config.patch(decompose_custom_triton_ops=False):
+            right_loss, right_grads = step(compiled, batch=right_batch)
+        assert len(graphs) == 2, f"{len(graphs)} AOT graphs: the right-padded batch compiled anew"
+        right = Run(model.config, report, right_loss, right_ref_loss, right_grads, right_ref_grads,
+                    _flash_ops(graphs[0]), _flash_ops(graphs[1]))
     return Run(model.config, report, loss, ref_loss, grads, ref_grads, _flash_ops(graphs[0]), _flash_ops(graphs[1]),
-               exact)
+               exact, right)
+
+
+def _expected(name: str, config) -> tuple[dict, dict]:
+    """The sites the architecture has, {op: count} (zeros dropped), and the candidates explain
+    rightly leaves alone, {(family, words of its reason): count}."""
+    ops = MODELS[name].ops(config)
+    ops, left = ops if isinstance(ops, tuple) else (ops, {})
+    return {op: k for op, k in ops.items() if k}, left
+
+
+def _assert_sites(run: Run, name: str, family: str | None = None) -> None:
+    """The sites (of the family, or all) are rewritten to the expected ops, as many as the
+    architecture has; the only ones left alone are those it expects, each with explain's reason."""
+    expected, left = _expected(name, run.config)
+    expected = {op: k for op, k in expected.items() if family in (None, BY_NAME[op].family)}
+    sites = [s for s in run.report.sites if family in (None, s.family)]
+    assert all(s.reason for s in sites if not s.rewritten), str(run.report)
+    kept = Counter(next((key for key in left if key[0] == s.family and key[1] in s.reason), ("?", s.reason))
+                   for s in sites if not s.rewritten)
+    assert kept == {key: k for key, k in left.items() if family in (None, key[0])}, str(run.report)
+    assert Counter(s.op for s in sites if s.rewritten) == expected, str(run.report)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -260,24 +435,26 @@ def test_sites(name, impl, family):
     """Every site of the family is found and rewritten, as many as the architecture has, to
     the expected ops (add_* where a residual sum feeds the norm)."""
     run = _run(name, impl)
-    expected = {op: k for op, k in MODELS[name].ops(run.config).items() if k and BY_NAME[op].family == family}
-    sites = [s for s in run.report.sites if s.family == family]
-    assert not [s for s in sites if not s.rewritten], str(run.report)
-    assert Counter(s.op for s in sites) == expected, str(run.report)
+    _assert_sites(run, name, family)
+    sites = [s for s in run.report.sites if s.family == family and s.rewritten]
     if family == "attention":  # the spelling of the implementation was the one matched
         want = "F.scaled_dot_product_attention" if impl == "sdpa" else "softmax"
         assert {s.anchor for s in sites} == {want}
 
 
 def _assert_same_training(run: Run, grad_tol: float | None = None) -> None:
+    """Loss and every parameter gradient to the fp32 tolerance (or grad_tol), relative to each
+    gradient's norm; except those whose true gradient is zero (a key bias: softmax is blind to
+    a shift shared by a query's scores; top-1 routing's gate, whose weight is always 1): both
+    runs hold rounding noise there, which relative error cannot judge, so those go by a floor
+    tied to the largest gradient."""
     assert_rel_close(run.loss, run.ref_loss, what="loss")
     assert run.grads.keys() == run.ref_grads.keys()
     scale = max(g.norm() for g in run.ref_grads.values())
+    floor = 1e-6 * scale  # noise is ~1e-8 of the largest gradient in these fp32 runs
     for param, ref in run.ref_grads.items():
-        if ref.norm() <= 1e-6 * scale:
-            # the key bias: softmax is blind to a shift shared by a query's scores, so its true
-            # gradient is 0 and both runs hold rounding noise, which relative error cannot judge
-            assert run.grads[param].norm() <= 1e-6 * scale, param
+        if ref.norm() <= floor:
+            assert run.grads[param].norm() <= floor, param
         else:
             assert_rel_close(run.grads[param], ref, tol=grad_tol, what=param)
 
@@ -288,19 +465,34 @@ def test_loss_and_gradients(name, impl):
     _assert_same_training(_run(name, impl))
 
 
-@pytest.mark.parametrize("impl", ["eager", "sdpa"])
-def test_left_padded_batch(impl):
-    """Left padding: in eager mode HF hides every key of the padding query rows with finfo.min,
-    so the model averages v there (and the last padding row predicts the first real token,
-    so those rows reach the loss). Every site is still rewritten, and the loss and gradients
-    equal the model's. Gradients to 5e-4 in eager mode: on those rows the op's fp32
-    log-sum-exp sits at its fill score -1e4, whose rounding (at most 4.9e-4, half an fp32 step
-    at 1e4) scales the rows' weights; before this the rows gave 0 and gradients were off by
-    0.2-0.5."""
-    run = _run("llama", impl, left_padded=True)
-    expected = {op: k for op, k in MODELS["llama"].ops(run.config).items() if k}
-    assert Counter(s.op for s in run.report.sites) == expected, str(run.report)
-    _assert_same_training(run, grad_tol=5e-4 if impl == "eager" else None)
+# (model, impl) whose padded batch leaves a site unrewritten, with explain's reason
+_FINITE_PADDING_FILL = ("softmax not rewritten to attention: scores are set to the finite -3.40282e+38 where a mask "
+                        "that is not causal (padding) hides them: a query row it hides entirely averages v in the "
+                        "model with no gradient to q and k, which flash.attention does not compute (fill with -inf, "
+                        "or add the mask)")
+PADDED_XFAIL = {("mpt", "eager"): _FINITE_PADDING_FILL, ("deberta_v2", "eager"): _FINITE_PADDING_FILL}
+PADDED = [pytest.param(name, impl, side, id=f"{name}-{impl}-{side}",
+                       marks=[pytest.mark.xdist_group(f"hf_{name}")]
+                       + ([pytest.mark.xfail(strict=True, reason=PADDED_XFAIL[name, impl])]
+                          if (name, impl) in PADDED_XFAIL else []))
+          for name in MODELS if MODELS[name].task != "image" for impl in ("eager", "sdpa")
+          for side in ("left", "right")]
+
+
+@pytest.mark.parametrize("name, impl, side", PADDED)
+def test_padded_batch(name, impl, side):
+    """A batch with an attention_mask, padded on the left, then on the right (the same
+    compiled graphs): every site is still rewritten, and the loss and gradients equal the
+    model's. Left padding in a causal model: in eager mode HF hides every key of the padding
+    query rows with finfo.min, so the model averages v there (and the last padding row
+    predicts the first real token, so those rows reach the loss). Gradients to 5e-4 there: on
+    those rows the op's fp32 log-sum-exp sits at its fill score -1e4, whose rounding (at most
+    4.9e-4, half an fp32 step at 1e4) scales the rows' weights; before this the rows gave 0
+    and gradients were off by 0.2-0.5."""
+    run = _run(name, impl, padded=True)
+    _assert_sites(run, name)
+    fully_masked = side == "left" and impl == "eager" and MODELS[name].task == "causal"
+    _assert_same_training(run if side == "left" else run.right, grad_tol=5e-4 if fully_masked else None)
 
 
 @pytest.mark.parametrize("name, impl", CASES)
@@ -329,9 +521,7 @@ def test_autocast(name, impl):
     reads it), and the loss and gradients are as close to the float64 model's as eager
     autocast's are (within 2x, or 1e-2)."""
     run = _run(name, impl, autocast=True)
-    expected = {op: k for op, k in MODELS[name].ops(run.config).items() if k}
-    assert not [s for s in run.report.sites if not s.rewritten], str(run.report)
-    assert Counter(s.op for s in run.report.sites) == expected, str(run.report)
+    _assert_sites(run, name)
     exact_loss, exact_grads = run.exact
     assert rel_err(run.loss, exact_loss) <= max(2 * rel_err(run.ref_loss, exact_loss), 1e-2)
     for param, exact in exact_grads.items():
