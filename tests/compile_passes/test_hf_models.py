@@ -447,14 +447,17 @@ def _assert_same_training(run: Run, grad_tol: float | None = None) -> None:
     gradient's norm; except those whose true gradient is zero (a key bias: softmax is blind to
     a shift shared by a query's scores; top-1 routing's gate, whose weight is always 1): both
     runs hold rounding noise there, which relative error cannot judge, so those go by a floor
-    tied to the largest gradient."""
+    tied to the largest gradient (grad_tol of it where grad_tol is given: OPT's key bias under
+    left padding in eager mode, 1.3e-5 of it)."""
     assert_rel_close(run.loss, run.ref_loss, what="loss")
     assert run.grads.keys() == run.ref_grads.keys()
     scale = max(g.norm() for g in run.ref_grads.values())
     floor = 1e-6 * scale  # noise is ~1e-8 of the largest gradient in these fp32 runs
+    # where grad_tol allows a known error (fully masked rows), the noise may be as large, to scale
+    noise = max(floor, (grad_tol or 0) * scale)
     for param, ref in run.ref_grads.items():
         if ref.norm() <= floor:
-            assert run.grads[param].norm() <= floor, param
+            assert run.grads[param].norm() <= noise, param
         else:
             assert_rel_close(run.grads[param], ref, tol=grad_tol, what=param)
 
