@@ -85,8 +85,8 @@ void bind(py::module_& m) {
       },
       py::arg("summary"), py::arg("n_classes"), py::arg("ignore_index"), py::arg("op"), py::arg("wait"),
       py::call_guard<py::gil_scoped_release>(),
-      "Queue flash.<op>'s check of a (count, min, max) target summary, raising ValueError for the oldest "
-      "bad one already in (with wait: for this one too, waiting for it)");
+      "Queue flash.<op>'s check of a (count, min, max) target summary; ValueError where its verdict is in "
+      "(with wait: waiting for it) and bad");
   m.def("fast_raise_pending", &raise_pending, py::arg("wait"), py::call_guard<py::gil_scoped_release>(),
         "ValueError for the oldest bad target check whose verdict is in (wait: also those on their way)");
   m.def("fast_set_backend_key", &set_backend_key,

@@ -112,18 +112,15 @@ void target_check(const void* summary, int device, cudaStream_t stream, int64_t 
   std::string bad;
   {
     std::lock_guard<std::mutex> guard(q.mutex);
-    bad = pop_arrived(q, false);
-    if (bad.empty()) {
-      Pending p{take_event(q, device), device, take_slot(q), n_classes, ignore_index, op};
-      check(cudaMemcpyAsync(p.host, summary, 3 * sizeof(int64_t), cudaMemcpyDeviceToHost, stream), "copy");
-      check(cudaEventRecord(p.event, stream), "event");
-      const cudaError_t status = wait ? cudaEventSynchronize(p.event) : cudaEventQuery(p.event);
-      if (status == cudaErrorNotReady) {
-        q.pending.push_back(p);
-      } else {
-        check(status, "waiting for the verdict");
-        bad = take_verdict(q, p, /*late=*/false);
-      }
+    Pending p{take_event(q, device), device, take_slot(q), n_classes, ignore_index, op};
+    check(cudaMemcpyAsync(p.host, summary, 3 * sizeof(int64_t), cudaMemcpyDeviceToHost, stream), "copy");
+    check(cudaEventRecord(p.event, stream), "event");
+    const cudaError_t status = wait ? cudaEventSynchronize(p.event) : cudaEventQuery(p.event);
+    if (status == cudaErrorNotReady) {
+      q.pending.push_back(p);
+    } else {
+      check(status, "waiting for the verdict");
+      bad = take_verdict(q, p, /*late=*/false);
     }
   }
   TORCH_CHECK_VALUE(bad.empty(), bad);

@@ -143,7 +143,8 @@ std::shared_ptr<const Recipe> parse_recipe(pybind11::handle recipe);
 void set_backend_key(std::string key);
 const std::string* intern(const std::string& text);
 // checks.cpp: raise (ValueError) for the oldest bad target check whose verdict is in, once; wait:
-// also for those still on their way. target_check: queue one (or read it at once with wait).
+// also for those still on their way. target_check: queue one (or read it at once with wait); its
+// callers have raised the pending ones first (TargetCheck's constructor, a replay's start).
 void raise_pending(bool wait);
 void target_check(const void* summary, int device, cudaStream_t stream, int64_t n_classes, int64_t ignore_index,
                   const std::string* op, bool wait);

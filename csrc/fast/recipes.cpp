@@ -337,6 +337,7 @@ const std::string* intern(const std::string& text) {
 
 namespace {
 
+// (kind, index, payload, ...): the first three items
 Param parse_param(py::handle obj) {
   const auto t = obj.cast<py::tuple>();
   return {static_cast<Param::Kind>(t[0].cast<int>()), t[1].cast<int>(), t[2].cast<int64_t>()};
@@ -345,8 +346,8 @@ Param parse_param(py::handle obj) {
 // (kind, index, byte offset, dtype, sizes, strides)
 TensorRef parse_tensor(py::handle obj) {
   const auto t = obj.cast<py::tuple>();
-  return {{static_cast<Param::Kind>(t[0].cast<int>()), t[1].cast<int>(), t[2].cast<int64_t>()},
-          t[3].cast<c10::ScalarType>(), t[4].cast<std::vector<int64_t>>(), t[5].cast<std::vector<int64_t>>()};
+  return {parse_param(t), t[3].cast<c10::ScalarType>(), t[4].cast<std::vector<int64_t>>(),
+          t[5].cast<std::vector<int64_t>>()};
 }
 
 // (function, (gx, gy, gz), threads, shared, [(kind, index, payload, size)]); nullopt where the
