@@ -75,16 +75,34 @@ void push_tensor_key(Key& key, const at::Tensor& t) {
   key.push_back((reinterpret_cast<uintptr_t>(t.const_data_ptr()) & 15) | (t.is_conj() << 4) | (t.is_neg() << 5));
 }
 
+// Inputs that share a storage (a packed qkv, one cu_seqlens passed twice): a recipe addresses
+// each through the first of them, which holds while the later ones keep their byte distance.
+void push_alias_key(Key& key, c10::ArrayRef<c10::IValue> args, size_t i, const at::Tensor& t) {
+  const c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  for (size_t j = 0; j < i; ++j) {
+    if (!args[j].isTensor() || !args[j].toTensor().defined()) continue;
+    const at::Tensor& u = args[j].toTensor();
+    if (u.storage().unsafeGetStorageImpl() == storage) {
+      key.push_back(static_cast<int64_t>(j));
+      key.push_back(static_cast<const char*>(t.const_data_ptr()) - static_cast<const char*>(u.const_data_ptr()));
+      return;
+    }
+  }
+  key.push_back(-1);
+}
+
 // What the Python body's plan and path depend on (torch_flash/ops/_plans.py, signature): every
-// tensor's dtype, device, shape, strides and 16-byte alignment, every other argument's value.
-// False for arguments the key cannot hold (those calls always take the Python path).
+// tensor's dtype, device, shape, strides, 16-byte alignment and the earlier input it shares a
+// storage with, every other argument's value. False for arguments the key cannot hold (those
+// calls always take the Python path).
 bool make_key(c10::ArrayRef<c10::IValue> args, Key& key) {
   key.clear();
   key.push_back(c10::cuda::current_device());
   // global switches a plan may read (attention's backward chooses cuDNN by them)
   auto& context = at::globalContext();
   key.push_back(context.deterministicAlgorithms() | (context.userEnabledCuDNNSDP() << 1));
-  for (const c10::IValue& v : args) {
+  for (size_t i = 0; i < args.size(); ++i) {
+    const c10::IValue& v = args[i];
     if (v.isTensor()) {
       const at::Tensor& t = v.toTensor();
       if (!t.defined()) {
@@ -94,6 +112,7 @@ bool make_key(c10::ArrayRef<c10::IValue> args, Key& key) {
       if (!t.is_cuda() || t.layout() != at::kStrided) return false;
       key.push_back(2);
       push_tensor_key(key, t);
+      push_alias_key(key, args, i, t);
     } else if (v.isNone()) {
       key.push_back(3);
     } else if (v.isInt()) {  // ScalarType and MemoryFormat arguments too

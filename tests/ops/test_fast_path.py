@@ -50,6 +50,11 @@ def _cases():
                                 torch.randn(4096, device=DEV)), {}),
         # causal: cuDNN's backward (which use_backend turns off) does not take it at this length
         "attention": (torch_flash.attention, lambda: (heads(4), heads(2), heads(2)), dict(causal=True)),
+        # q, k and v share one storage: replays address them through q (the key holds the distances)
+        "attention_packed": (torch_flash.attention,
+                             lambda: torch.randn(2, 192, 3, 4, 64, device=DEV, dtype=torch.bfloat16)
+                             .permute(2, 0, 3, 1, 4).unbind(0),
+                             {}),
         "attention_with_lse": (torch_flash.attention_with_lse, lambda: (heads(4), heads(4), heads(4)),
                                dict(causal=True, window=(64, 0))),
         # fp32 sum stream, bf16 normalised output written by the kernel itself

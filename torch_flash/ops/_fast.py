@@ -151,9 +151,7 @@ class _Tensors:
         storage's start)."""
         s = t.untyped_storage()
         mine = self.owners.get(s._cdata)
-        if mine is not None:
-            if len(mine) != 1:  # two inputs share it: which one moves with a new call is unknown
-                raise _Unreplayable
+        if mine is not None:  # inputs sharing it keep their distances in every call of the key
             return _INPUT, mine[0], t.data_ptr() - self.args[mine[0]].data_ptr()
         if s._cdata in self.produced:
             return _PRODUCED, self.produced[s._cdata], t.data_ptr() - s.data_ptr()
