@@ -125,32 +125,37 @@ def test_deterministic_mode_is_bitwise_reproducible(sq, sk, hq, hkv, causal):
             assert rel_err(g, r) <= 1.05 * rel_err(g_default, r) + 1e-5, f"d={d} d{name}"
 
 
-def test_flash_attention_backward_dispatch():
+@pytest.mark.parametrize("s", [2048, 1024])
+def test_flash_attention_backward_dispatch(s):
     """flash.attention's backward runs this kernel on request (use_backend("cuda"), in either
-    mode), cuDNN's by default, Triton's under torch.use_deterministic_algorithms(True); the
-    gradients agree with float64 every way."""
-    d = HDIMS[0]
-    s = 2048  # cuDNN's backward takes causal calls from CUDNN_CAUSAL_MIN_SEQLEN keys
-    q, k, v = (rand(1, 4, s, d) for _ in range(3))
-    dout = torch.randn(1, 4, s, d, dtype=q.dtype, device="cuda")
-    expected = reference_grads(q, k, v, dout, d ** -0.5, True)
+    mode), cuDNN's by default where it serves (causal from CUDNN_CAUSAL_MIN_SEQLEN keys), else
+    this kernel for the head dims of SM90_BWD_DEFAULT_HDIMS, else Triton's; Triton's under
+    torch.use_deterministic_algorithms(True). The gradients agree with float64 every way."""
+    from torch_flash.ops import attention as attention_ops
+    assert attention_ops.CUDNN_CAUSAL_MIN_SEQLEN == 2048
+    unserved = {d: "cuda" if d in attention_ops.SM90_BWD_DEFAULT_HDIMS else "triton" for d in HDIMS}
+    for d in HDIMS:
+        q, k, v = (rand(1, 4, s, d) for _ in range(3))
+        dout = torch.randn(1, 4, s, d, dtype=q.dtype, device="cuda")
+        expected = reference_grads(q, k, v, dout, d ** -0.5, True)
 
-    def grads():
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        out = torch_flash.attention(*leaves, causal=True)
-        return torch.autograd.grad(out, leaves, dout)
+        def grads():
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            out = torch_flash.attention(*leaves, causal=True)
+            return torch.autograd.grad(out, leaves, dout)
 
-    for forced, deterministic, path in (("cuda", False, "cuda"), ("cuda", True, "cuda"), (None, False, "cudnn"),
-                                        (None, True, "triton")):
-        torch.use_deterministic_algorithms(deterministic)
-        try:
-            with torch_flash.use_backend(forced):
-                got = grads()
-        finally:
-            torch.use_deterministic_algorithms(False)
-        assert _dispatch.LAST["attention_backward"] == path
-        for name, g, r in zip("qkv", got, expected):
-            assert rel_err(g, r) <= 2e-2, f"{path} d{name}: {rel_err(g, r):.2e}"
+        default = "cudnn" if s >= 2048 else unserved[d]
+        for forced, deterministic, path in (("cuda", False, "cuda"), ("cuda", True, "cuda"),
+                                            (None, False, default), (None, True, "triton")):
+            torch.use_deterministic_algorithms(deterministic)
+            try:
+                with torch_flash.use_backend(forced):
+                    got = grads()
+            finally:
+                torch.use_deterministic_algorithms(False)
+            assert _dispatch.LAST["attention_backward"] == path, (d, forced, deterministic)
+            for name, g, r in zip("qkv", got, expected):
+                assert rel_err(g, r) <= 2e-2, f"{path} d={d} d{name}: {rel_err(g, r):.2e}"
 
 
 def test_cuda_graph_capture():

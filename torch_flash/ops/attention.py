@@ -194,13 +194,23 @@ def _sm90_serves(q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: ref.Spec) -> 
     return True
 
 
+# Head dims whose Hopper backward runs by default where cuDNN's does not serve: at D=128 it ran
+# 1.13x-1.39x the Triton backward, at D=64 0.96x-1.03x (H200, 2026-11-28, bench attention:
+# docs/results/attention/2026-11-28_h200.json, columns cuda-sm90 and triton-det).
+SM90_BWD_DEFAULT_HDIMS = (128,)
+
+
 def _sm90_bwd_serves(grad_lse, q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: ref.Spec) -> bool:
     """Whether the Hopper backward of csrc/attention (flash.attention_bwd_sm90) serves this call:
-    on request only (use_backend("cuda")), as it runs below cuDNN's backward (H200,
-    2026-11-27, docs/perf.md); where the forward's kernel would (_sm90_serves), for a head
-    dim it has (backward_hdims), no lse gradient. Under torch.use_deterministic_algorithms(True)
-    the kernel adds dq in key-block order, bitwise reproducible."""
-    if _dispatch.forced_backend() != "cuda" or grad_lse is not None:
+    where the forward's kernel would (_sm90_serves), for a head dim it has (backward_hdims), no
+    lse gradient; unforced only for SM90_BWD_DEFAULT_HDIMS and outside deterministic mode (it
+    runs after cuDNN's backward, which is faster where it serves). Under
+    torch.use_deterministic_algorithms(True) the kernel adds dq in key-block order, bitwise
+    reproducible, on request (use_backend("cuda"))."""
+    forced = _dispatch.forced_backend()
+    if grad_lse is not None or (forced != "cuda" and (
+            forced is not None or q.shape[-1] not in SM90_BWD_DEFAULT_HDIMS
+            or torch.are_deterministic_algorithms_enabled())):
         return False
     info = _extension.build_info()
     return (info is not None and "flash::attention_bwd_sm90" in info["ops"]
@@ -383,7 +393,7 @@ def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
     """(dq, dk, dv, dbias); dbias has attn_bias's shape, or is empty unless bias_requires_grad.
     The ALiBi slopes get no gradient; the sinks' comes from ref.sink_grad (lse includes them).
     cuDNN's backward where it serves (cudnn_backward_serves), else the Hopper kernel where it
-    serves (_sm90_bwd_serves: on request), else the Triton kernels. cuDNN sums dq with atomic
+    serves (_sm90_bwd_serves: D=128 unforced), else the Triton kernels. cuDNN sums dq with atomic
     adds, not bitwise reproducible, so torch.use_deterministic_algorithms(True) turns it off;
     the Hopper kernel then adds dq in a fixed order, and the Triton path computes dq in its own
     pass."""
