@@ -11,6 +11,7 @@ the corpus, where global sample i of the run is a pure function of (seed, i).
     python examples/train_gpt.py --preset gpu             # the default when CUDA is there
     python examples/train_gpt.py --backend inductor       # the baseline: no flash rewrites
     torchrun --nproc_per_node=2 examples/train_gpt.py [--grad-compress bf16 | --parallel fsdp]
+    torchrun --nproc_per_node=4 examples/train_gpt.py --cp 2     # sequences over 2 ranks, DDP over 2
     python examples/train_gpt.py --ckpt run.pt --save-every 50    # then add --resume to continue
 
 Data parallelism: rank r reads samples r, r + world, r + 2 * world, ... of the resampled
@@ -19,6 +20,21 @@ sequence, so step t of every rank (batch B) reads global samples [t * B * world,
 position follows from the step, so a resumed run continues with exactly the samples that
 were next (and the same learning rate). There is no dropout, hence no RNG state to save.
 Every rank reads the checkpoint file, so under torchrun it must be on a shared filesystem.
+
+Context parallelism (--cp N): the world is N-rank context-parallel groups of consecutive ranks
+(rank = dp_rank * N + cp_rank), data parallel across them (dp = world / N). Every rank of a
+group reads the same samples (those of its dp rank) and keeps its zigzag share of every
+sequence: chunks c and 2N - 1 - c of 2N (torch_flash.context_parallel.sequence_positions;
+--block must split into 2N chunks), with their global positions for the position embedding.
+Attention runs torch_flash.context_parallel_attention over the group (a ring of
+torch.distributed P2P exchanges, causal, exact); everything else is per token. Every rank
+holds the same number of tokens, so the global token-mean loss is the mean of the ranks'
+local means, and DDP (or FSDP2) over the whole world, which averages gradients over all
+cp * dp ranks, gives exactly its gradient: the ring's backward already brings each rank the
+gradients that the other ranks' queries send to its keys and values, so rank r's parameter
+gradient is d(local mean_r)/dparams through its own tokens, and the sum over a group of those
+is the group's gradient of the sum of its local means. The logged loss is the group's mean.
+The checkpoint is the same full state dict: a --cp run resumes with or without --cp.
 The corpus is --corpus FILE, or generated: lines of "a+b=c" additions.
 """
 from __future__ import annotations
@@ -68,11 +84,15 @@ class CausalSelfAttention(nn.Module):
         self.heads = cfg.heads
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        # context parallelism: a torch_flash.nn.ContextParallelAttention (see enable_context_parallel)
+        self.context_parallel = None
 
     def forward(self, x):
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(c, dim=2)
         q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        if self.context_parallel is not None:  # this rank's tokens of the sequence: the ring
+            return self.proj(self.context_parallel(q, k, v).transpose(1, 2).reshape(b, t, c))
         att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))
         future = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
         att = torch.softmax(att.masked_fill(future, float("-inf")), dim=-1)
@@ -107,12 +127,24 @@ class GPT(nn.Module):
                 std = 0.02 / math.sqrt(2 * cfg.layers) if name.endswith(("proj.weight", "mlp.2.weight")) else 0.02
                 nn.init.normal_(p, std=std)
 
-    def forward(self, tokens, targets):
-        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+    def forward(self, tokens, targets, positions=None):
+        """positions (S,): the tokens' places in the sequence (default 0..S-1; under context
+        parallelism those of the rank's share)."""
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.tok(tokens) + self.pos(positions)
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.ln_f(x))
         return F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def enable_context_parallel(model: GPT, group) -> None:
+    """Every attention layer attends over the sequence split across `group` (zigzag layout)."""
+    from torch_flash.nn import ContextParallelAttention
+
+    for block in model.blocks:
+        block.attn.context_parallel = ContextParallelAttention(group, causal=True, layout="zigzag")
 
 
 # ---------------------------------------------------------------- data
@@ -167,15 +199,35 @@ class ShardSampler(Sampler[int]):
 
 # ---------------------------------------------------------------- distributed + checkpoint
 
-def setup_distributed(device: str) -> tuple[int, int, torch.device]:
-    """Process group from torchrun's environment (gloo on CPU, nccl on GPU); (rank, world, device)."""
-    if "RANK" not in os.environ:
-        return 0, 1, torch.device(device)
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    if device == "cuda":
+def setup_distributed(device: str) -> tuple[int, int, torch.device, bool]:
+    """Process group from torchrun's environment (gloo on CPU, nccl on GPU), or the one the
+    caller already initialised; (rank, world, device, whether this call created it)."""
+    created = not dist.is_initialized()
+    if created and "RANK" not in os.environ:
+        return 0, 1, torch.device(device), False
+    if device != "cuda":
+        local = None
+    else:
+        local = int(os.environ["LOCAL_RANK"]) if "LOCAL_RANK" in os.environ else dist.get_rank() % torch.cuda.device_count()
         torch.cuda.set_device(local)
-    dist.init_process_group("nccl" if device == "cuda" else "gloo")
-    return dist.get_rank(), dist.get_world_size(), torch.device(device, local if device == "cuda" else None)
+    if created:
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size(), torch.device(device, local), created
+
+
+def context_parallel_groups(cp: int, rank: int, world: int):
+    """(cp group of this rank, cp rank, dp rank, dp size): groups of cp consecutive ranks.
+    Every rank creates every group (new_group is collective), in the same order."""
+    if world % cp:
+        raise SystemExit(f"--cp {cp} does not divide the world size {world}")
+    mine = None
+    for first in range(0, world, cp):
+        # its own group even when cp == world: the ring's P2P traffic then never shares a
+        # communicator with DDP's gradient all-reduce, which runs during the same backward
+        group = dist.new_group(list(range(first, first + cp)))
+        if first <= rank < first + cp:
+            mine = group
+    return mine, rank % cp, rank // cp, world // cp
 
 
 def wrap_parallel(model: nn.Module, args, world: int, device: torch.device) -> nn.Module:
@@ -258,6 +310,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="model initialisation and generated corpus")
     p.add_argument("--data-seed", type=int, default=42, help="the resampler's shuffling seed")
     p.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp", help="under torchrun")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context parallelism: each sequence split over groups of CP ranks (zigzag), "
+                        "--parallel over the world (cp * dp ranks)")
     p.add_argument("--grad-compress", choices=("bf16", "fp16"),
                    help="DDP: all-reduce gradients in bf16 (NCCL only) or fp16 through PyTorch's comm hooks")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
@@ -284,6 +339,8 @@ def parse_args(argv=None):
         p.error("--resume, --interrupt-at and --save-every need --ckpt")
     if args.resume and not os.path.exists(args.ckpt):
         p.error(f"--resume: no checkpoint at {args.ckpt}")
+    if args.cp < 1 or args.block % (2 * args.cp):
+        p.error(f"--cp {args.cp}: --block {args.block} must split into 2 * cp equal chunks (zigzag)")
     if args.grad_compress and args.parallel != "ddp":
         p.error("--grad-compress is a DDP communication hook")
     if args.grad_compress == "bf16" and args.device != "cuda":
@@ -294,12 +351,23 @@ def parse_args(argv=None):
 def main(argv=None) -> list[float]:
     """Runs training; returns this rank's losses of the steps it ran."""
     args = parse_args(argv)
-    rank, world, device = setup_distributed(args.device)
+    rank, world, device, created = setup_distributed(args.device)
     say = print if rank == 0 else (lambda *a, **k: None)
+    positions, cp_group, dp_rank, dp = None, None, rank, world
+    if args.cp > 1:
+        from torch_flash.context_parallel import sequence_positions
+
+        if world == 1:
+            raise SystemExit(f"--cp {args.cp}: launch {args.cp} * dp ranks (torchrun)")
+        cp_group, cp_rank, dp_rank, dp = context_parallel_groups(args.cp, rank, world)
+        positions = sequence_positions(args.block, args.cp, cp_rank, "zigzag", device)
 
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     cfg = GPTConfig(args.layers, args.d_model, args.heads, args.block)
-    model = wrap_parallel(GPT(cfg).to(device), args, world, device)
+    model = GPT(cfg)
+    if cp_group is not None:
+        enable_context_parallel(model, cp_group)
+    model = wrap_parallel(model.to(device), args, world, device)
     # weight decay on matrices only (GPT-2), not on norms, biases
     groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
               {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
@@ -309,12 +377,14 @@ def main(argv=None) -> list[float]:
 
     corpus = Path(args.corpus).read_bytes() if args.corpus else make_corpus(args.corpus_chars, args.seed)
     blocks = IdentityMultiEpochDatasetWrapper(TokenBlocks(corpus, args.block))
-    data = MultiEpochDatasetResampler(blocks, num_samples=args.steps * args.batch_size * world, seed=args.data_seed)
+    # data parallel over dp: the ranks of one context-parallel group read the same samples
+    data = MultiEpochDatasetResampler(blocks, num_samples=args.steps * args.batch_size * dp, seed=args.data_seed)
     loader = DataLoader(Indexed(data), batch_size=args.batch_size, drop_last=True, num_workers=args.workers,
-                        sampler=ShardSampler(len(data), rank, world, start=step * args.batch_size),
+                        sampler=ShardSampler(len(data), dp_rank, dp, start=step * args.batch_size),
                         pin_memory=device.type == "cuda")
     say(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, world {world}"
-        f"{' ' + args.parallel if world > 1 else ''}, {len(blocks)} blocks of {args.block} bytes per epoch, "
+        f"{' ' + args.parallel if world > 1 else ''}{f' (cp {args.cp} x dp {dp})' if args.cp > 1 else ''}, "
+        f"{len(blocks)} blocks of {args.block} bytes per epoch, "
         f"{data.num_epochs} epochs, steps {step}..{args.steps}")
 
     log = None
@@ -326,8 +396,13 @@ def main(argv=None) -> list[float]:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, args)
         batch = batch.to(device, non_blocking=True)
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        if positions is not None:  # this rank's share of every sequence
+            inputs, targets = inputs[:, positions], targets[:, positions]
         with autocast:
-            loss = compiled(batch[:, :-1], batch[:, 1:])
+            # the mean over this rank's tokens; DDP's gradient average over the world makes it
+            # the global token-mean (see the module docstring)
+            loss = compiled(inputs, targets, positions)
         loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -337,7 +412,11 @@ def main(argv=None) -> list[float]:
             say("flash rewrites:", dict(sorted(torch_flash.counters.items())))
             start, tokens = time.perf_counter(), 0
         else:
-            tokens += batch[:, :-1].numel() * world
+            tokens += inputs.numel() * world
+        if cp_group is not None:  # the loss of the whole sequences: the group's mean
+            loss = loss.detach().clone()
+            dist.all_reduce(loss, group=cp_group)
+            loss /= args.cp
         losses.append(loss.detach())  # .item() only where printed or logged: it waits for the GPU
         if log:
             log.write(json.dumps({"step": step, "indices": indices.tolist(), "loss": loss.item()}) + "\n")
@@ -357,7 +436,8 @@ def main(argv=None) -> list[float]:
         # ("terminate called without an active exception") when it tore its connections down
         # while the other rank was still finishing
         dist.barrier()
-        dist.destroy_process_group()
+        if created:  # a caller's process group stays theirs
+            dist.destroy_process_group()
     return [loss.item() for loss in losses]
 
 

@@ -3,7 +3,8 @@
 RMSNorm, LayerNorm, MultiheadAttention and LinearCrossEntropyLoss keep the parameter
 names and shapes of torch.nn.RMSNorm, torch.nn.LayerNorm, torch.nn.MultiheadAttention
 (batch_first=True) and an lm-head torch.nn.Linear, so their state dicts load both ways.
-Differences from torch.nn are noted on each class.
+Differences from torch.nn are noted on each class. ContextParallelAttention (no torch.nn
+counterpart) is torch_flash.context_parallel's ring attention over a process group.
 """
 from __future__ import annotations
 
@@ -323,3 +324,12 @@ class MultiheadAttention(nn.Module):
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
                 f"dropout={self.dropout}, causal={self.causal}")
+
+
+def __getattr__(name: str):
+    # ContextParallelAttention (torch_flash/context_parallel.py): imported on first use, as
+    # torch_flash.context_parallel_attention is (its eager-only wrapper imports Dynamo)
+    if name == "ContextParallelAttention":
+        from .context_parallel import ContextParallelAttention
+        return ContextParallelAttention
+    raise AttributeError(f"module 'torch_flash.nn' has no attribute {name!r}")
