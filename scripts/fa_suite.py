@@ -6,14 +6,16 @@ The test files come from a FlashAttention checkout the developer fetched (never 
     git clone --depth 1 https://github.com/Dao-AILab/flash-attention /tmp/fa
     python scripts/fa_suite.py /tmp/fa/tests/test_flash_attn.py /tmp/fa/tests/test_rotary.py \\
         /tmp/fa/tests/ops/triton/test_layer_norm.py /tmp/fa/tests/losses/test_cross_entropy.py \\
-        --sample 500 --summary fa_suite.md -- -x
+        --values 2 --sample 500 --summary fa_suite.md -- -x
 
 `import flash_attn` in them resolves to torch_flash.testing.fa_shim (torch_flash.compat under
-FlashAttention's module names); the real flash_attn must not be importable first. --sample N runs
-a random sample of N collected tests (--seed fixes it); arguments after `--` go to pytest. The
-summary (stdout, and --summary FILE as Markdown) lists passed / failed / skipped per test
-function, with the skip reasons and each failure's first error line. Without a GPU the files
-are collected and imported, and every test is skipped.
+FlashAttention's module names); the real flash_attn must not be importable first. --values N
+keeps N values of every parametrize (test_flash_attn.py alone takes minutes to collect in full),
+--sample N then runs a random sample of N collected tests (--seed fixes both); arguments after
+`--` go to pytest. The summary (stdout, and --summary FILE as Markdown, rewritten after every
+test) lists passed / failed / skipped per test function, with the skip reasons and each
+failure's first error line. Without a GPU the files are collected and imported, and every test
+is skipped.
 """
 from __future__ import annotations
 
@@ -27,12 +29,31 @@ import pytest
 
 
 class Summary:
-    """pytest plugin: optional random sampling, then outcomes per test function."""
+    """pytest plugin: optional random sampling, then outcomes per test function (written to
+    `path` after every test, so a run cut off by a time limit still leaves its counts)."""
 
-    def __init__(self, sample: int | None, seed: int):
-        self.sample, self.seed = sample, seed
+    def __init__(self, sample: int | None, seed: int, values: int | None = None, path: str | None = None):
+        self.sample, self.seed, self.values, self.path = sample, seed, values, path
+        self.rng = random.Random(seed)
         self.counts = collections.defaultdict(collections.Counter)  # function -> outcome -> n
         self.reasons = collections.defaultdict(collections.Counter)  # function -> skip reason / error -> n
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_generate_tests(self, metafunc):
+        """With --values N: each parametrize keeps N of its values, drawn by the seed. FlashAttention's
+        test_flash_attn.py multiplies out to so many cases that collecting them all takes minutes."""
+        if self.values:
+            parametrize = metafunc.parametrize
+
+            def sampled(argnames, argvalues, *args, ids=None, **kwargs):
+                argvalues = list(argvalues)
+                if len(argvalues) > self.values:
+                    keep = sorted(self.rng.sample(range(len(argvalues)), self.values))
+                    argvalues = [argvalues[i] for i in keep]
+                    ids = [ids[i] for i in keep] if isinstance(ids, (list, tuple)) else ids
+                return parametrize(argnames, argvalues, *args, ids=ids, **kwargs)
+            metafunc.parametrize = sampled
+        yield
 
     def pytest_collection_modifyitems(self, config, items):
         if self.sample is not None and self.sample < len(items):
@@ -53,6 +74,9 @@ class Summary:
             self.reasons[function][_first_error(report)] += 1
         else:
             self.counts[function]["passed"] += 1
+        if self.path:
+            with open(self.path, "w") as f:
+                f.write(self.markdown())
 
     def markdown(self) -> str:
         total = collections.Counter()
@@ -83,21 +107,20 @@ def main(argv=None) -> int:
     parser.add_argument("paths", nargs="+", help="FlashAttention test files or directories")
     parser.add_argument("--sample", type=int, help="run a random sample of this many tests")
     parser.add_argument("--seed", type=int, default=0, help="seed of --sample")
+    parser.add_argument("--values", type=int,
+                        help="keep this many values of each parametrize (drawn by --seed), before --sample")
     parser.add_argument("--summary", help="also write the per-function summary to this Markdown file")
     args = parser.parse_args(argv)
     for path in args.paths:
         if not os.path.exists(path):
             parser.error(f"no such file or directory: {path}")
-    summary = Summary(args.sample, args.seed)
+    summary = Summary(args.sample, args.seed, args.values, args.summary)
     # -c os.devnull: FlashAttention's own pytest configuration and conftests of this repository
     # stay out; -p loads the shim before the test modules import flash_attn
     rc = pytest.main(["-c", os.devnull, "--rootdir", os.path.dirname(os.path.abspath(args.paths[0])),
                       "-p", "torch_flash.testing.fa_shim", "-q", *extra, *args.paths], plugins=[summary])
     text = summary.markdown()
     print(text)
-    if args.summary:
-        with open(args.summary, "w") as f:
-            f.write(text)
     return int(rc)
 
 

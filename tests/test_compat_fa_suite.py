@@ -72,6 +72,27 @@ def test_sample_and_bad_path():
     assert proc.returncode != 0 and "no such file or directory" in proc.stderr
 
 
+def test_values_keeps_n_values_of_each_parametrize(tmp_path):
+    """--values N: every parametrize keeps N of its values (ids with them), so a file whose
+    parameters multiply out to thousands of cases collects N**k per function."""
+    path = tmp_path / "test_grid.py"
+    path.write_text(textwrap.dedent('''
+        import pytest
+
+        @pytest.mark.parametrize("a", range(10), ids=[f"a{i}" for i in range(10)])
+        @pytest.mark.parametrize("b", [1, 2, 3])
+        @pytest.mark.parametrize("c", [7])
+        def test_grid(a, b, c):
+            assert a in range(10) and b in (1, 2, 3) and c == 7
+    '''))
+    summary = tmp_path / "summary.md"
+    proc = _run("scripts/fa_suite.py", str(path), "--values", "2", "--summary", str(summary))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    row = next(line for line in summary.read_text().splitlines() if "test_grid.py::test_grid |" in line)
+    passed, failed, skipped = (int(x) for x in row.split("|")[2:5])
+    assert passed + failed + skipped == 4 and failed == 0  # skipped on CPU: no GPU
+
+
 def test_shim_names_are_compat_and_refuses_a_real_flash_attn():
     code = textwrap.dedent('''
         import sys, types
