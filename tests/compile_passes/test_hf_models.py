@@ -2,7 +2,9 @@
 flash backend, with attn_implementation "eager" and "sdpa": every attention, norm, loss and
 rotary site is rewritten (the sites counted from each config), the loss and every
 parameter gradient equal eager's (fp32), and the backward graph runs the fused ops' own
-backward. Each (model, impl) compiles once; the tests share that run."""
+backward. Each (model, impl) compiles once, and its unpadded, left- and right-padded batches
+(the same shapes, each with an attention_mask: of ones where nothing is padded) run through
+that one compiled graph; the tests share those runs."""
 from __future__ import annotations
 
 import copy
@@ -285,26 +287,24 @@ CASES = [pytest.param(name, impl, id=f"{name}-{impl}", marks=pytest.mark.xdist_g
          for name in MODELS for impl in ("eager", "sdpa")]
 
 def _batch(task: str, padding: str | None = None) -> dict:
-    """padding "left" (a batch for generation: the padding query rows of a causal model see no
-    key at all) or "right" (for training: the padding keys are hidden from every row): an
-    attention_mask over the first or last 3 tokens of one sequence (of the encoder's, for
-    seq2seq), whose labels are -100 there."""
+    """Every kind of batch has the same shapes and an attention_mask (of the encoder, for
+    seq2seq), so that one compiled graph runs them all: padding None (no padding: a mask of
+    ones; labels -100 on the last 3 tokens of one sequence, as HF marks padding), "left" (a
+    batch for generation: the padding query rows of a causal model see no key at all) or
+    "right" (for training: the padding keys are hidden from every row): the mask hides the
+    first or last 3 tokens of one sequence, whose labels are -100 there."""
     if task == "image":
         return {"pixel_values": torch.randn(B, 3, 16, 16), "labels": torch.randint(0, LABELS, (B,))}
     ids = torch.randint(1, VOCAB, (B, S))
     labels = torch.randint(1, VOCAB, (B, S)) if task == "seq2seq" else ids.clone()
+    pads = {None: slice(S - 3, S), "left": slice(0, 3), "right": slice(S - 3, S)}[padding]
+    attention_mask = torch.ones(B, S, dtype=torch.long)
     if padding is not None:
-        pads = slice(0, 3) if padding == "left" else slice(S - 3, S)
-        attention_mask = torch.ones(B, S, dtype=torch.long)
         attention_mask[0, pads] = 0
-        labels[0, pads] = -100
-        if task == "masked":
-            labels[:, ::2] = -100
-        return {"input_ids": ids, "attention_mask": attention_mask, "labels": labels}
-    labels[0, -3:] = -100  # padding, as HF marks it
+    labels[0, pads] = -100
     if task == "masked":
         labels[:, ::2] = -100  # only the masked positions carry a label
-    return {"input_ids": ids, "labels": labels}
+    return {"input_ids": ids, "attention_mask": attention_mask, "labels": labels}
 
 
 @dataclass
@@ -318,9 +318,8 @@ class Run:
     forward_ops: set  # flash op names in the AOT forward graph
     backward_ops: set
     exact: tuple | None = None  # (loss, grads) of the model in float64, for autocast runs
-    # padded runs: the right-padded batch through the same compiled model (the left-padded one
-    # is the Run itself), as a Run
-    right: "Run | None" = None
+    # the left- and right-padded batches through the same compiled graphs, as Runs
+    padded: dict | None = None
 
 
 def _flash_ops(gm) -> set:
@@ -340,13 +339,14 @@ def _draws_for_layerdrop(model: str) -> bool:
 
 
 @functools.cache
-def _run(name: str, impl: str, autocast: bool = False, padded: bool = False) -> Run:
+def _run(name: str, impl: str, autocast: bool = False) -> Run:
     """One forward/backward of the model eagerly and through the flash backend. The backend
     hands the rewritten graph to AOTAutograd without Inductor (the graphs are what this
     tests, and Inductor would cost minutes here); the ops stay whole in those graphs.
     autocast: both forwards under CPU bf16 autocast, and the float64 model's run as well.
-    padded: an attention_mask that pads the first tokens of one sequence, then (the same
-    compiled graphs: the mask is data) one that pads its last tokens, in run.right."""
+    Then (not under autocast) the left- and right-padded batches, in run.padded: the same
+    shapes, only the attention_mask differs, so the same compiled graphs run them (the mask
+    is data): each (model, impl) compiles once."""
     spec = MODELS[name]
     if _draws_for_layerdrop(spec.model):
         pytest.xfail(f"{spec.model} in transformers {transformers.__version__} branches on torch.rand "
@@ -359,9 +359,10 @@ def _run(name: str, impl: str, autocast: bool = False, padded: bool = False) -> 
     assert model.config._attn_implementation == impl
     # GPT2LMHeadModel's name gives no loss type: HF warns (a graph break) and uses this one
     model.loss_type = model.loss_type or "ForCausalLM"
-    batch = _batch(spec.task, "left" if padded else None)
+    sides = () if autocast or spec.task == "image" else ("left", "right")
+    batches = {side: _batch(spec.task, side) for side in (None, *sides)}
 
-    def step(fn, model=model, batch=batch):
+    def step(fn, batch, model=model):
         model.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = fn(**batch)
@@ -381,31 +382,27 @@ def _run(name: str, impl: str, autocast: bool = False, padded: bool = False) -> 
 
     report = Report()
     loss_of = lambda **kw: model(**kw).loss  # noqa: E731  (the logits die in the graph)
-    ref_loss, ref_grads = step(loss_of)
     # every model compiles this one lambda's code: without a reset its cache entries pile up
     # to dynamo's recompile limit (8) and the ninth model runs eagerly, with no graphs. The
     # conftest's per-test reset is not enough: the H100 machine's pytest skipped that fixture
     # here when the command line named test files of other folders in between
     torch._dynamo.reset()
-    compiled = torch.compile(loss_of, backend=torch_flash.backend(inner=aot, report=report))
-    with torch._functorch.config.patch(decompose_custom_triton_ops=False):
-        loss, grads = step(compiled)
-    assert len(graphs) == 2, f"{len(graphs)} AOT graphs: expected one forward and one backward (no graph breaks)"
-    exact = None
+    compiled = torch.compile(loss_of, backend=torch_flash.backend(inner=aot, report=report), dynamic=False)
+    runs = {}
+    for side, batch in batches.items():
+        ref_loss, ref_grads = step(loss_of, batch)
+        with torch._functorch.config.patch(decompose_custom_triton_ops=False):
+            loss, grads = step(compiled, batch)
+        assert len(graphs) == 2, (f"{len(graphs)} AOT graphs after the {side or 'unpadded'} batch: expected one "
+                                  "forward and one backward (no graph breaks, no second compile)")
+        runs[side] = Run(model.config, report, loss, ref_loss, grads, ref_grads, _flash_ops(graphs[0]),
+                         _flash_ops(graphs[1]))
+    run = runs.pop(None)
+    run.padded = runs
     if autocast:
         exact_model = copy.deepcopy(model).double()
-        exact = step(lambda **kw: exact_model(**kw).loss, exact_model)
-    right = None
-    if padded:
-        right_batch = _batch(spec.task, "right")
-        right_ref_loss, right_ref_grads = step(loss_of, batch=right_batch)
-        with torch._functorch.config.patch(decompose_custom_triton_ops=False):
-            right_loss, right_grads = step(compiled, batch=right_batch)
-        assert len(graphs) == 2, f"{len(graphs)} AOT graphs: the right-padded batch compiled anew"
-        right = Run(model.config, report, right_loss, right_ref_loss, right_grads, right_ref_grads,
-                    _flash_ops(graphs[0]), _flash_ops(graphs[1]))
-    return Run(model.config, report, loss, ref_loss, grads, ref_grads, _flash_ops(graphs[0]), _flash_ops(graphs[1]),
-               exact, right)
+        run.exact = step(lambda **kw: exact_model(**kw).loss, batches[None], exact_model)
+    return run
 
 
 def _expected(name: str, config) -> tuple[dict, dict]:
@@ -492,10 +489,10 @@ def test_padded_batch(name, impl, side):
     those rows the op's fp32 log-sum-exp sits at its fill score -1e4, whose rounding (at most
     4.9e-4, half an fp32 step at 1e4) scales the rows' weights; before this the rows gave 0
     and gradients were off by 0.2-0.5."""
-    run = _run(name, impl, padded=True)
+    run = _run(name, impl).padded[side]
     _assert_sites(run, name)
     fully_masked = side == "left" and impl == "eager" and MODELS[name].task == "causal"
-    _assert_same_training(run if side == "left" else run.right, grad_tol=5e-4 if fully_masked else None)
+    _assert_same_training(run, grad_tol=5e-4 if fully_masked else None)
 
 
 @pytest.mark.parametrize("name, impl", CASES)
