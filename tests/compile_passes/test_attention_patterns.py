@@ -415,6 +415,43 @@ def finfo_fill_left_padded(q, k, v, keep):  # GPT-2 style: a (B, 1, S, S) causal
     return _attend(s, repeat_kv(v, n))
 
 
+def mpt(q, k, v, alibi, hide):  # + ALiBi (H, 1, Sk), then finfo.min where causal | padding hides: rows q = 0
+    s = (_scores(q, k) + alibi).masked_fill(hide, torch.finfo(q.dtype).min)
+    return _attend(s, v)
+
+
+def finfo_where_then_alibi(q, k, v, keep, alibi):  # the finfo.min fill first, then ALiBi added
+    return _attend(torch.where(keep, _scores(q, k), torch.finfo(q.dtype).min) + alibi, v)
+
+
+def deberta_v2(q, k, v, rel, pad):  # (B*H, S, D) bmm + relative bias, then finfo.min where padding's outer product hides
+    b, h, s, d = q.shape
+    q3, k3, v3 = (t.reshape(b * h, s, d) for t in (q, k, v))
+    scale = torch.sqrt(torch.tensor(d, dtype=torch.float) * 3)  # a one-value tensor, as DeBERTa's
+    w = torch.bmm(q3, k3.transpose(-1, -2) / scale.to(dtype=q.dtype)) + rel
+    outer = pad[:, None, None, :] * pad[:, None, :, None]
+    w = w.view(b, h, s, s).masked_fill(~outer.bool(), torch.finfo(q.dtype).min)
+    return torch.bmm(w.softmax(-1).view(b * h, s, s), v3).view(b, h, s, d)
+
+
+def bmm_finfo_fill(q, k, v, keep):  # merged (B*H, S, D) scores throughout, finfo.min where keep is False
+    b, h, s, d = q.shape
+    q3, k3, v3 = (t.reshape(b * h, s, d) for t in (q, k, v))
+    w = torch.bmm(q3, k3.transpose(1, 2)) * d ** -0.5
+    w = w.masked_fill(~keep[:, 0].repeat_interleave(h, 0), torch.finfo(q.dtype).min)
+    return torch.bmm(w.softmax(-1), v3).view(b, h, s, d)
+
+
+def finfo_fill_and_inf(q, k, v, pad):  # a row both hide entirely averages v over the padding keys only
+    s = _scores(q, k).masked_fill(_ones(q, S, S).triu(1), INF)
+    return _attend(s.masked_fill(~pad[:, None, None, :], torch.finfo(q.dtype).min), v)
+
+
+def added_inf_then_finfo_fill(q, k, v, pad):  # as finfo_fill_and_inf with the causal -inf added: rows q = 0 still
+    s = _scores(q, k) + torch.where(_ones(q, S, S).tril(), 0.0, INF)
+    return _attend(s.masked_fill(~pad[:, None, None, :], torch.finfo(q.dtype).min), v)
+
+
 def merged_bmm_4d_mask(q, k, v, mask):  # MBart/PLBart: (B*H, S, D) bmm, the mask added in a 4-D view
     b, h, s, d = q.shape
     q3, k3, v3 = (t.reshape(b * h, s, d) for t in (q, k, v))
@@ -447,6 +484,13 @@ def _padding_only():
     return pad
 
 
+def _left_padded():
+    """(B, S) keep-mask: keys 0, 1 of sequence 0 are padding."""
+    pad = torch.ones(B, S, dtype=torch.bool)
+    pad[0, :2] = False
+    return pad
+
+
 def _causal_left_padded():
     """(B, 1, S, S) keep-mask: causal, and keys 0, 1 of sequence 0 padding (its queries 0, 1 see nothing)."""
     keep = torch.ones(S, S, dtype=torch.bool).tril().expand(B, 1, S, S).clone()
@@ -459,6 +503,8 @@ SLOPES = lambda: torch.tensor([2.0 ** -(i + 1) for i in range(H)])  # noqa: E731
 # Bloom's: slope per head times key position, (B*H, 1, S)
 BLOOM_ALIBI = lambda: (SLOPES()[:, None] * torch.arange(S)).expand(B, H, S).reshape(B * H, 1, S)  # noqa: E731
 POSITION_BIAS = lambda: (0.5 * torch.randn(1, H, S, S)).requires_grad_()  # noqa: E731
+ALIBI = lambda: SLOPES()[:, None, None] * -torch.arange(S)  # noqa: E731  MPT's: (H, 1, Sk)
+REL = lambda: (0.5 * torch.randn(B * H, S, S)).requires_grad_()  # noqa: E731  DeBERTa's learned, (B*H, S, S)
 NONE = (-1, -1)
 
 SPELLINGS = [
@@ -518,6 +564,13 @@ SPELLINGS = [
     # rows hidden entirely average v beside the op, as the model computes them
     (finfo_fill_padding, _args(_padding_only), dict(causal=False, bias=True)),
     (finfo_fill_left_padded, _args(_causal_left_padded, hkv=KV), dict(causal=False, bias=True, kv_heads=KV)),
+    # other terms too: the op reads the model's scores less q @ k^T, with q = 0 on the rows hidden entirely
+    (mpt, _args(ALIBI, lambda: ~_causal_left_padded()), dict(causal=False, bias=True)),
+    (finfo_where_then_alibi, _args(_causal_left_padded, ALIBI), dict(causal=False, bias=True)),
+    (deberta_v2, _args(REL, lambda: _left_padded().long()), dict(causal=False, bias=True, scale=1.0)),
+    (bmm_finfo_fill, _args(_causal_left_padded), dict(causal=False, bias=True, kv_heads=B * H)),
+    (finfo_fill_and_inf, _args(_left_padded), dict(causal=False, bias=True)),
+    (added_inf_then_finfo_fill, _args(_left_padded), dict(causal=False, bias=True)),
 ]
 
 
@@ -604,6 +657,21 @@ def test_finite_fill_hidden_rows_match_the_model():
         assert_rel_close(g, r, tol=5e-4, what="grad")
 
 
+@pytest.mark.parametrize("fn, extra", [(mpt, lambda: [ALIBI(), ~_causal_left_padded()]),
+                                       (finfo_where_then_alibi, lambda: [_causal_left_padded(), ALIBI()])])
+def test_finite_fill_in_float64(fn, extra):
+    """In a float64 model the fill is finfo(float64).min, -inf in fp32: the model's scores less
+    q @ k^T are built in float64, so the rows hidden entirely still average v (to 1e-12)."""
+    args = [_f64(a) for a in [*_qkv(), *extra()]]
+    ref, ref_grads, w = _out_and_grads(fn, args)
+    compiled, graphs = _compile(fn)
+    out, grads, _ = _out_and_grads(compiled, args, w)
+    assert len(_calls(graphs)) == 1
+    assert_rel_close(out, ref, tol=1e-12)
+    for g, r in zip(grads, ref_grads):
+        assert_rel_close(g, r, tol=1e-12, what="grad")
+
+
 # ------------------------------------------------------------------------- near misses
 
 def probabilities_returned(q, k, v):
@@ -644,11 +712,6 @@ def bias_from_scores(q, k, v):
     return _attend(s + s.detach().amax(-1, keepdim=True), v)
 
 
-def finfo_fill_and_inf(q, k, v, pad):  # a row both hide entirely averages v over the padding keys only
-    s = _scores(q, k).masked_fill(_ones(q, S, S).triu(1), INF)
-    return _attend(s.masked_fill(~pad[:, None, None, :], torch.finfo(q.dtype).min), v)
-
-
 def sdpa_math_op_weights(q, k, v):
     return torch.ops.aten._scaled_dot_product_attention_math(q, k, v)
 
@@ -674,7 +737,6 @@ NEAR_MISSES = [
     (softcap_after_mask, _args(), "softcap comes after a mask or bias"),
     (relu_scores, _args(), "pass through relu"),
     (bias_from_scores, _args(), "itself computed from the scores"),
-    (finfo_fill_and_inf, _args(PADDING), "set to the finite -3.40282e+38 where a mask that is not causal"),
     (sdpa_math_op_weights, _args(), "attention weights of _scaled_dot_product_attention_math are used"),
     (sdpa_math_op_bool, _args(PADDING), "adds it as 0 / 1"),
     (sdpa_causal_fewer_queries, _args(sq=3), "fewer queries than keys"),

@@ -465,16 +465,7 @@ def test_loss_and_gradients(name, impl):
     _assert_same_training(_run(name, impl))
 
 
-# (model, impl) whose padded batch leaves a site unrewritten, with explain's reason
-_FINITE_PADDING_FILL = ("softmax not rewritten to attention: scores are set to the finite -3.40282e+38 where a mask "
-                        "that is not causal (padding) hides them: a query row it hides entirely averages v in the "
-                        "model with no gradient to q and k, which flash.attention does not compute (fill with -inf, "
-                        "or add the mask)")
-PADDED_XFAIL = {("mpt", "eager"): _FINITE_PADDING_FILL, ("deberta_v2", "eager"): _FINITE_PADDING_FILL}
-PADDED = [pytest.param(name, impl, side, id=f"{name}-{impl}-{side}",
-                       marks=[pytest.mark.xdist_group(f"hf_{name}")]
-                       + ([pytest.mark.xfail(strict=True, reason=PADDED_XFAIL[name, impl])]
-                          if (name, impl) in PADDED_XFAIL else []))
+PADDED = [pytest.param(name, impl, side, id=f"{name}-{impl}-{side}", marks=pytest.mark.xdist_group(f"hf_{name}"))
           for name in MODELS if MODELS[name].task != "image" for impl in ("eager", "sdpa")
           for side in ("left", "right")]
 

@@ -38,8 +38,10 @@ fills on such a row (HF eager, left-padded query rows): where a mask that is not
 attn_bias, which flash.attention reads alike (masks.py). A finite fill that overwrites the
 scores there (masked_fill(pad, finfo.min)) also cuts the rows' gradient to q and k: where such
 masks, of one fill, are all the scores have, the rows they hide entirely are set to v's mean
-beside the op (rewrite.py); where they come before every other term, q is set to 0 on those
-rows, whose scores then are the model's fill plus its later terms; else the site is left alone.
+beside the op (rewrite.py); else attn_bias is the model's scores less q @ k^T, term by term
+in its order (overwrites set their fill), and q is set to 0 on the rows where every key the
+softmax weighs is overwritten, whose scores then are that bias alone, as in the model
+(MPT's ALiBi, DeBERTa's relative bias, then masked_fill(pad, finfo.min)).
 PyTorch's fused SDPA kernels (graphs traced below SDPA) are sites left as they are.
 Dropout draws its own mask (flash.attention's Philox stream), so training with dropout
 matches the model in distribution, not bit for bit.

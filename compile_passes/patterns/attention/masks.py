@@ -4,8 +4,7 @@ causal / window arguments, and those that stay attn_bias. Sums are split into th
 and keep conditions into their and-ed pieces (HF's causal & padding: causal=True plus the
 padding piece). Masks built in the graph are read by the index algebra (index.py); pieces
 made of constants only are evaluated at compile time. Where a mask that is not a band may
-hide a query row entirely with a finite fill, the model's own terms go in unsplit, or the
-site is left alone when that fill overwrites the scores."""
+hide a query row entirely with a finite fill, the model's own terms go in unsplit."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,7 +15,6 @@ import torch
 import torch.fx as fx
 
 from ...graph import A, cast_dtype, dtype_of, is_op, number
-from .._shared import Unmatched
 from .formulas import FALSE, TRUE, Formula, atom, f_and, f_not, f_or
 from .index import AND, NOT, OR, Index, Val, as_float
 from .nodes import MASKED, MASKED_FILL, SAME, WHERE, constant, op_kind
@@ -213,22 +211,12 @@ def _overwrites_alone(m: Match) -> bool:
             and not m.dropout_p and not m.merged and not m.heads)
 
 
-def _overwrites_first(m: Match) -> bool:
-    """m's finite overwrites, of one fill, come before every other part, on (B, H, ...) scores.
-    A row they hide entirely is then fill + the later terms in the model, whatever the scores:
-    the op computes the same from q = 0 there with the overwrites as fill-valued terms (s + fill
-    rounds to fill), and that q = 0 gives such rows no gradient to q and k, as in the model."""
-    over = [i for i, p in enumerate(m.parts) if p.overwrite]
-    return (len({m.parts[i].fill for i in over}) == 1 and over == list(range(len(over)))
-            and not m.merged and not m.heads)
-
-
-def fold_masks(m: Match, shape: tuple) -> Unmatched | None:
+def fold_masks(m: Match, shape: tuple) -> None:
     """Move the masks that provably are a band around the bottom-right diagonal from m.parts
     into m.window. Sums are split into their terms and keep conditions into their and-ed
     pieces where that finds a band (causal & padding: the causal piece becomes causal=True,
     the padding piece stays attn_bias, unless it is a constant: _constant_keep). shape: the
-    scores' (..., Sq, Sk). None when done, else why the site is left alone.
+    scores' (..., Sq, Sk).
 
     A mask that may hide a query row entirely (one that is not a band: padding) with a finite
     fill (HF's finfo.min) makes the model average v over the keys so filled: then nothing is
@@ -236,8 +224,9 @@ def fold_masks(m: Match, shape: tuple) -> Unmatched | None:
     below -1e9 weighs every such key equally, gradients to q and k as the model's add gives).
     A finite fill that overwrites the scores (masked_fill) gives those rows no gradient to q
     and k: where such masks are all the site has (_overwrites_alone), the rows they hide
-    entirely are computed beside the op (m.uniform_rows); where they come before any other term,
-    q is set to 0 on those rows (m.zero_rows); else the site is left alone."""
+    entirely are computed beside the op (m.uniform_rows); else the op reads the model's
+    scores less q @ k^T, term by term in its order, with q = 0 on the rows where those are the
+    scores (m.zero_rows)."""
     sorted_ = _Masks(shape)
     for part in m.parts:
         terms = _summands(part.node, part.mult) if part.kind == "add" else [part]
@@ -261,18 +250,9 @@ def fold_masks(m: Match, shape: tuple) -> Unmatched | None:
         if not isinstance(window, Window):
             kept += [p for _, p in bands]
     if sorted_.finite and any(p.kind == "keep" for p in kept):
-        over = next((p for p in sorted_.finite if p.overwrite), None)
-        if over is not None and _overwrites_alone(m):
-            m.uniform_rows = True
-            return None  # the model's own masks, unsplit
-        if over is not None and _overwrites_first(m):
-            m.zero_rows = True
-            return None
-        if over is not None:
-            return Unmatched(f"scores are set to the finite {over.fill:g} where a mask that is not causal "
-                             "(padding) hides them: a query row it hides entirely averages v in the model with no "
-                             "gradient to q and k, which flash.attention does not compute (fill with -inf, or add "
-                             "the mask)")
+        if any(p.overwrite for p in sorted_.finite):
+            m.uniform_rows = _overwrites_alone(m)
+            m.zero_rows = not m.uniform_rows
         return None  # the model's own terms, unsplit
     if isinstance(window, Window):
         m.window = window

@@ -424,5 +424,5 @@ def match_softmax(softmax: fx.Node, order: dict) -> Match | Unmatched:
     m.chain += chain + [product]
     m = fill_operands(m, q, kt, v)
     if isinstance(m, Match):
-        return fold_masks(m, tuple(views[0]) + shape_of(softmax)[-2:] if views else shape_of(softmax)) or m
+        fold_masks(m, tuple(views[0]) + shape_of(softmax)[-2:] if views else shape_of(softmax))
     return m

@@ -61,7 +61,7 @@ class Match:
     window: Window = Window()
     parts: list = field(default_factory=list)  # what stays attn_bias
     uniform_rows: bool = False  # rows the parts (finite overwrites) hide entirely average v (masks.py)
-    zero_rows: bool = False  # q is 0 on rows the finite overwrites hide entirely (masks.py)
+    zero_rows: bool = False  # the model's scores less q @ k^T as attn_bias, q = 0 where they are all (rewrite.py)
     chain: list = field(default_factory=list)  # nodes the op makes dead (in-place ones included)
 
 

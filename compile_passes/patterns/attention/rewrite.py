@@ -5,6 +5,7 @@ layout and dtype; the replaced chain is erased where nothing else reads it. rewr
 family's entry point: every softmax over the last dim and every SDPA call is a site."""
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -32,25 +33,31 @@ def _build(graph: fx.Graph, before: fx.Node, x: Operand) -> fx.Node:
     return node
 
 
-def _bias(graph: fx.Graph, before: fx.Node, parts: list[Part], fills: bool = False) -> fx.Node | None:
+def _layout(graph: fx.Graph, before: fx.Node, p: Part) -> fx.Node:
+    """p's tensor in the op's layout: a (B*H, ...) term of scores the op sees as (B, H, ...)
+    unflattened."""
+    if p.heads and val(p.node).dim() == 3 and not known_equal(shape_of(p.node)[0], 1):
+        return _emit(graph, before, A.unflatten.int, p.node, 0, [-1, p.heads])
+    return p.node
+
+
+def _term(graph: fx.Graph, before: fx.Node, p: Part, node: fx.Node) -> fx.Node:
+    """An added part as a float term: its values times mult."""
+    if not dtype_of(node).is_floating_point:  # an added bool or int tensor adds its values
+        node = _emit(graph, before, A._to_copy.default, node, dtype=torch.float32)
+    return node if p.mult == 1 else _emit(graph, before, A.mul.Tensor, node, p.mult)
+
+
+def _bias(graph: fx.Graph, before: fx.Node, parts: list[Part]) -> fx.Node | None:
     """attn_bias from the parts left: the and of the keep-masks (bool), or, with float terms,
-    their sum with the masks as 0 / -inf. fills: overwrites add their own (scaled) fill
-    instead, in the model's order (Match.zero_rows)."""
+    their sum with the masks as 0 / -inf."""
     if not parts:
         return None
     masks, floats = [], []
     for p in parts:
-        node = p.node
-        if p.heads and val(node).dim() == 3 and not known_equal(shape_of(node)[0], 1):
-            node = _emit(graph, before, A.unflatten.int, node, 0, [-1, p.heads])  # as the op's (B, H, ...)
-        if fills and p.overwrite:
-            keep, hide = (0.0, p.fill * p.mult) if p.positive else (p.fill * p.mult, 0.0)
-            floats.append(_emit(graph, before, A.where.Scalar, node, keep, hide))
-        elif p.kind == "add":
-            x = node
-            if not dtype_of(x).is_floating_point:  # an added bool or int tensor adds its values
-                x = _emit(graph, before, A._to_copy.default, x, dtype=torch.float32)
-            floats.append(x if p.mult == 1 else _emit(graph, before, A.mul.Tensor, x, p.mult))
+        node = _layout(graph, before, p)
+        if p.kind == "add":
+            floats.append(_term(graph, before, p, node))
         else:
             masks.append(node if p.positive else _emit(graph, before, A.logical_not.default, node))
     if floats:
@@ -62,6 +69,27 @@ def _bias(graph: fx.Graph, before: fx.Node, parts: list[Part], fills: bool = Fal
     for t in terms[1:]:
         out = _emit(graph, before, op, out, t)
     return out
+
+
+def _model_bias(graph: fx.Graph, before: fx.Node, parts: list[Part], like: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """(attn_bias, the keys some overwrite hides) for Match.zero_rows: the model's scores less
+    q @ k^T, step by step in its order, so that q = 0 gives the model's scores exactly: an
+    overwrite sets its (scaled) fill where it hides, a keep part adds its fill there, an added
+    term its values. In fp32, or float64 for float64 q (like): finfo(float64).min is -inf in fp32."""
+    dtype = torch.promote_types(dtype_of(like), torch.float32)
+    out = zero = _emit(graph, before, A.new_zeros.default, like, [], dtype=dtype)
+    hidden = None
+    for p in parts:
+        node = _layout(graph, before, p)
+        if p.kind == "add":
+            out = _emit(graph, before, A.add.Tensor, out, _term(graph, before, p, node))
+            continue
+        hide = _emit(graph, before, A.logical_not.default, node) if p.positive else node
+        filled = _emit(graph, before, A.where.ScalarSelf, hide, p.fill * p.mult, out if p.overwrite else zero)
+        if p.overwrite:
+            hidden = hide if hidden is None else _emit(graph, before, A.logical_or.default, hidden, hide)
+        out = filled if p.overwrite else _emit(graph, before, A.add.Tensor, out, filled)
+    return out, hidden
 
 
 def _hidden_rows(graph: fx.Graph, before: fx.Node, parts: list[Part]) -> fx.Node:
@@ -84,6 +112,22 @@ def _uniform_rows(graph: fx.Graph, before: fx.Node, parts: list[Part], v: fx.Nod
     if n != 1:
         mean = _emit(graph, before, A.repeat_interleave.self_int, mean, n, 1)
     return _emit(graph, before, A.where.self, rows, mean, out)
+
+
+def _zero_rows(graph: fx.Graph, before: fx.Node, parts: list[Part], q: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """(q, attn_bias) for Match.zero_rows: q = 0 on the rows where every key the softmax
+    weighs (bias above -inf) is one an overwrite hides, whose scores in the model are then the
+    bias alone, with no gradient to q and k; those rows' bias less its max, the same softmax,
+    so that the op's lse keeps log(Sk) exact there (at the fill's magnitude fp32 rounds it:
+    3e-4 off the model's mean of v). A row of -inf only is left to the op (0)."""
+    e = functools.partial(_emit, graph, before)
+    bias, hidden = _model_bias(graph, before, parts, q)
+    weighed = e(A.gt.Scalar, bias, -math.inf)
+    only_hidden = e(A.all.dim, e(A.logical_or.default, hidden, e(A.logical_not.default, weighed)), -1, True)
+    rows = e(A.logical_and.default, only_hidden, e(A.any.dim, weighed, -1, True))
+    q = e(A.masked_fill.Scalar, q, rows, 0.0)
+    top = e(A.amax.default, bias, [-1], True)
+    return q, e(A.where.self, rows, e(A.sub.Tensor, bias, top), bias)
 
 
 def _seed(graph: fx.Graph, before: fx.Node, like: fx.Node) -> fx.Node:
@@ -111,14 +155,10 @@ def _replace(gm: fx.GraphModule, m: Match) -> Unmatched | None:
         q = _emit(g, at, A.div.Tensor if div else A.mul.Tensor, q, c)
     # the op reads rows of the head dim: a strided one (a transposed input) is copied, as SDPA does
     q, k, v = (x if known_equal(val(x).stride(-1), 1) else _emit(g, at, A.contiguous.default, x) for x in (q, k, v))
-    bias = _bias(g, at, m.parts, fills=m.zero_rows)
-    if m.zero_rows:  # Match.zero_rows: q = 0 on the rows the overwrites hide entirely
-        rows = _hidden_rows(g, at, [p for p in m.parts if p.overwrite])
-        q = _emit(g, at, A.masked_fill.Scalar, q, rows, 0.0)
-        # those rows' terms less their max, the same softmax: the op's lse keeps log(Sk) exact
-        # there (at the fill's magnitude fp32 rounds it: 3e-4 off the model's mean of v)
-        top = _emit(g, at, A.amax.default, bias, [-1], True)
-        bias = _emit(g, at, A.where.self, rows, _emit(g, at, A.sub.Tensor, bias, top), bias)
+    if m.zero_rows:
+        q, bias = _zero_rows(g, at, m.parts, q)
+    else:
+        bias = _bias(g, at, m.parts)
     if m.merged:
         q, k, v = (_emit(g, at, A.unsqueeze.default, x, 0) for x in (q, k, v))
         if bias is not None and val(bias).dim() == 3:

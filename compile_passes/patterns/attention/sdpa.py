@@ -83,5 +83,5 @@ def match_sdpa(n: fx.Node) -> Match | Unmatched:
             return Unmatched("a bool attn_mask given to _scaled_dot_product_attention_math itself, which adds "
                              "it as 0 / 1 (SDPA's meaning needs it as 0 / -inf)")
         m.parts = [Part("keep", mask) if dtype_of(mask) == torch.bool else Part("add", mask)]
-        return fold_masks(m, tuple(val(q).shape[:-2]) + (sq, sk)) or m
+        fold_masks(m, tuple(val(q).shape[:-2]) + (sq, sk))
     return m
