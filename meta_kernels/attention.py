@@ -4,6 +4,12 @@ import torch
 
 from torch_flash.ops.attention import (check_args, check_backward_args, check_sm90_args, check_sm90_bwd_args,
                                        out_shapes)
+from torch_flash.reference.attention import layout_strides
+
+
+def _in_layout(like, shape):
+    """An output of `shape` laid out like `like` (out like q, each gradient like its input)."""
+    return like.new_empty_strided(shape, layout_strides(like, shape))
 
 
 def _forward(op, q, k, v, attn_bias, softcap, dropout_p, dropout_seed, window_left, window_right, alibi_slopes,
@@ -11,7 +17,7 @@ def _forward(op, q, k, v, attn_bias, softcap, dropout_p, dropout_seed, window_le
     check_args(op, q, k, v, attn_bias, softcap, dropout_p, dropout_seed, window_left, window_right, alibi_slopes,
                sinks)
     out, lse, lse_dtype = out_shapes(q, v)
-    return q.new_empty(out), q.new_empty(lse, dtype=lse_dtype)
+    return _in_layout(q, out), q.new_empty(lse, dtype=lse_dtype)
 
 
 @torch.library.register_fake("flash::attention")
@@ -35,14 +41,14 @@ def attention_backward(grad_out, grad_lse, q, k, v, attn_bias, out, lse, scale, 
     check_backward_args("attention_backward", grad_out, grad_lse, q, k, v, attn_bias, out, lse, softcap,
                         dropout_p, dropout_seed, window_left, window_right, alibi_slopes, sinks)
     dbias = attn_bias.new_empty(attn_bias.shape) if bias_requires_grad else q.new_empty(0)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+    return _in_layout(q, q.shape), _in_layout(k, k.shape), _in_layout(v, v.shape), dbias
 
 
 @torch.library.register_fake("flash::attention_fwd_sm90")
 def attention_fwd_sm90(q, k, v, scale, causal):
     check_sm90_args("attention_fwd_sm90", q, k, v, causal)
     out, lse, lse_dtype = out_shapes(q, v)
-    return q.new_empty(out), q.new_empty(lse, dtype=lse_dtype)
+    return _in_layout(q, out), q.new_empty(lse, dtype=lse_dtype)
 
 
 @torch.library.register_fake("flash::attention_bwd_sm90")

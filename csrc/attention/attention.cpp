@@ -6,6 +6,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <array>
 #include <limits>
 #include <string>
 #include <tuple>
@@ -125,8 +127,23 @@ Problem check_problem(const char* op, const at::Tensor& q, const at::Tensor& k, 
   return p;
 }
 
-// q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D) with Hq % Hkv == 0 -> out (B, Hq, Sq, D) contiguous,
-// lse (B, Hq, Sq) fp32. causal: aligned bottom-right, as flash.attention, with Sq <= Sk (every
+// A dense tensor of q's shape whose dims 0-2 lie in the order of q's strides, largest first
+// (ties in dim order), the last dim contiguous: the forward's out follows q's layout as SDPA's
+// does (torch_flash/reference/attention.py, layout_strides, which the op's fake uses).
+at::Tensor empty_like_layout(const at::Tensor& q) {
+  std::array<int64_t, 3> order{0, 1, 2};
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return q.stride(a) > q.stride(b); });
+  std::array<int64_t, 4> strides{0, 0, 0, 1};
+  int64_t step = q.size(3);
+  for (int i = 2; i >= 0; --i) {
+    strides[order[i]] = step;
+    step *= q.size(order[i]);
+  }
+  return at::empty_strided(q.sizes(), strides, q.options());
+}
+
+// q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D) with Hq % Hkv == 0 -> out (B, Hq, Sq, D) laid out like q
+// (empty_like_layout), lse (B, Hq, Sq) fp32. causal: aligned bottom-right, as flash.attention, with Sq <= Sk (every
 // query row sees a key).
 std::tuple<at::Tensor, at::Tensor> attention_fwd_sm90(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                       double scale, bool causal) {
@@ -134,7 +151,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_sm90(const at::Tensor& q, const
   const auto [batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, device] =
       check_problem(kOp, q, k, v, causal, entry != nullptr);
   c10::cuda::CUDAGuard guard(q.device());
-  auto out = at::empty({batch, heads_q, seqlen_q, head_dim}, q.options());
+  auto out = empty_like_layout(q);
   auto lse = at::empty({batch, heads_q, seqlen_q}, q.options().dtype(at::kFloat));
   // GQA: one launch per query head of a group (q heads g, g + G, ... share k/v heads 0, 1, ...)
   const int64_t group = heads_q / heads_kv;

@@ -47,7 +47,7 @@ def check_forward(q, k, v, scale, causal):
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v))), "inputs modified"
     ref_out, ref_lse = reference(q, k, v, scale, causal)
-    assert out.shape == ref_out.shape and out.dtype == q.dtype and out.is_contiguous()
+    assert out.shape == ref_out.shape and out.dtype == q.dtype and out.stride() == ref.layout_strides(q, out.shape)
     assert lse.shape == ref_lse.shape and lse.dtype == torch.float32
     assert not torch.isnan(out).any() and torch.isfinite(lse).all()
     err, base = rel_err(out, ref_out), rel_err(sdpa(q, k, v, scale, causal), ref_out)

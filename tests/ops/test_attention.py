@@ -88,7 +88,7 @@ def _check_against_fp64(shape, kw, bshape, bkind, dtype):
     mine, exact = _leaves(inputs), _leaves(inputs, torch.float64)
     out, lse = call(attention_with_lse, mine)
     o64, lse64 = call(ref.attention_with_lse, exact)
-    assert out.dtype == dtype and out.is_contiguous() and lse.dtype == torch.float32
+    assert out.dtype == dtype and out.stride() == ref.layout_strides(q, out.shape) and lse.dtype == torch.float32
     assert_rel_close(out, o64, TOL[dtype])
     finite = torch.isfinite(lse64)
     assert torch.equal(torch.isfinite(lse), finite)
@@ -294,13 +294,18 @@ def test_empty(b, sq, sk):
         assert t.grad.shape == t.shape and not t.grad.any()
 
 
-def test_inputs_untouched_and_contiguous_out():
+def test_inputs_untouched_and_out_laid_out_like_q():
+    """out follows q's layout as SDPA's does: (B, S, H, D) buffers seen as (B, H, S, D) give an
+    out whose transpose back is contiguous; the gradients follow q, k and v likewise."""
     q, k, v = make_qkv(bshd=True, dv=4)
     bias = torch.randn(5, 7)
     copies = [t.clone() for t in (q, k, v, bias)]
     out, lse = attention_with_lse(q, k, v, bias, softcap=1.0)
     attention(q, k, v, dropout_p=0.2)
-    assert out.is_contiguous() and lse.is_contiguous()
+    assert out.transpose(1, 2).is_contiguous() and lse.is_contiguous()
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    grads = torch.autograd.grad(attention(*leaves), leaves, torch.randn_like(out))
+    assert all(g.stride() == t.stride() for g, t in zip(grads, (q, k, v)))
     for a, b in zip((q, k, v, bias), copies):
         assert torch.equal(a, b)
 
@@ -533,7 +538,7 @@ def test_cudnn_backward(case, monkeypatch):
     out, lse = attention_with_lse(q, k, v, causal=causal)
     op_grads = torch.ops.flash.attention_backward(g, None, q, k, v, None, out, lse, d ** -0.5, causal,
                                                   -1, -1, 0.0, 0.0, None, False)
-    assert all(t.is_contiguous() for t in op_grads[:3])
+    assert all(g.stride() == ref.layout_strides(t, t.shape) for g, t in zip(op_grads[:3], (q, k, v)))
     for mine, comp, ours, ours2, e, name in zip(got, compiled, det, det2, exact, ("dq", "dk", "dv")):
         assert torch.equal(ours, ours2), name
         assert_rel_close(mine, e.grad, max(2 * rel_err(ours, e.grad), TOL[torch.bfloat16] / 4), what=name)

@@ -329,36 +329,39 @@ def _starts_aligned(t: Tensor) -> bool:
     return _dispatch.symbolic(t) or t.data_ptr() % 16 == 0
 
 
-def _cudnn_operand(t: Tensor) -> Tensor:
-    """t contiguous (the one layout our graphs bake in for it, see CUDNN_Q_BATCH_PAD) and starting
-    16-byte aligned: a copy only where it is not."""
-    t = t.contiguous()
+def _cudnn_operand(t: Tensor, like: Tensor | None = None) -> Tensor:
+    """t laid out like `like` (ref.layout_strides; None: contiguous) and starting 16-byte
+    aligned: a copy only where it is not."""
+    t = t.contiguous() if like is None else ref.in_layout(t, like)
     return t if _starts_aligned(t) else t.clone()
 
 
-# Elements between q's batches, past dense, in the copy of q handed to cuDNN (keeps each batch
-# 16-byte aligned). Why: aten keeps built cuDNN backward graphs in a per-thread cache, shared
-# with F.scaled_dot_product_attention, keyed on q, k and v's shapes and strides only, though a
-# graph also bakes in out's, grad_out's and lse's strides: a call whose q, k, v match a cached
-# graph's but whose out or grad_out is laid out otherwise runs that graph on misread memory.
-# HF LLaMA (8 layers, bf16) had gradients with a relative error of 1.2 after an eager SDPA step
-# had cached its graph (out in q's layout) for our call (out contiguous) on the H100 (torch
-# 2.11); our call could as well have spoiled SDPA's. No tensor of PyTorch's has this batch
-# stride, so our graphs are our own; out, grad_out and lse always go in contiguous, so they agree.
+# Elements added to the outermost stride of the copy of q handed to cuDNN (keeps each of its
+# slices 16-byte aligned). Why: aten keeps built cuDNN backward graphs in a per-thread cache,
+# shared with F.scaled_dot_product_attention, keyed on q, k and v's shapes and strides only,
+# though a graph also bakes in out's, grad_out's and lse's strides: a call whose q, k, v match a
+# cached graph's but whose out or grad_out is laid out otherwise runs that graph on misread
+# memory. HF LLaMA (8 layers, bf16) had gradients with a relative error of 1.2 after an eager
+# SDPA step had cached its graph for our call on the H100 (torch 2.11); our call could as well
+# have spoiled SDPA's. No tensor of PyTorch's has this stride, so our graphs are our own; and
+# within ours, q's copy fixes the layout (ref.layout_strides) that out and grad_out go in, and
+# lse goes in contiguous, so they agree.
 CUDNN_Q_BATCH_PAD = 8
 
 
 def _cudnn_backward(grad_out, q, k, v, out, lse, spec: ref.Spec) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv), contiguous as the op's fake promises, from cuDNN (see cudnn_backward_serves
-    and CUDNN_Q_BATCH_PAD)."""
-    _, h, s, d = q.shape
-    q_own = torch.empty_strided(q.shape, (h * s * d + CUDNN_Q_BATCH_PAD, s * d, d, 1), dtype=q.dtype,
-                                device=q.device).copy_(q)
+    """(dq, dk, dv), each laid out like its input (ref.layout_strides), from cuDNN (see
+    cudnn_backward_serves and CUDNN_Q_BATCH_PAD)."""
+    s = q.shape[2]
+    dense = ref.layout_strides(q, q.shape)
+    outer = max(range(3), key=lambda i: dense[i])
+    q_strides = tuple(st + CUDNN_Q_BATCH_PAD if i == outer else st for i, st in enumerate(dense))
+    q_own = torch.empty_strided(q.shape, q_strides, dtype=q.dtype, device=q.device).copy_(q)
     no_dropout = q.new_empty(0, dtype=torch.int64)  # cuDNN's philox seed and offset
     grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        _cudnn_operand(grad_out), q_own, k, v, _cudnn_operand(out), _cudnn_operand(lse).unsqueeze(-1),
+        _cudnn_operand(grad_out, q), q_own, k, v, _cudnn_operand(out, q), _cudnn_operand(lse).unsqueeze(-1),
         no_dropout, no_dropout, None, None, None, s, s, 0.0, spec.causal, scale=spec.scale)
-    return tuple(g.contiguous() for g in grads[:3])
+    return tuple(ref.in_layout(g, t) for g, t in zip(grads[:3], (q, k, v)))
 
 
 class _Sm90BwdPlan:
@@ -369,7 +372,10 @@ class _Sm90BwdPlan:
         self.scale, self.causal = spec.scale, spec.causal
 
     def __call__(self, grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, dropout_seed, alibi_slopes):
-        return (*torch.ops.flash.attention_bwd_sm90(grad_out, q, k, v, out, lse, self.scale, self.causal), None)
+        grads = torch.ops.flash.attention_bwd_sm90(grad_out, q, k, v, out, lse, self.scale, self.causal)
+        # the kernel writes them contiguous: the copy into q's, k's and v's layout is the one
+        # their transposes back would otherwise make
+        return (*(ref.in_layout(g, t) for g, t in zip(grads, (q, k, v))), None)
 
 
 class _Cudnn:

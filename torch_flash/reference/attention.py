@@ -262,9 +262,9 @@ def attention_fwd_sm90(q, k, v, scale, causal):
 
 def attention_bwd_sm90(grad_out, q, k, v, out, lse, scale, causal):
     """flash.attention_bwd_sm90 by the formula: (dq, dk, dv) of `attention_with_lse`'s backward
-    without an lse gradient."""
+    without an lse gradient, contiguous as the kernel returns them."""
     dq, dk, dv, _ = backward(grad_out, None, q, k, v, None, out, lse, Spec(scale, causal), False)
-    return dq, dk, dv
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 # ---------------------------------------------------------------------------- CPU path
@@ -390,24 +390,49 @@ class _Chunks:
         return dq.flatten(1, 2), dk.squeeze(2), dv.squeeze(2), dbias
 
 
+def layout_strides(like: Tensor, shape) -> tuple:
+    """The strides of the dense (B, H, S, D) `shape` whose dims 0-2 lie in the order of like's
+    strides, largest first (ties in dim order), and whose last dim is contiguous: flash.attention's
+    out and gradients follow q's, k's and v's layout as SDPA's do, so a (B, S, H, D) buffer seen
+    as (B, H, S, D) gets outputs its transpose back reads without a copy. csrc/attention's
+    forward allocates alike (empty_like_layout)."""
+    order = sorted(range(3), key=lambda i: -like.stride(i))
+    strides, step = [0, 0, 0, 1], shape[3]
+    for i in reversed(order):
+        strides[i] = step
+        step = step * shape[i]
+    return tuple(strides)
+
+
+def in_layout(t: Tensor, like: Tensor) -> Tensor:
+    """t laid out as layout_strides(like, t.shape): itself where it is, else a copy."""
+    strides = layout_strides(like, t.shape)
+    if t.stride() == strides:
+        return t
+    return torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
+
+
 def forward(q: Tensor, k: Tensor, v: Tensor, attn_bias: Tensor | None, spec: Spec,
             positions: Positions | None = None) -> tuple[Tensor, Tensor]:
-    """(out (B, Hq, Sq, Dv) contiguous in q's dtype, lse (B, Hq, Sq) contiguous).
-    positions: the mask layout of packed sequences (varlen); None for plain attention."""
+    """(out (B, Hq, Sq, Dv) in q's dtype, lse (B, Hq, Sq) contiguous); out laid out like q
+    (layout_strides), contiguous for packed sequences. positions: the mask layout of packed
+    sequences (varlen); None for plain attention."""
     if _cpu_flash_applies(q, k, v, attn_bias, spec, positions):
         hq = q.shape[1]
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, _expand_heads(k, hq), _expand_heads(v, hq), 0.0, spec.causal, scale=spec.scale)
-        return out.contiguous(), lse.contiguous()
-    return _Chunks(q, k, v, attn_bias, spec, positions).forward()
+    else:
+        out, lse = _Chunks(q, k, v, attn_bias, spec, positions).forward()
+    return out.contiguous() if positions is not None else in_layout(out, q), lse.contiguous()
 
 
 def backward(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
              attn_bias: Tensor | None, out: Tensor, lse: Tensor, spec: Spec,
              bias_requires_grad: bool,
              positions: Positions | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """(dq, dk, dv, dbias) contiguous in their inputs' dtypes; dbias None unless
-    bias_requires_grad, else summed over broadcast dims to attn_bias's shape."""
+    """(dq, dk, dv, dbias) in their inputs' dtypes, each laid out like its input (layout_strides;
+    contiguous for packed sequences); dbias None unless bias_requires_grad, else summed over
+    broadcast dims to attn_bias's shape."""
     hq, hkv = q.shape[1], k.shape[1]
     if grad_lse is None and _cpu_flash_applies(q, k, v, attn_bias, spec, positions):
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -419,5 +444,7 @@ def backward(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v:
             grad_out, grad_lse, out, lse, bias_requires_grad)
         if dbias is not None:
             dbias = dbias.reshape(attn_bias.shape).to(attn_bias.dtype)
-    return (dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(),
-            dv.to(v.dtype).contiguous(), dbias)
+    grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype))
+    if positions is not None:
+        return (*(g.contiguous() for g in grads), dbias)
+    return (*(in_layout(g, t) for g, t in zip(grads, (q, k, v))), dbias)

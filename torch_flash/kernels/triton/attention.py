@@ -760,16 +760,20 @@ class AttentionFwd:
     """The forward's decisions for one signature of its arguments (shapes, strides, dtypes,
     flags): tile class, grid and every scalar argument, made once and then called with the
     tensors of each launch of that signature (the ops keep them per signature,
-    torch_flash/ops/attention.py). Returns (out, lse): out contiguous, shaped like q with v's
-    head dim (the ops' fakes promise contiguous outputs), lse fp32 (B, H, S) dense or (H, T)
-    varlen. sinks: whether calls pass the (Hq,) sink logits (the backward needs only lse)."""
+    torch_flash/ops/attention.py). Returns (out, lse): out shaped like q with v's head dim and
+    laid out like q (ref.layout_strides, as the ops' fakes promise; packed sequences:
+    contiguous), lse fp32 (B, H, S) dense or (H, T) varlen. sinks: whether calls pass the (Hq,) sink logits (the backward needs only lse)."""
 
     def __init__(self, q, k, v, attn_bias, cu_q, cu_k, n_batch, seq_q, seq_k, flags, sinks=None):
         self.out_shape = (*q.shape[:-1], v.shape[-1])
         self.lse_shape = (q.shape[1], q.shape[0]) if cu_q is not None else q.shape[:-1]
         self.empty = any(d == 0 for d in self.out_shape)
+        # out laid out like q (ref.layout_strides; packed sequences: contiguous)
+        self.out_strides = (torch.empty(self.out_shape, device="meta").stride() if cu_q is not None
+                            else ref.layout_strides(q, self.out_shape))
         # the outputs' strides, from meta tensors of their shapes (the launches allocate alike)
-        out, lse = (torch.empty(s, device="meta") for s in (self.out_shape, self.lse_shape))
+        out = torch.empty_strided(self.out_shape, self.out_strides, device="meta")
+        lse = torch.empty(self.lse_shape, device="meta")
         args = _shape_args(q, k, v, cu_q, cu_k, seq_q, seq_k)
         mask = _mask_args(q, **flags)
         bias = _bias_args(q, k, attn_bias)
@@ -785,7 +789,7 @@ class AttentionFwd:
         self.launcher = None
 
     def __call__(self, q, k, v, attn_bias, cu_q, cu_k, dropout_seed, alibi_slopes, sinks):
-        out = q.new_empty(self.out_shape)
+        out = q.new_empty_strided(self.out_shape, self.out_strides)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         if self.empty:
             return out, lse
@@ -803,8 +807,8 @@ def _forward(q, k, v, attn_bias, cu_q, cu_k, n_batch, seq_q, seq_k, flags, sinks
 
 class AttentionBwd:
     """The backward's decisions for one signature of its arguments, as AttentionFwd: called with
-    the tensors of each call, returns (dq, dk, dv, dbias or None), dq/dk/dv contiguous like
-    q/k/v. deterministic=True computes dQ in its own pass, else by fp32 atomics."""
+    the tensors of each call, returns (dq, dk, dv, dbias or None), dq/dk/dv laid out like q/k/v
+    (ref.layout_strides; packed sequences: contiguous). deterministic=True computes dQ in its own pass, else by fp32 atomics."""
 
     def __init__(self, grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, n_batch, seq_q, seq_k,
                  flags, bias_requires_grad, deterministic):
@@ -812,6 +816,10 @@ class AttentionBwd:
         self.dbias_shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])  # per (b, h, i, j)
         self.empty = q.numel() == 0 or k.numel() == 0
         self.deterministic = deterministic
+        # the gradients laid out like q, k and v (ref.layout_strides; packed sequences:
+        # contiguous), from meta tensors (the calls allocate alike)
+        self.grad_strides = tuple(torch.empty(t.shape, device="meta").stride() if cu_q is not None
+                                  else ref.layout_strides(t, t.shape) for t in (q, k, v))
         if self.empty:
             return
         args = _shape_args(q, k, v, cu_q, cu_k, seq_q, seq_k)
@@ -829,8 +837,7 @@ class AttentionBwd:
             *args.items(), *_mask_args(q, **flags).items(), *_bias_args(q, k, attn_bias).items())
             if name not in tensors}
         self.dropout = common["DROPOUT"]
-        # the gradients' strides, from meta tensors of their shapes (the calls allocate alike)
-        dq, dk, dv = (torch.empty(t.shape, device="meta") for t in (q, k, v))
+        dq, dk, dv = (torch.empty_strided(t.shape, st, device="meta") for t, st in zip((q, k, v), self.grad_strides))
         dbias_full = torch.empty(self.dbias_shape, device="meta") if self.bias_grad else None
         _, self.dkdv_kernel, self.dq_kernel = _kernels(q, args)
         self.dkdv_grid = _grid(seq_k, n_batch * k.shape[1], "BLOCK_N")
@@ -842,7 +849,7 @@ class AttentionBwd:
         self.launchers = [None, None, None]
 
     def __call__(self, grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, dropout_seed, alibi_slopes):
-        dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+        dq, dk, dv = (t.new_empty_strided(t.shape, st) for t, st in zip((q, k, v), self.grad_strides))
         dbias_full = (torch.zeros(self.dbias_shape, dtype=torch.float32, device=q.device) if self.bias_grad
                       else None)
         if self.empty:
@@ -857,7 +864,9 @@ class AttentionBwd:
                                  dict(Out=out, DO=grad_out, GradLse=grad_lse, Delta=delta, CuQ=tensors["CuQ"],
                                       **self.delta_scalars))
         tensors.update(DO=grad_out, Lse=lse, Delta=delta)
-        dq_buf = dq if self.deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        # fp32 atomics land in a buffer of dq's layout (the kernel writes both by dq's strides)
+        dq_buf = dq if self.deterministic else dq.new_empty_strided(
+            q.shape, self.grad_strides[0], dtype=torch.float32).zero_()
         launchers[1] = launch_as(launchers[1], self.dkdv_kernel, self.dkdv_grid, (),
                                  dict(DQ=dq_buf, DK=dk, DV=dv, DBias=absent["DBias"] if dbias_full is None
                                       else dbias_full, **tensors, **self.dkdv_scalars))
