@@ -88,3 +88,13 @@ def test_spec_matches_the_schemas(op):
     assert all(kinds.get(name) == "BoolType" for name in spec.python_if)
     converted = _fast._spec_tuple(op)  # what the C++ node is given
     assert len(converted[1]) == len(forward.arguments) and len(converted[6]) == len(names)
+
+
+def test_sanitizer_cases_reach_every_op():
+    """scripts/sanitize_cases.py (what scripts/sanitize.sh runs under compute-sanitizer) finds a
+    sample for every op and backward op and runs it (here on CPU, as a smoke run)."""
+    import os
+    import runpy
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "sanitize_cases.py")
+    script = runpy.run_path(path, run_name="sanitize_cases")
+    assert script["main"](["--device", "cpu"]) == 0
