@@ -58,24 +58,49 @@ class _Retracer(fx.Interpreter):
     backward)."""
 
     def run_node(self, n: fx.Node):
-        if n.op == "call_function" and n.target in _OPAQUE_HOPS:
+        if (n.op == "call_function" and n.target in _OPAQUE_HOPS) or (n.op in _CALLS and _on_dtensors(n)):
             with self._set_current_node(n):
                 args, kwargs = self.fetch_args_kwargs_from_env(n)
                 return _record_whole(n, args, kwargs)
         return super().run_node(n)
 
 
+_CALLS = ("call_function", "call_method")
+
+
+def _on_dtensors(n: fx.Node) -> bool:
+    """Whether call n makes or takes a DTensor (torch.distributed.tensor): PyTorch's context
+    parallelism turns SDPA's operands into sequence-sharded DTensors (DTensor.from_local in
+    its F.scaled_dot_product_attention wrapper or module hooks) and runs its own ring on them;
+    tensor parallelism shards them by heads. Such calls stay whole in the retrace, as Dynamo
+    recorded them: no pattern reads into them (an SDPA there is PyTorch's, never rewritten
+    into a flash op that knows nothing of the sharding), and the rest of the graph is
+    rewritten as usual."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return False
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_leaves
+
+    values = [n.meta.get("example_value")] + [a.meta.get("example_value") for a in n.all_input_nodes]
+    return any(isinstance(v, DTensor) for v in tree_leaves(values))
+
+
 def _record_whole(n: fx.Node, args: tuple, kwargs: dict):
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, track_tensor_tree
     from torch.utils._pytree import tree_map
 
+    def call():
+        if n.op == "call_method":
+            return getattr(args[0], n.target)(*args[1:], **kwargs)
+        return n.target(*args, **kwargs)
+
     mode = get_proxy_mode()
     if mode is None:
-        return n.target(*args, **kwargs)
+        return call()
     # the values, on the fake inputs, with nothing recorded: no proxy mode and no pre-dispatch
     # function mode (it would record the subgraph's _set_grad_enabled calls)
     with disable_proxy_modes_tracing(), torch._C.DisableTorchFunction():
-        out = n.target(*args, **kwargs)
+        out = call()
     tracer = mode.tracer
     for arg_node, arg in zip(n.args, args):
         if isinstance(arg, torch.nn.Module):  # a subgraph: an attribute of the traced module
@@ -85,7 +110,7 @@ def _record_whole(n: fx.Node, args: tuple, kwargs: dict):
                 name, i = f"{base}_{i}", i + 1
             tracer.root.register_module(name, arg)
     proxy_args, proxy_kwargs = tree_map(tracer.unwrap_proxy, (args, kwargs))
-    proxy = tracer.create_proxy("call_function", n.target, proxy_args, proxy_kwargs)
+    proxy = tracer.create_proxy(n.op, n.target, proxy_args, proxy_kwargs)
     return track_tensor_tree(out, proxy, constant=None, tracer=tracer)
 
 

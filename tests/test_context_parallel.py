@@ -2,7 +2,8 @@
 + gloo) on the ops' reference path: rings of 3 ranks (the world), 2 (a subgroup: global ranks
 differ from group ranks) and 1, both layouts, causal and not, GQA / MQA, Dv != D, the lse as an
 output; forward and dq, dk, dv against single-process torch_flash.attention over the whole
-sequence in float64. Also the shard / unshard helpers and the module wrapper.
+sequence in float64. Also the shard / unshard helpers and the module wrapper, and the flash
+compile pass under PyTorch's own context parallelism (it leaves PyTorch's SDPA alone).
 
 One spawn of three processes runs every case (starting them costs most of the time) and saves
 what each rank got; the tests put the shards back together here and compare.
@@ -70,7 +71,8 @@ def _run_case(name, case, group):
 
 def _extras(group):
     """The module wrapper against the function, and the error on an odd causal zigzag slice."""
-    from torch_flash.context_parallel import ContextParallelAttention, context_parallel_attention
+    from torch_flash.context_parallel import context_parallel_attention
+    from torch_flash.nn import ContextParallelAttention
 
     g = torch.Generator().manual_seed(dist.get_rank(group))
     q, k, v = (torch.randn(1, 2, 4, 8, generator=g, dtype=FP64) for _ in range(3))
@@ -137,6 +139,80 @@ def test_matches_single_process(results, name):
         assert_rel_close(results[r][name][1], exact[0], TOL[dtype], what=f"unsharded out on rank {r}")
 
 
+def _local_sdpa_handler(mesh):
+    """A DTensor handler for CPU SDPA's ops, standing in for PyTorch context parallelism's
+    own (CUDA kernels only: on CPU its DTensors reach aten._scaled_dot_product_flash_attention
+    _for_cpu, which has no sharding rule). It attends within each rank's shard, not round a
+    ring: the test is of the compile pass around the call, not of PyTorch's ring."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.utils._pytree import tree_map
+
+    def handler(op, args, kwargs):
+        local = tree_map(lambda a: a._local_tensor if isinstance(a, DTensor) else a, (args, kwargs))
+        out = op(*local[0], **local[1])
+        return tree_map(lambda o: DTensor.from_local(o, mesh, [Shard(2)], run_check=False)
+                        if isinstance(o, torch.Tensor) else o, out)
+    return handler
+
+
+def _pytorch_context_parallel(rank):
+    """A block with SDPA under torch.distributed.tensor.experimental.context_parallel, eager
+    and compiled with the flash backend: (counters, torch_flash warnings, loss and gradients
+    of each)."""
+    import warnings
+
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.experimental import context_parallel
+
+    import torch_flash
+
+    mesh = init_device_mesh("cpu", (2,))
+    aten = torch.ops.aten
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    for op in (aten._scaled_dot_product_flash_attention_for_cpu.default,
+               aten._scaled_dot_product_flash_attention_for_cpu_backward.default):
+        handlers[op] = _local_sdpa_handler(mesh)
+    torch.manual_seed(0)
+    proj, norm = torch.nn.Linear(8, 24), torch.nn.LayerNorm(8)
+    x = torch.randn(2, 8, 8)
+
+    def block(x):
+        b, s, _ = x.shape
+        q, k, v = proj(x).view(b, s, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # PyTorch's: DTensors inside
+        return (norm(x + out.transpose(1, 2).reshape(b, s, 8)) * x).sum()
+
+    # the flash backend's rewrite, then AOTAutograd without Inductor's code generation (a
+    # minute of the two shared cores otherwise): what is under test is the rewrite
+    flash = torch_flash.backend(inner=torch._dynamo.lookup_backend("aot_eager"))
+    results = []
+    torch_flash.counters.clear()
+    with context_parallel(mesh, buffers=[x], buffer_seq_dims=[1]), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for fn in (block, torch.compile(block, backend=flash)):
+            loss = fn(x)
+            grads = torch.autograd.grad(loss, [proj.weight, norm.weight])
+            results.append((loss.detach(), *grads))
+    ours = [str(w.message) for w in caught if "torch_flash" in str(w.message)]
+    return dict(torch_flash.counters), ours, results
+
+
+def test_compile_pass_leaves_pytorch_context_parallel_sdpa():
+    """Under PyTorch's context_parallel, SDPA's operands are sequence-sharded DTensors and the
+    call is PyTorch's: the flash backend keeps it whole (no flash.attention, which knows
+    nothing of the sharding), rewrites the rest of the graph (the LayerNorm), warns of nothing,
+    and computes what eager does."""
+    for counters, warned, ((loss, *grads), (c_loss, *c_grads)) in run_gloo_ranks(_pytorch_context_parallel, 2):
+        # x + out, then LayerNorm: flash.add_layer_norm
+        assert "flash.attention" not in counters and counters.get("flash.add_layer_norm", 0) == 1, counters
+        assert not warned, warned
+        assert_rel_close(c_loss, loss, 1e-5, what="loss")
+        for g, c in zip(grads, c_grads):
+            assert_rel_close(c, g, 1e-5, what="gradient")
+
+
 def test_module_and_errors(results):
     for rank in range(WORLD):
         same, error = results[rank]["extras"]
@@ -151,6 +227,22 @@ def test_sequence_positions_partition(layout):
     assert torch.equal(pos.sort().values, torch.arange(24))
     if layout == "zigzag":
         assert sequence_positions(24, 3, 1, layout).tolist() == [4, 5, 6, 7, 16, 17, 18, 19]
+
+
+def test_nn_module():
+    """torch_flash.nn.ContextParallelAttention: the ring as a module, without parameters (a
+    model's state dict is the same with it), imported on first use."""
+    import torch_flash.nn
+    from torch_flash import context_parallel
+
+    module = torch_flash.nn.ContextParallelAttention(causal=True, layout="contiguous")
+    assert type(module) is context_parallel.ContextParallelAttention
+    assert not list(module.parameters()) and not module.state_dict()
+    assert "layout='contiguous'" in repr(module)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        torch_flash.nn.ContextParallelAttention(layout="ring")
+    with pytest.raises(AttributeError):
+        torch_flash.nn.NoSuchModule
 
 
 def test_argument_errors():
