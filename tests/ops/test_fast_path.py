@@ -139,7 +139,36 @@ def _forward_cases():
         "rotary": (torch_flash.rotary, lambda: (qkv(4).transpose(1, 2), *tables()), {}),
         "rotary_qk": (torch_flash.rotary_qk, lambda: (qkv(4), qkv(2), *tables()), {}),
         "attention": (torch_flash.attention, lambda: (qkv(4), qkv(2), qkv(2)), dict(causal=True)),
+        "linear_cross_entropy": (torch_flash.linear_cross_entropy, _lce_inputs, dict(label_smoothing=0.1)),
     }
+
+
+def _lce_inputs(bias=False):
+    """(hidden, weight, target[, bias]) of a one-chunk linear cross-entropy, some targets ignored."""
+    target = torch.randint(0, 1000, (64,), device=DEV).masked_fill_(torch.rand(64, device=DEV) < 0.1, -100)
+    h = torch.randn(64, 256, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(1000, 256, device=DEV, dtype=torch.bfloat16)
+    return (h, w, target, torch.randn(1000, device=DEV, dtype=torch.bfloat16)) if bias else (h, w, target)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_linear_cross_entropy_gradients_replay(reduction):
+    """With a gradient, the autograd rule (Python) runs flash.linear_cross_entropy_with_grads,
+    whose calls replay: loss and gradients equal the Python path's bit for bit."""
+    before = _stats("linear_cross_entropy_with_grads")[0]
+    for call in range(4):
+        inputs = _lce_inputs(bias=True)
+        leaves = [t.requires_grad_() if t.is_floating_point() else t for t in inputs]
+        loss = torch_flash.linear_cross_entropy(*leaves, z_loss=1e-4, reduction=reduction)
+        loss.backward()
+        want_leaves = [t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs]
+        want = _python_path(torch_flash.linear_cross_entropy, want_leaves, dict(z_loss=1e-4, reduction=reduction))
+        want.backward()
+        assert torch.equal(loss, want), f"loss of call {call}"
+        for got_t, want_t in zip(leaves, want_leaves):
+            if got_t.is_floating_point():
+                assert torch.equal(got_t.grad, want_t.grad), f"gradient of call {call}"
+    assert _stats("linear_cross_entropy_with_grads")[0] >= before + 2
 
 
 @pytest.mark.parametrize("case", list(_forward_cases()))
@@ -229,15 +258,17 @@ def test_inplace_backward_takes_the_python_rule():
 
 
 def test_a_call_with_more_than_launches_stays_on_the_python_path():
-    """bf16 LayerNorm with out_dtype=fp32 casts y after the kernel (a torch op): no recipe, and
-    after three recordings its calls stop trying; the results are the Python path's."""
-    x, w = torch.randn(8, 512, device=DEV, dtype=torch.bfloat16), torch.randn(512, device=DEV)
-    before = _stats("layer_norm")
+    """Linear cross-entropy in several chunks joins their losses with cat, whose list argument a
+    recipe cannot hold: no recipe, and after three recordings its calls stop trying; the results
+    are the Python path's."""
+    h, w, t = _lce_inputs()
+    op, kwargs = "linear_cross_entropy", dict(reduction="none", chunk_size=16)
+    before = _stats(op)
     for _ in range(5):
-        y = torch_flash.layer_norm(x, w, None, out_dtype=torch.float32)
-    replays, fallbacks, recipes = _stats("layer_norm")
+        y = torch_flash.linear_cross_entropy(h, w, t, **kwargs)
+    replays, fallbacks, recipes = _stats(op)
     assert (replays, recipes) == before[::2] and fallbacks == before[1] + 5
-    assert torch.equal(y, _python_path(torch_flash.layer_norm, (x, w, None), dict(out_dtype=torch.float32)))
+    assert torch.equal(y, _python_path(torch_flash.linear_cross_entropy, (h, w, t), kwargs))
 
 
 def test_replay_against_float64():

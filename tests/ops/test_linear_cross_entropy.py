@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import torch_flash  # noqa: F401  (registers the ops)
+import torch_flash
 from torch_flash.ops.cross_entropy import cross_entropy
 from torch_flash.ops.linear_cross_entropy import linear_cross_entropy
 from torch_flash.reference import cross_entropy as ce_ref
@@ -140,7 +140,7 @@ def test_bad_inputs(bad, match):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_bad_target_values_raise_on_every_op(device):
     """Out-of-range targets raise naming the op (on CUDA the check runs behind the kernels,
-    which mask such targets)."""
+    which mask such targets, and may raise at the next torch_flash.synchronize())."""
     h, w = torch.randn(4, 8, device=device), torch.randn(10, 8, device=device)
     t = torch.tensor([0, 10, 1, 2], device=device)
     calls = {"linear_cross_entropy": lambda: torch.ops.flash.linear_cross_entropy(h, w, t),
@@ -150,6 +150,7 @@ def test_bad_target_values_raise_on_every_op(device):
     for op, call in calls.items():
         with pytest.raises(ValueError, match=f"flash.{op}: target contains 10, outside \\[0, 10\\)"):
             call()
+            torch_flash.synchronize()
 
 
 def test_backward_grad_loss_on_another_device():

@@ -117,6 +117,13 @@ def _kernel_scan_deferred():
         _library_triton.get_inner_triton_kernels = scan
 
 
+def register_body(opdef: CustomOpDef) -> None:
+    """A custom op's body (launching_directly's), run without the dispatcher by call() and
+    recorded by the eager fast path (ops/_fast.py), as a triton op's is."""
+    _BODIES[opdef._name] = opdef._init_fn
+    _MUTATED[opdef._name] = ()
+
+
 def triton_op(name: str, *, mutates_args) -> Callable[[Callable], CustomOpDef]:
     """torch.library.triton_op, with the eager fast path (module docstring)."""
     def dec(fn: Callable) -> CustomOpDef:

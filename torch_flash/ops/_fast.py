@@ -6,7 +6,7 @@ Python stays the source of truth. The C++ CUDA kernel runs the op's Python body 
 until one call of an argument signature has been recorded: in order, the Triton launches the
 body made through kernels/triton/launch.py (compiled function, grid, arguments), the ops it
 called that a recipe may call again (_CALLED: csrc/attention's kernels, cuDNN's backward,
-copies), and the loss ops' deferred target checks (ops/cross_entropy.py, TargetCheck: with this
+copies, the matmuls and reductions of linear cross-entropy), and the loss ops' deferred target checks (ops/cross_entropy.py, TargetCheck: with this
 module loaded every CUDA check is queued in C++, csrc/fast/checks.cpp); besides, the buffers it
 allocated and the outputs it returned, each tensor traced to an input, a buffer or an op call's
 output. From then on C++ replays that recipe with the new call's tensors. A recording is kept
@@ -42,8 +42,10 @@ OPS = ("rms_norm", "rms_norm_backward", "add_rms_norm", "add_rms_norm_backward",
        "cross_entropy", "cross_entropy_with_lse", "cross_entropy_backward",
        "attention", "attention_with_lse", "attention_backward", "attention_varlen", "attention_varlen_backward")
 # ops whose CUDA kernel alone is served here: their calls without a gradient (autograd: Python;
-# decode writes the new keys into the cache, call() moves its version counters)
-FORWARD_OPS = ("rotary", "rotary_qk", "attention_decode")
+# decode writes the new keys into the cache, call() moves its version counters; linear
+# cross-entropy's autograd rule hands the forward's gradients to the backward, which no Spec says)
+FORWARD_OPS = ("rotary", "rotary_qk", "attention_decode",
+               "linear_cross_entropy", "linear_cross_entropy_with_grads", "linear_cross_entropy_backward")
 
 # ATen calls a recorded body may make: allocations (replayed) and views (their effect is in the
 # pointers and strides recorded)
@@ -56,16 +58,21 @@ _VIEWS = frozenset({  # reshape and to: where they made no copy (checked)
     aten.reshape.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
     aten.t.default, aten.transpose.int, aten.permute.default, aten.expand.default,
     aten.unsqueeze.default, aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims,
-    aten.select.int, aten.slice.Tensor, aten.detach.default, aten.alias.default,
+    aten.select.int, aten.slice.Tensor, aten.detach.default, aten.alias.default, aten.expand_as.default,
+    aten.unbind.int,
 })
 # ATen calls on dtypes alone, nothing to replay
 _DTYPE_QUERIES = frozenset({aten.promote_types.default, aten.result_type.Tensor, aten.result_type.Scalar,
                             aten.result_type.Scalar_Tensor, aten.result_type.Scalar_Scalar})
 # ops a recipe calls again through the dispatcher (step "call"): their outputs' shapes follow
 # from their inputs' and they read nothing on the host, so a call of the same signature makes
-# the same calls. The flash ops (csrc/attention's kernels among them) qualify too.
+# the same calls. The flash ops (csrc/attention's kernels among them) qualify too. contiguous:
+# a copy or the input itself, as the strides (in the key) decide.
 _CALLED = frozenset({
-    aten.copy_.default, aten.clone.default, aten.zero_.default, aten.fill_.Scalar,
+    aten.copy_.default, aten.clone.default, aten.contiguous.default, aten.zero_.default, aten.fill_.Scalar,
+    aten.zeros.default, aten.new_zeros.default, aten.new_full.default, aten._to_copy.default,
+    aten.mm.default, aten.mm.out, aten.addmm_.default, aten.add_.Tensor, aten.div.Tensor,
+    aten.sum.default, aten.sum.dim_IntList,
     aten._scaled_dot_product_cudnn_attention_backward.default,
 })
 _INPUT, _ALLOC, _VALUE, _PRODUCED, _KEPT = range(5)  # csrc/fast/fast_path.h, Param::Kind
@@ -93,7 +100,8 @@ class _Recording(TorchDispatchMode):
             pass
         elif func in _CALLED or func.namespace == "flash":
             self.steps.append(("call", func, args, kwargs or {}, out))
-        elif func not in _VIEWS or out.untyped_storage()._cdata != args[0].untyped_storage()._cdata:
+        elif func not in _VIEWS or any(o.untyped_storage()._cdata != args[0].untyped_storage()._cdata
+                                       for o in (out if isinstance(out, (list, tuple)) else (out,))):
             self.replayable = False
         return out
 

@@ -26,7 +26,7 @@ from torch._functorch import config as functorch_config
 from .. import _dispatch
 from ..reference import linear_cross_entropy as ref
 from ..reference._common import compute_dtype
-from ._autograd import call, grad_or_empty, launching_directly, register_autograd_via, triton_op
+from ._autograd import call, grad_or_empty, launching_directly, register_autograd_via, register_body, triton_op
 from ._checks import check, check_same_device, check_same_dtype, check_tensor, fail
 from .cross_entropy import LossOptions, TargetCheck, check_grad_loss, check_options, check_target
 
@@ -149,6 +149,9 @@ def _linear_cross_entropy_backward(grad_loss: Tensor, hidden: Tensor, weight: Te
         grad_loss, hidden, weight, target, bias, opts, reduction, chunk_size, grads))
 
 
+register_body(_linear_cross_entropy_with_grads)
+register_body(_linear_cross_entropy_backward)
+
 _OPTIONS = (*LossOptions._fields, "reduction", "chunk_size")
 # input -> the gradient ops' flag that asks for its gradient
 _GRAD_FLAGS = {"hidden": "grad_hidden", "weight": "grad_weight", "bias": "grad_bias"}
@@ -161,8 +164,8 @@ def _forward(needs_grad, **inputs):
     flags = {flag: name in needs_grad for name, flag in _GRAD_FLAGS.items()}
     if inputs["reduction"] == "none":
         return torch.ops.flash.linear_cross_entropy(**inputs), (flags, None)
-    loss, *grads = torch.ops.flash.linear_cross_entropy_with_grads(
-        **inputs, **flags, check_targets=not _dispatch.symbolic(inputs["hidden"]))
+    loss, *grads = call("linear_cross_entropy_with_grads",
+                        **inputs, **flags, check_targets=not _dispatch.symbolic(inputs["hidden"]))
     return loss, (flags, grads)
 
 

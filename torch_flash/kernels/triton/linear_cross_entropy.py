@@ -521,5 +521,8 @@ def lce_fwd(hidden, weight, target, bias, *, ignore_index, label_smoothing, z_lo
             db += logits.sum(1, dtype=torch.float32)
     if db is not None:
         db = db.to(bias.dtype)
-    losses = torch.cat(losses) if losses else h.new_empty(0, dtype=torch.float32)
+    if not losses:
+        losses = [h.new_empty(0, dtype=torch.float32)]
+    # one chunk: no cat, whose list argument the eager fast path cannot replay
+    losses = losses[0] if len(losses) == 1 else torch.cat(losses)
     return _reduce(losses, target, n_valid, reduction), dh, dw, db
