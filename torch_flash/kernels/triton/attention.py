@@ -314,9 +314,10 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias, Seed, CuQ, CuK, Alibi, Sinks,
               IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: BLOCK_M query rows of one (batch, q head). Writes out and lse."""
     qk_scale, softcap, dropout_p = fp32(qk_scale), fp32(softcap), fp32(dropout_p)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    # grid (row blocks, heads, batch): see _grid
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    bh = b * H + h
     q_start, seq_q = _seq_bounds(CuQ, b, SEQ_Q, IS_VARLEN)
     k_start, seq_k = _seq_bounds(CuK, b, SEQ_K, IS_VARLEN)
     m0 = tl.program_id(0) * BLOCK_M
@@ -373,9 +374,10 @@ def _attn_bwd_delta(Out, DO, GradLse, Delta, CuQ,
                     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_GRAD_LSE: tl.constexpr,
                     IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr):
     """delta = rowsum(dO * O) - grad_lse (fp32, laid out like lse)."""
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    # grid (row blocks, heads, batch), as the forward's
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    bh = b * H + h
     q_start, seq_q = _seq_bounds(CuQ, b, SEQ_Q, IS_VARLEN)
     m0 = tl.program_id(0) * BLOCK_M
     if m0 >= seq_q:
@@ -477,10 +479,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, DQ, DK, DV, Lse, Delta, Bias, DBias, Seed, CuQ, 
     group, so dK/dV are written once, without atomics. Also dbias, and dQ with ATOMIC_DQ."""
     sm_scale, qk_scale = fp32(sm_scale), fp32(qk_scale)
     softcap, dropout_p = fp32(softcap), fp32(dropout_p)
-    bhk = tl.program_id(1)
-    h_kv = H // GROUP
-    b = bhk // h_kv
-    hk = bhk % h_kv
+    hk = tl.program_id(1)  # grid (key blocks, kv heads, batch), as the forward's
+    b = tl.program_id(2)
     q_start, seq_q = _seq_bounds(CuQ, b, SEQ_Q, IS_VARLEN)
     k_start, seq_k = _seq_bounds(CuK, b, SEQ_K, IS_VARLEN)
     n0 = tl.program_id(0) * BLOCK_N
@@ -571,9 +571,10 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Bias, Seed, CuQ, CuK, Alibi,
     """One program: dQ of BLOCK_M query rows of one (batch, q head), no atomics."""
     sm_scale, qk_scale = fp32(sm_scale), fp32(qk_scale)
     softcap, dropout_p = fp32(softcap), fp32(dropout_p)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    # grid (row blocks, heads, batch), as the forward's
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    bh = b * H + h
     q_start, seq_q = _seq_bounds(CuQ, b, SEQ_Q, IS_VARLEN)
     k_start, seq_k = _seq_bounds(CuK, b, SEQ_K, IS_VARLEN)
     m0 = tl.program_id(0) * BLOCK_M
@@ -725,8 +726,10 @@ def _bias_args(q, k, attn_bias) -> dict:
                 BIAS_KIND=2 if attn_bias.dtype == torch.bool else 1)
 
 
-def _grid(rows: int, programs: int, block: str = "BLOCK_M"):
-    return lambda meta: (cdiv(rows, meta[block]), programs)
+def _grid(rows: int, heads: int, batch: int, block: str = "BLOCK_M"):
+    """(row blocks, heads, batch), in the order of a (row blocks, B * H) grid: CUDA caps the y and
+    z axes at 65535, which B * H passes at realistic sizes (4096 packed sequences x 32 heads)."""
+    return lambda meta: (cdiv(rows, meta[block]), heads, batch)
 
 
 def _kernels(q, args: dict):
@@ -778,7 +781,7 @@ class AttentionFwd:
         mask = _mask_args(q, **flags)
         bias = _bias_args(q, k, attn_bias)
         self.kernel = _kernels(q, args)[0]
-        self.grid = _grid(seq_q, n_batch * q.shape[1])
+        self.grid = _grid(seq_q, q.shape[1], n_batch)
         self.dropout = mask["DROPOUT"]
         self.absent = _absent(q)
         tensors = ("Q", "K", "V", "CuQ", "CuK", "Seed", "Bias")
@@ -826,7 +829,7 @@ class AttentionBwd:
         heads = q.shape[1]
         grad_out, out = _rows(grad_out), _rows(out)
         lse_strides = _lse_strides(lse)
-        self.delta_grid = _grid(seq_q, n_batch * heads)  # the dQ pass's too
+        self.delta_grid = _grid(seq_q, heads, n_batch)  # the dQ pass's too
         self.delta_scalars = dict(
             **_bhm(out, "o", "m"), **_bhm(grad_out, "do", "m"), **lse_strides, H=heads, SEQ_Q=seq_q,
             HEAD_DIM_V=args["HEAD_DIM_V"], BLOCK_DV=args["BLOCK_DV"], HAS_GRAD_LSE=grad_lse is not None,
@@ -840,7 +843,7 @@ class AttentionBwd:
         dq, dk, dv = (torch.empty_strided(t.shape, st, device="meta") for t, st in zip((q, k, v), self.grad_strides))
         dbias_full = torch.empty(self.dbias_shape, device="meta") if self.bias_grad else None
         _, self.dkdv_kernel, self.dq_kernel = _kernels(q, args)
-        self.dkdv_grid = _grid(seq_k, n_batch * k.shape[1], "BLOCK_N")
+        self.dkdv_grid = _grid(seq_k, k.shape[1], n_batch, "BLOCK_N")
         self.dkdv_scalars = dict(**_bhm(dq, "dq", "m"), **_bhm(dk, "dk", "n"), **_bhm(dv, "dv", "n"),
                                  **_db_strides(dbias_full), BIAS_GRAD=self.bias_grad,
                                  ATOMIC_DQ=not deterministic, **common)

@@ -128,9 +128,9 @@ def _append_kernel(KN, VN, KC, VC, SEQLENS, BT, COS, SIN,
                    BLOCK_DV: tl.constexpr, RD2: tl.constexpr, ROTARY: tl.constexpr,
                    INTERLEAVED: tl.constexpr, PAGED: tl.constexpr, BLOCK_S: tl.constexpr):
     """One program: BLOCK_S new tokens of one (batch, kv head), k (rotated) and v."""
-    bh = tl.program_id(1)
-    b = bh // HKV
-    h = (bh % HKV).to(tl.int64)
+    # grid (token blocks, kv heads, batch): CUDA caps the y and z axes at 65535, B * Hkv can pass it
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2)
     b64 = b.to(tl.int64)
     s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     pos = tl.load(SEQLENS + b).to(tl.int64) + s
@@ -343,7 +343,7 @@ class DecodeFwd:
         self.append = None
         if snew and B * Hkv:
             block_s = min(16, next_power_of_2(snew))
-            self.append = ((cdiv(snew, block_s), B * Hkv),
+            self.append = ((cdiv(snew, block_s), Hkv, B),
                            dict(**_strides(k_new, "kn", "b", "h", "s"), **_strides(v_new, "vn", "b", "h", "s"),
                                 **_strides(k_cache, "kc", "b", "h", "s"), **_strides(v_cache, "vc", "b", "h", "s"),
                                 **common, HEAD_DIM=D, BLOCK_S=block_s))
