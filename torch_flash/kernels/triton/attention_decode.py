@@ -123,7 +123,7 @@ def _load_rows(rows, row_ok, d, pos, COS, SIN, stride_c, seq_ro, HEAD_DIM: tl.co
 def _append_kernel(KN, VN, KC, VC, SEQLENS, BT, COS, SIN,
                    stride_knb, stride_knh, stride_kns, stride_vnb, stride_vnh, stride_vns,
                    stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch, stride_vcs,
-                   stride_bt, stride_c, HKV, SNEW, CAPACITY, PAGE, NUM_PAGES, SEQ_RO,
+                   stride_bt, stride_c, SNEW, CAPACITY, PAGE, NUM_PAGES, SEQ_RO,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, RD2: tl.constexpr, ROTARY: tl.constexpr,
                    INTERLEAVED: tl.constexpr, PAGED: tl.constexpr, BLOCK_S: tl.constexpr):
@@ -336,7 +336,7 @@ class DecodeFwd:
         cos = rotary_cos.contiguous() if rotary else self.absent
         snew = 0 if k_new is None else k_new.shape[2]
         common = dict(stride_bt=block_table.contiguous().stride(0) if paged else 0,
-                      stride_c=cos.stride(0) if rotary else 0, HKV=Hkv, SNEW=snew, CAPACITY=capacity, PAGE=page,
+                      stride_c=cos.stride(0) if rotary else 0, SNEW=snew, CAPACITY=capacity, PAGE=page,
                       NUM_PAGES=k_cache.shape[0], SEQ_RO=cos.shape[0] if rotary else 0, HEAD_DIM_V=Dv,
                       BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv), RD2=cos.shape[1] if rotary else 0, ROTARY=rotary,
                       INTERLEAVED=bool(rotary_interleaved), PAGED=paged)
@@ -370,7 +370,7 @@ class DecodeFwd:
             **dict(zip(("stride_ab", "stride_ah"), alibi_strides)), ALIBI=self.alibi, SINKS=sinks is not None,
             HAS_LEFTPAD=cache_leftpad is not None,
             **_strides(q, "q", "b", "h", "m"), **_strides(k_cache, "k", "b", "h", "n"),
-            **_strides(v_cache, "v", "b", "h", "n"), **common, GROUP=group, SQ=Sq, NUM_SPLITS=num_splits,
+            **_strides(v_cache, "v", "b", "h", "n"), **common, HKV=Hkv, GROUP=group, SQ=Sq, NUM_SPLITS=num_splits,
             qk_scale=scale / softcap if softcap > 0 else scale * _LOG2E.value, softcap=softcap * _LOG2E.value,
             window_left=window_left if window_left >= 0 else _UNBOUNDED,
             window_right=0 if causal else (window_right if window_right >= 0 else _UNBOUNDED),
