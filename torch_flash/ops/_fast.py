@@ -55,7 +55,7 @@ _ALLOCATIONS = frozenset({
 })
 _VIEWS = frozenset({  # reshape and to: where they made no copy (checked)
     aten.view.default, aten._unsafe_view.default, aten._reshape_alias.default, aten.as_strided.default,
-    aten.reshape.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
+    aten.reshape.default, aten.to.dtype_layout, aten.to.device,
     aten.t.default, aten.transpose.int, aten.permute.default, aten.expand.default,
     aten.unsqueeze.default, aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims,
     aten.select.int, aten.slice.Tensor, aten.detach.default, aten.alias.default, aten.expand_as.default,
@@ -70,8 +70,8 @@ _DTYPE_QUERIES = frozenset({aten.promote_types.default, aten.result_type.Tensor,
 # a copy or the input itself, as the strides (in the key) decide.
 _CALLED = frozenset({
     aten.copy_.default, aten.clone.default, aten.contiguous.default, aten.zero_.default, aten.fill_.Scalar,
-    aten.zeros.default, aten.new_zeros.default, aten.new_full.default, aten._to_copy.default,
-    aten.mm.default, aten.mm.out, aten.addmm_.default, aten.add_.Tensor, aten.div.Tensor,
+    aten.zeros.default, aten.new_zeros.default, aten.new_full.default, aten._to_copy.default, aten.to.dtype,
+    aten.mm.default, aten.mm.dtype, aten.mm.out, aten.addmm_.default, aten.add_.Tensor, aten.div.Tensor,
     aten.sum.default, aten.sum.dim_IntList,
     aten._scaled_dot_product_cudnn_attention_backward.default,
 })
