@@ -213,8 +213,10 @@ def _sm90_bwd_serves(grad_lse, q: Tensor, k: Tensor, v: Tensor, attn_bias, spec:
             or torch.are_deterministic_algorithms_enabled())):
         return False
     info = _extension.build_info()
+    # its dq accumulator and dk/dv are indexed in 32 bits (csrc/attention/attention.cpp)
     return (info is not None and "flash::attention_bwd_sm90" in info["ops"]
-            and q.shape[-1] in info.get("backward_hdims", ()) and _sm90_serves(q, k, v, attn_bias, spec))
+            and q.shape[-1] in info.get("backward_hdims", ()) and max(q.numel(), k.numel()) < 2**31
+            and _sm90_serves(q, k, v, attn_bias, spec))
 
 
 def kernel_flags(spec: ref.Spec) -> dict:
