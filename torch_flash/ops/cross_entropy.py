@@ -439,10 +439,12 @@ register_autograd_spec(_cross_entropy, Spec(
 # --------------------------------------------------------------------------------------
 # Vocab-parallel mode
 # --------------------------------------------------------------------------------------
-def _check_ranks_agree(op: str, logits: Tensor, target: Tensor, group) -> None:
+def check_ranks_agree(op: str, logits: Tensor, target: Tensor, group, name: str = "logits",
+                      layout: str = "(..., V / world_size)") -> None:
     """Shard shapes, the compute dtype and the targets must match across the group's ranks: a
     mismatch would hang a collective or give each rank a different loss. One tiny blocking
-    all-reduce, eager only (graphs under torch.compile skip it)."""
+    all-reduce, eager only (graphs under torch.compile skip it). logits: the vocabulary shard
+    (named `name` in the error, laid out as `layout`)."""
     import torch.distributed as dist
 
     if torch.compiler.is_compiling() or is_fake(logits):
@@ -453,10 +455,9 @@ def _check_ranks_agree(op: str, logits: Tensor, target: Tensor, group) -> None:
     both = torch.cat([mine, -mine])
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
     if not (torch.equal(both[:5], mine) and torch.equal(-both[5:], mine)):
-        fail(op, f"the ranks of process_group disagree on the logits shards or targets: this rank "
-                 f"(rank {group.rank()}) has logits {tuple(logits.shape)} {logits.dtype} and target "
-                 f"{tuple(target.shape)}; every rank needs an equal shard (..., V / world_size) and the "
-                 f"same target")
+        fail(op, f"the ranks of process_group disagree on the {name} shards or targets: this rank "
+                 f"(rank {group.rank()}) has {name} {tuple(logits.shape)} {logits.dtype} and target "
+                 f"{tuple(target.shape)}; every rank needs an equal shard {layout} and the same target")
 
 
 class _VocabParallel(torch.autograd.Function):
@@ -497,7 +498,7 @@ def _vocab_parallel(logits: Tensor, target: Tensor, group, opts: LossOptions, re
           f"process_group must be a torch.distributed ProcessGroup, got {type(group).__name__}")
     check_tensor(op, "logits", logits, min_ndim=1)
     check_tensor(op, "target", target, dtypes=INDEX_DTYPES)
-    _check_ranks_agree(op, logits, target, group)
+    check_ranks_agree(op, logits, target, group)
     check_args(op, logits, target, opts, reduction)
     if inplace_backward:
         check_inplace_layout(op, logits)

@@ -28,7 +28,9 @@ from ..reference import linear_cross_entropy as ref
 from ..reference._common import compute_dtype
 from ._autograd import call, grad_or_empty, launching_directly, register_autograd_via, register_body, triton_op
 from ._checks import check, check_same_device, check_same_dtype, check_tensor, fail
-from .cross_entropy import LossOptions, TargetCheck, check_grad_loss, check_options, check_target
+from ..reference import cross_entropy as ce_ref
+from .cross_entropy import (LossOptions, TargetCheck, check_grad_loss, check_options, check_ranks_agree,
+                            check_target)
 
 
 def check_args(op: str, hidden, weight, target, bias, opts: LossOptions, reduction: str,
@@ -263,10 +265,88 @@ register_autograd_via(_linear_cross_entropy, forward=_forward, setup_context=_se
                       backward=_backward, pass_needs_grad=True)
 
 
+# --------------------------------------------------------------------------------------
+# Vocab-parallel mode
+# --------------------------------------------------------------------------------------
+class _VocabParallel(torch.autograd.Function):
+    """Loss over a vocabulary whose lm-head rows (weight, bias) are split across process_group,
+    chunk by chunk of tokens: each chunk's shard logits give per-row statistics
+    (flash.cross_entropy_shard_stats), combined across the ranks as flash.cross_entropy's
+    vocab-parallel mode combines them. The backward recomputes each chunk's logits, takes the
+    shard's logit gradient with the whole row's lse (flash.cross_entropy_backward), and sums
+    dhidden over the group (hidden is replicated)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, bias, group, opts, reduction, chunk_size):
+        import torch.distributed._functional_collectives as funcol
+
+        shard = dict(vocab_start=group.rank() * weight.shape[0], vocab_size=group.size() * weight.shape[0])
+        h, chunks = ref.row_chunks(hidden, weight, chunk_size)
+        t = target.reshape(-1)
+        cdt = compute_dtype(hidden.dtype)
+        local_lse, z_t, z_sum = (h.new_empty(h.shape[0], dtype=cdt) for _ in range(3))
+        for rows in chunks:
+            stats = torch.ops.flash.cross_entropy_shard_stats(
+                ref.chunk_logits(h[rows], weight, bias), t[rows], **shard, ignore_index=opts.ignore_index,
+                softcap=opts.softcap)
+            for into, value in zip((local_lse, z_t, z_sum), stats):
+                into[rows] = value
+        top = funcol.all_reduce(local_lse, "max", group)
+        # rescaled exp-sums, target logits (one shard has each) and logit sums in one SUM
+        sums = funcol.all_reduce(torch.stack([(local_lse - top).exp(), z_t, z_sum]), "sum", group)
+        lse = torch.where(t != opts.ignore_index, top + sums[0].log(), 0.0)
+        loss = ce_ref.loss_from_stats(lse, sums[1], sums[2], t, opts, shard["vocab_size"])
+        ctx.save_for_backward(hidden, weight, target, bias, lse)
+        ctx.group, ctx.chunk_size = group, chunk_size
+        ctx.options = {**opts._asdict(), **shard}
+        ctx.reduction = reduction
+        return ce_ref.reduce(loss, target, opts.ignore_index, reduction)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        import torch.distributed._functional_collectives as funcol
+
+        hidden, weight, target, bias, lse = ctx.saved_tensors
+        want_dh, want_dw, _, want_db = ctx.needs_input_grad[:4]
+        cdt = compute_dtype(hidden.dtype)
+        h, chunks = ref.row_chunks(hidden, weight, ctx.chunk_size)
+        t = target.reshape(-1)
+        g = ce_ref.grad_rows(grad_loss, target, ctx.options["ignore_index"], ctx.reduction, cdt)
+        dh = h.new_empty(h.shape) if want_dh else None
+        # fp32 accumulators across chunks (fp64 for fp64), as the reference's
+        dw = weight.new_zeros(weight.shape, dtype=cdt) if want_dw else None
+        db = bias.new_zeros(bias.shape, dtype=cdt) if want_db and bias is not None else None
+        for rows in chunks:
+            dz = call("cross_entropy_backward", g[rows], ref.chunk_logits(h[rows], weight, bias), t[rows],
+                      lse[rows], **ctx.options, reduction="none")
+            if dh is not None:
+                dh[rows] = dz @ weight
+            if dw is not None:
+                dw.addmm_(dz.T.to(cdt), h[rows].to(cdt))
+            if db is not None:
+                db += dz.sum(0, dtype=cdt)
+        if dh is not None:
+            dh = funcol.all_reduce(dh, "sum", ctx.group).wait().reshape(hidden.shape)
+        return (dh, None if dw is None else dw.to(weight.dtype), None,
+                None if db is None else db.to(bias.dtype), None, None, None, None)
+
+
+def _vocab_parallel(hidden, weight, target, bias, group, opts: LossOptions, reduction: str,
+                    chunk_size: int) -> Tensor:
+    import torch.distributed as dist
+
+    op = "linear_cross_entropy"
+    check(dist.is_available() and isinstance(group, dist.ProcessGroup), op,
+          f"process_group must be a torch.distributed ProcessGroup, got {type(group).__name__}")
+    check_args(op, hidden, weight, target, bias, opts, reduction, chunk_size)
+    check_ranks_agree(op, weight, target, group, name="weight", layout="(V / world_size, H)")
+    return _VocabParallel.apply(hidden, weight, target, bias, group, opts, reduction, chunk_size)
+
+
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None, *,
                          ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
                          softcap: float = 0.0, reduction: str = "mean",
-                         chunk_size: Optional[int] = None) -> Tensor:
+                         chunk_size: Optional[int] = None, process_group=None) -> Tensor:
     """cross_entropy(hidden @ weight.T + bias, target) without materialising the logits.
 
     hidden (..., H), weight (V, H) as nn.Linear's, bias (V,) or None, target (...) class
@@ -279,7 +359,19 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
     to one chunk's worth more join them in the chunk buffer (with chunk_size given, as many as
     it holds), and only the tokens after those go in chunks. Gradients for hidden, weight and
     bias.
+
+    process_group (vocab-parallel, as tensor-parallel training shards the lm-head): weight
+    (V_local, H) and bias (V_local,) are this rank's rows, the classes [rank * V_local, (rank + 1)
+    * V_local), equal on every rank of the group; hidden and target (global class ids) are the
+    same on every rank. Every rank gets the loss of the whole vocabulary and the gradients of
+    its own weight and bias rows; hidden's gradient is summed over the group, so every rank
+    holds the whole of it. Two all-reduces of per-row statistics in the forward and one of
+    hidden's size in the backward, which recomputes each chunk's logits (four GEMMs in all
+    where the single-device op runs three).
     """
+    if process_group is not None:
+        opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap)
+        return _vocab_parallel(hidden, weight, target, bias, process_group, opts, reduction, chunk_size or 0)
     return call("linear_cross_entropy",
                 hidden, weight, target, bias, ignore_index=ignore_index, label_smoothing=label_smoothing,
                 z_loss=z_loss, softcap=softcap, reduction=reduction, chunk_size=chunk_size or 0)

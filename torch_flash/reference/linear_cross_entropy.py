@@ -25,7 +25,7 @@ def chunk_logits(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tens
     return F.linear(hidden, weight, bias)
 
 
-def _rows(hidden: Tensor, weight: Tensor, chunk_size: int):
+def row_chunks(hidden: Tensor, weight: Tensor, chunk_size: int):
     """hidden as (N, H) and the row slices of its chunks."""
     h = hidden.reshape(hidden.shape[:-1].numel(), hidden.shape[-1])  # not -1: H may be 0
     return h, ce.row_slices(h.shape[0], ce.rows_per_chunk(weight.shape[0], hidden.dtype, chunk_size))
@@ -35,7 +35,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
                          opts: LossOptions = LossOptions(), reduction: str = "mean",
                          chunk_size: int = 0) -> Tensor:
     """hidden (..., H), weight (V, H), target (...), bias (V,) -> loss as cross_entropy's."""
-    h, chunks = _rows(hidden, weight, chunk_size)
+    h, chunks = row_chunks(hidden, weight, chunk_size)
     t = target.reshape(-1)
     losses = h.new_empty(h.shape[0], dtype=compute_dtype(hidden.dtype))
     for rows in chunks:
@@ -55,7 +55,7 @@ def linear_cross_entropy_backward(grad_loss: Tensor, hidden: Tensor, weight: Ten
     so the weight is never copied to fp32.
     """
     cdt = compute_dtype(hidden.dtype)
-    h, chunks = _rows(hidden, weight, chunk_size)
+    h, chunks = row_chunks(hidden, weight, chunk_size)
     t = target.reshape(-1)
     g = ce.grad_rows(grad_loss, target, opts.ignore_index, reduction, cdt)
     dhidden = hidden.new_empty(hidden.shape) if grads[0] else None
