@@ -1,4 +1,4 @@
-"""64-bit indexing (issue 39): ops on tensors of more than 2^31 elements match a reference
+"""64-bit indexing: ops on tensors of more than 2^31 elements match a reference
 computed chunk by chunk.
 
 Each case is a function of its sizes and device. The GPU tests (cuda, slow) run it where a

@@ -66,8 +66,8 @@ _DTYPE_QUERIES = frozenset({aten.promote_types.default, aten.result_type.Tensor,
                             aten.result_type.Scalar_Tensor, aten.result_type.Scalar_Scalar})
 # ops a recipe calls again through the dispatcher (step "call"): their outputs' shapes follow
 # from their inputs' and they read nothing on the host, so a call of the same signature makes
-# the same calls. The flash ops (csrc/attention's kernels among them) qualify too. contiguous:
-# a copy or the input itself, as the strides (in the key) decide.
+# the same calls. The flash ops (csrc/attention's kernels among them) qualify too. contiguous and
+# to.dtype: a copy or the input itself, as the strides (in the key) decide.
 _CALLED = frozenset({
     aten.copy_.default, aten.clone.default, aten.contiguous.default, aten.zero_.default, aten.fill_.Scalar,
     aten.zeros.default, aten.new_zeros.default, aten.new_full.default, aten._to_copy.default, aten.to.dtype,
