@@ -109,6 +109,50 @@ def replace(graph: fx.Graph, old: fx.Node, new: fx.Node, op_name: str) -> Unmatc
                      f"computes {dtype_of(old)} {tuple(val(old).shape)}")
 
 
+# ops whose result depends on their input's strides, not only its values
+STRIDED_READERS = (A.as_strided, A.as_strided_copy, A.as_strided_scatter, A._reshape_alias, A._reshape_alias_copy,
+                   A.sym_stride, A.sym_storage_offset)
+
+
+def readers_accept(old: fx.Node, new: torch.Tensor) -> bool:
+    """Whether every reader of old computes the same values from new, old's value laid out
+    otherwise (a fused op's output in its own layout). Readers are run again on fake values, in
+    graph order, wherever an input's layout changed. False where one raises (a `.view` of the
+    model's contiguous tensor), mutates, reads strides (STRIDED_READERS), is not an ATen op, or
+    is the graph's output (whose strides the caller sees). True: their `val` meta is updated to
+    the new layouts, which later patterns read."""
+    import operator
+
+    from torch.utils._pytree import tree_leaves, tree_map
+
+    changed = {old: new}
+    node = old.next
+    while node.op != "root":
+        if any(a in changed for a in node.all_input_nodes):
+            if node.op != "call_function":
+                return False
+            if node.target is operator.getitem:
+                out = changed[node.args[0]][node.args[1]]
+            elif (not isinstance(node.target, torch._ops.OpOverload) or node.target._schema.is_mutable
+                  or node.target.overloadpacket in STRIDED_READERS):
+                return False
+            else:
+                args, kwargs = tree_map(lambda a: changed.get(a, val(a)) if isinstance(a, fx.Node) else a,
+                                        (node.args, node.kwargs))
+                try:
+                    out = fake_call(node.target, *args, **kwargs)
+                except Exception:  # a reader that cannot take this layout (view's RuntimeError)
+                    return False
+            if any(isinstance(a, torch.Tensor) and a.stride() != b.stride()
+                   for a, b in zip(tree_leaves(out), tree_leaves(val(node)))):
+                changed[node] = out
+        node = node.next
+    for node, v in changed.items():
+        if node is not old:
+            node.meta["val"] = v
+    return True
+
+
 def conclude(site, failed: Unmatched | None, op: str) -> None:
     """Record on a report Site that it became flash.<op>, or why that failed."""
     if failed is None:

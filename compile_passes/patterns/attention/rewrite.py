@@ -13,7 +13,7 @@ import torch.fx as fx
 
 from ...graph import A, dtype_of, insert_call, location, strip_casts, val
 from ...report import Report, Site
-from .._shared import Unmatched, call_checked, conclude, known_equal, replace
+from .._shared import Unmatched, call_checked, conclude, known_equal, readers_accept, replace
 from .match import SOFTMAX, match_softmax, softmax_of
 from .nodes import concrete, shape_of
 from .operands import Match, Operand, Part
@@ -178,10 +178,13 @@ def _replace(gm: fx.GraphModule, m: Match) -> Unmatched | None:
     out = _emit(g, at, A.squeeze.dim, node, 0) if m.merged else node
     for op, args in m.out_ops:
         out = _emit(g, at, op, out, *args)
-    if val(at).is_contiguous() and not val(out).is_contiguous():
-        out = _emit(g, at, A.contiguous.default, out)
     if dtype_of(out) != dtype_of(at):
         out = _emit(g, at, A._to_copy.default, out, dtype=dtype_of(at))
+    # the op's out is laid out like q: a copy into the model's contiguous layout only where a
+    # reader needs it (a .view); HF's transpose(1, 2).contiguous() after the product with v
+    # then copies nothing, where two copies would undo each other's transpose
+    if val(at).is_contiguous() and not val(out).is_contiguous() and not readers_accept(at, val(out)):
+        out = _emit(g, at, A.contiguous.default, out)
     failed = replace(g, at, out, "attention")
     if failed is None:
         _erase(g, m.chain + [at])
