@@ -5,6 +5,7 @@ tensors filled by the graph stand for. Every other module of the family reads no
 these."""
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -62,10 +63,13 @@ def int_arg(x: Any) -> Any:
 
 def constant(x: Any) -> float | None:
     """x as a Python number: a number, or a one-element tensor the graph fills with one
-    (torch.full([], c), scalar_tensor, zeros/ones), through casts."""
+    (torch.full([], c), scalar_tensor, zeros/ones) or holds as a constant (`torch.tensor(0.0)`
+    in the model, as transformers' eager mask up to 5.17 writes it), through casts."""
     n = number(x)
     if n is not None or not isinstance(x, fx.Node):
         return n
+    if x.op == "get_attr":
+        return _held_constant(x)
     v = val(x)
     if isinstance(v, (torch.SymInt, torch.SymFloat)):
         return number(v.node.maybe_as_int() if isinstance(v, torch.SymInt) else v.node.maybe_as_float())
@@ -79,9 +83,29 @@ def constant(x: Any) -> float | None:
         return 0.0
     if is_op(x, A.ones.default, A.ones_like.default, A.new_ones.default):
         return 1.0
-    if cast_dtype(x) is not None or is_op(x, *SAME, A.lift_fresh_copy.default, A.to.device):
+    # make_fx reads a tensor constant as lift_fresh_copy(get_attr), then detach_ (torch.tensor)
+    if cast_dtype(x) is not None or is_op(x, *SAME, A.lift_fresh_copy.default, A.detach_.default, A.to.device):
         return constant(x.args[0])
     return None
+
+
+def _held_constant(node: fx.Node) -> float | None:
+    """The value of a one-element tensor constant the traced module holds (get_attr), read off
+    the real tensor (a fake one has none). Only make_fx's `_tensor_constant<i>`, a tensor the
+    model made while traced: a parameter or buffer keeps its own name, and may change later."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if not str(node.target).startswith("_tensor_constant"):
+        return None
+    module = node.graph.owning_module
+    try:
+        t = operator.attrgetter(node.target)(module)
+    except AttributeError:
+        return None
+    if (not isinstance(t, torch.Tensor) or t.numel() != 1 or t.requires_grad or is_fake(t)
+            or t.device.type == "meta"):
+        return None
+    return number(t.item())
 
 
 def merges(src: Any, view: fx.Node) -> bool:
