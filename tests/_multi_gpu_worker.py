@@ -14,8 +14,9 @@ squared norms all-reduced):
   option, reduction and inplace_backward, fp32 / bf16, one compiled;
 - lm_head: the vocab-parallel lm head (a weight and bias shard per rank, F.linear, then the
   vocab-parallel cross_entropy): loss, dhidden (all-reduced), dweight, dbias;
-- linear_cross_entropy: flash.linear_cross_entropy (it has no process_group: the vocabulary
-  is whole) over token shards, loss and gradients all-reduced as data parallelism does;
+  and the same head fused, flash.linear_cross_entropy(process_group=...);
+- linear_cross_entropy: flash.linear_cross_entropy with the whole vocabulary over token shards,
+  loss and gradients all-reduced as data parallelism does;
 - timing (no check): ring attention forward + backward per step on N devices against one
   device at the same total sequence (medians; CUDA events on GPUs).
 
@@ -274,7 +275,7 @@ def lm_head_section(checks: Checks, device, sizes) -> None:
     group, world, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
     rows, v_local, hidden = sizes["ce_rows"], sizes["v_local"], sizes["hidden"]
     cls = slice(rank * v_local, (rank + 1) * v_local)
-    for i, (name, (dtype, opts, reduction, _)) in enumerate(LCE_CASES.items()):
+    for i, (name, (dtype, opts, reduction, chunk_size)) in enumerate(LCE_CASES.items()):
         label = f"lm_head/{name}/w{world}"
         g = _gen(device, name, 100 + world)
         h = _randn(g, *rows, hidden, dtype=dtype)
@@ -296,6 +297,17 @@ def lm_head_section(checks: Checks, device, sizes) -> None:
         checks.err(label, "dhidden", rel_err(dh, exact_in[0].grad), TOL[dtype])
         checks.err(label, "dweight", whole_err(leaves[1].grad, exact_in[1].grad[cls], group), TOL[dtype])
         checks.err(label, "dbias", whole_err(leaves[2].grad, exact_in[2].grad[cls], group), TOL[dtype])
+        # the same lm head fused: flash.linear_cross_entropy(process_group=...), dhidden summed by the op
+        label = f"lm_head/{name}-fused/w{world}"
+        fused = [h.clone().requires_grad_(), w[cls].clone().requires_grad_(), b[cls].clone().requires_grad_()]
+        loss = torch_flash.linear_cross_entropy(fused[0], fused[1], t, fused[2], reduction=reduction,
+                                                chunk_size=chunk_size, process_group=group, **_loss_opts(opts))
+        loss.backward(grad.to(loss.dtype))
+        _check_same_loss(checks, label, loss, group)
+        checks.err(label, "loss", rel_err(loss, exact), _loss_tol(dtype, False))
+        checks.err(label, "dhidden", rel_err(fused[0].grad, exact_in[0].grad), TOL[dtype])
+        checks.err(label, "dweight", whole_err(fused[1].grad, exact_in[1].grad[cls], group), TOL[dtype])
+        checks.err(label, "dbias", whole_err(fused[2].grad, exact_in[2].grad[cls], group), TOL[dtype])
 
 
 def linear_cross_entropy_section(checks: Checks, device, sizes) -> None:

@@ -53,6 +53,8 @@ def expected(section: str, world: int) -> set:
     cases = {"attention": ATTENTION_CASES, "cross_entropy": CE_CASES, "lm_head": LCE_CASES,
              "linear_cross_entropy": LCE_CASES}[section]
     names = {f"{section}/{name}/w{world}" for name in cases}
+    if section == "lm_head":  # and the same head fused: flash.linear_cross_entropy(process_group=...)
+        names |= {f"{section}/{name}-fused/w{world}" for name in cases}
     if section == "attention" and world >= 4:
         names.add(f"attention/{SUBGROUP_CASE}/subgroup-w{world // 2}")
     return names
