@@ -1,4 +1,4 @@
-"""Multi-GPU runs (issue 38): tests/_multi_gpu_worker.py in N processes started by
+"""Multi-GPU runs: tests/_multi_gpu_worker.py in N processes started by
 torch.distributed.run, one GPU each, over NCCL (N = 2, and 4 where 4 GPUs exist): ring attention
 (context_parallel_attention), vocab-parallel flash.cross_entropy, the vocab-parallel lm head and
 flash.linear_cross_entropy over token shards, every check against float64 on the whole problem;

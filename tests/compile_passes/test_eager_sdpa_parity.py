@@ -1,4 +1,4 @@
-"""HF LLaMA with attn_implementation "eager" and "sdpa" through the flash backend (issue 36):
+"""HF LLaMA with attn_implementation "eager" and "sdpa" through the flash backend:
 after the pass both reach Inductor as the same training graphs, op for op (with their constant
 arguments: shapes, scale, causal), saving the same tensors for the backward; and each trains
 as the model itself does. Graphs are read where Inductor's post-grad passes end (its custom
