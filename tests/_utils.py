@@ -51,6 +51,16 @@ def _gloo_rank(rank: int, work: Callable[[int], object], world: int, out_dir: st
         dist.destroy_process_group()
 
 
+def error_text(fn: Callable[[], object]) -> str | None:
+    """The ValueError fn raises, as text (None if it did not raise): what each rank of a
+    distributed test reports, for the test to compare."""
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def run_gloo_ranks(work: Callable[[int], object], world: int) -> list:
     """work(rank) in `world` spawned processes joined in a gloo process group (the default
     group); each rank's result, in rank order. work must be a module-level function."""

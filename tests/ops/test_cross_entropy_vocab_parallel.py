@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from torch_flash.testing.samples import cross_entropy as ce
-from _utils import TOL, assert_rel_close, run_gloo_ranks
+from _utils import TOL, assert_rel_close, error_text, run_gloo_ranks
 
 # the module-scoped `results` (two gloo ranks, seconds to start) once per run: under pytest-xdist
 # (--dist loadgroup) this file's tests run in one worker
@@ -93,15 +93,6 @@ def _run_case(rank, name, case):
     return loss.detach(), leaf.grad, logits.detach()
 
 
-def _expect_error(fn):
-    """The ValueError every rank must raise, as text (None if it did not raise)."""
-    try:
-        fn()
-    except ValueError as e:
-        return str(e)
-    return None
-
-
 def _error_cases(rank):
     from torch_flash.ops.cross_entropy import cross_entropy
 
@@ -125,7 +116,7 @@ def _error_cases(rank):
 
 def _rank_results(rank):
     results = {name: _run_case(rank, name, case) for name, case in _cases().items()}
-    results.update({name: _expect_error(fn) for name, fn in _error_cases(rank).items()})
+    results.update({name: error_text(fn) for name, fn in _error_cases(rank).items()})
     # the ranks are still in step after the errors: a last collective completes
     results["after-errors"] = _run_case(rank, "opts0-mean", _cases()["opts0-mean"])
     return results
