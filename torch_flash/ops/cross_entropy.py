@@ -460,24 +460,35 @@ def check_ranks_agree(op: str, logits: Tensor, target: Tensor, group, name: str 
                  f"{tuple(target.shape)}; every rank needs an equal shard {layout} and the same target")
 
 
+def vocab_shard(group, n_cols: int) -> dict:
+    """This rank's classes in a vocabulary split evenly over group, n_cols a rank: the
+    vocab_start / vocab_size arguments of the shard ops."""
+    return dict(vocab_start=group.rank() * n_cols, vocab_size=group.size() * n_cols)
+
+
+def combine_shard_stats(local_lse: Tensor, z_t: Tensor, z_sum: Tensor, target: Tensor, group,
+                        opts: LossOptions, vocab_size: int) -> tuple[Tensor, Tensor]:
+    """(loss, lse) of each row over the whole vocabulary from every rank's
+    flash.cross_entropy_shard_stats: two all-reduces (functional collectives, so it traces)."""
+    import torch.distributed._functional_collectives as funcol
+
+    top = funcol.all_reduce(local_lse, "max", group)
+    # rescaled exp-sums, target logits (one shard has each) and logit sums in one SUM
+    sums = funcol.all_reduce(torch.stack([(local_lse - top).exp(), z_t, z_sum]), "sum", group)
+    lse = torch.where(target != opts.ignore_index, top + sums[0].log(), 0.0)
+    return ref.loss_from_stats(lse, sums[1], sums[2], target, opts, vocab_size), lse
+
+
 class _VocabParallel(torch.autograd.Function):
     """Loss over a vocabulary split across process_group (the shard of this rank: logits);
     gradient for this shard only (each rank gets its own)."""
 
     @staticmethod
     def forward(ctx, logits, target, group, opts, reduction, inplace_backward):
-        import torch.distributed._functional_collectives as funcol
-
-        n_cols = logits.shape[-1]
-        shard = dict(vocab_start=group.rank() * n_cols, vocab_size=group.size() * n_cols)
+        shard = vocab_shard(group, logits.shape[-1])
         local_lse, z_t, z_sum = torch.ops.flash.cross_entropy_shard_stats(
             logits, target, **shard, ignore_index=opts.ignore_index, softcap=opts.softcap)
-        top = funcol.all_reduce(local_lse, "max", group)
-        # rescaled exp-sums, target logits (one shard has each) and logit sums in one SUM
-        sums = funcol.all_reduce(torch.stack([(local_lse - top).exp(), z_t, z_sum]), "sum", group)
-        valid = target != opts.ignore_index
-        lse = torch.where(valid, top + sums[0].log(), 0.0)
-        loss = ref.loss_from_stats(lse, sums[1], sums[2], target, opts, shard["vocab_size"])
+        loss, lse = combine_shard_stats(local_lse, z_t, z_sum, target, group, opts, shard["vocab_size"])
         ctx.inplace = inplace_backward
         ctx.save_for_backward(logits, target, lse)
         ctx.options = {**opts._asdict(), "reduction": reduction, **shard}

@@ -30,7 +30,7 @@ from ._autograd import call, grad_or_empty, launching_directly, register_autogra
 from ._checks import check, check_same_device, check_same_dtype, check_tensor, fail
 from ..reference import cross_entropy as ce_ref
 from .cross_entropy import (LossOptions, TargetCheck, check_grad_loss, check_options, check_ranks_agree,
-                            check_target)
+                            check_target, combine_shard_stats, vocab_shard)
 
 
 def check_args(op: str, hidden, weight, target, bias, opts: LossOptions, reduction: str,
@@ -278,9 +278,7 @@ class _VocabParallel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, target, bias, group, opts, reduction, chunk_size):
-        import torch.distributed._functional_collectives as funcol
-
-        shard = dict(vocab_start=group.rank() * weight.shape[0], vocab_size=group.size() * weight.shape[0])
+        shard = vocab_shard(group, weight.shape[0])
         h, chunks = ref.row_chunks(hidden, weight, chunk_size)
         t = target.reshape(-1)
         cdt = compute_dtype(hidden.dtype)
@@ -291,11 +289,7 @@ class _VocabParallel(torch.autograd.Function):
                 softcap=opts.softcap)
             for into, value in zip((local_lse, z_t, z_sum), stats):
                 into[rows] = value
-        top = funcol.all_reduce(local_lse, "max", group)
-        # rescaled exp-sums, target logits (one shard has each) and logit sums in one SUM
-        sums = funcol.all_reduce(torch.stack([(local_lse - top).exp(), z_t, z_sum]), "sum", group)
-        lse = torch.where(t != opts.ignore_index, top + sums[0].log(), 0.0)
-        loss = ce_ref.loss_from_stats(lse, sums[1], sums[2], t, opts, shard["vocab_size"])
+        loss, lse = combine_shard_stats(local_lse, z_t, z_sum, t, group, opts, shard["vocab_size"])
         ctx.save_for_backward(hidden, weight, target, bias, lse)
         ctx.group, ctx.chunk_size = group, chunk_size
         ctx.options = {**opts._asdict(), **shard}
