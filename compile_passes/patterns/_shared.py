@@ -126,9 +126,11 @@ def readers_accept(old: fx.Node, new: torch.Tensor) -> bool:
     from torch.utils._pytree import tree_leaves, tree_map
 
     changed = {old: new}
+    waiting = set(old.users)  # readers of a changed node not yet visited: the walk ends with them
     node = old.next
-    while node.op != "root":
-        if any(a in changed for a in node.all_input_nodes):
+    while waiting:
+        if node in waiting:
+            waiting.discard(node)
             if node.op != "call_function":
                 return False
             if node.target is operator.getitem:
@@ -146,6 +148,7 @@ def readers_accept(old: fx.Node, new: torch.Tensor) -> bool:
             if any(isinstance(a, torch.Tensor) and a.stride() != b.stride()
                    for a, b in zip(tree_leaves(out), tree_leaves(val(node)))):
                 changed[node] = out
+                waiting.update(node.users)
         node = node.next
     for node, v in changed.items():
         if node is not old:

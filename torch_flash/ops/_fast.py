@@ -6,8 +6,9 @@ Python stays the source of truth. The C++ CUDA kernel runs the op's Python body 
 until one call of an argument signature has been recorded: in order, the Triton launches the
 body made through kernels/triton/launch.py (compiled function, grid, arguments), the ops it
 called that a recipe may call again (_CALLED: csrc/attention's kernels, cuDNN's backward,
-copies, the matmuls and reductions of linear cross-entropy), and the loss ops' deferred target checks (ops/cross_entropy.py, TargetCheck: with this
-module loaded every CUDA check is queued in C++, csrc/fast/checks.cpp); besides, the buffers it
+copies, the matmuls and reductions of linear cross-entropy), and the loss ops' deferred target
+checks (ops/cross_entropy.py, TargetCheck: with this module loaded every CUDA check is queued
+in C++, csrc/fast/checks.cpp); besides, the buffers it
 allocated and the outputs it returned, each tensor traced to an input, a buffer or an op call's
 output. From then on C++ replays that recipe with the new call's tensors. A recording is kept
 only where the body did nothing else: every other ATen call it made allocates or views (a
