@@ -17,6 +17,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import rewrite_graph
+from .graph import lifted_values
 from .patterns import FAMILIES
 from .report import Report
 
@@ -245,8 +246,7 @@ def rewrite(obj, ops: Iterable[str] | None = None):
     """Rewrite an ExportedProgram (returns a new one that validates, runs, saves and loads)
     or a pre-dispatch GraphModule (rewritten in place and returned)."""
     if isinstance(obj, torch.export.ExportedProgram):
-        ep = _copy(obj)
-        report = rewrite_graph(ep.graph_module, ops)
+        ep, report = _rewrite_program(obj, ops)
         COUNTERS.update(report.counters())
         # replaced output nodes have new names: keep the signature in step with the graph
         outputs = next(iter(ep.graph.find_nodes(op="output"))).args[0]
@@ -259,6 +259,13 @@ def rewrite(obj, ops: Iterable[str] | None = None):
         COUNTERS.update(report.counters())
         return obj
     raise TypeError(f"torch_flash.rewrite: expected an ExportedProgram or GraphModule, got {type(obj).__name__}")
+
+
+def _rewrite_program(ep: torch.export.ExportedProgram, ops) -> tuple[torch.export.ExportedProgram, Report]:
+    """A copy of ep, rewritten, and its report; lifted constants are read as their values."""
+    ep = _copy(ep)
+    with lifted_values(ep):
+        return ep, rewrite_graph(ep.graph_module, ops)
 
 
 def _copy(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
@@ -275,7 +282,7 @@ def explain(model: Callable | torch.export.ExportedProgram, *args, **kwargs) -> 
     if isinstance(model, torch.export.ExportedProgram):
         if args or kwargs:
             raise TypeError("torch_flash.explain: an ExportedProgram is explained from its graph; pass no inputs")
-        return rewrite_graph(_copy(model).graph_module, None)
+        return _rewrite_program(model, None)[1]
     report = Report()
 
     def record(gm, example_inputs):

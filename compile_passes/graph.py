@@ -1,6 +1,7 @@
 """Graph helpers for the rewrites: normalisation and small queries on pre-dispatch ATen IR."""
 from __future__ import annotations
 
+import contextlib
 import numbers
 from typing import Any
 
@@ -10,6 +11,8 @@ import torch.fx as fx
 A = torch.ops.aten
 
 CASTS = (A.to.dtype, A._to_copy.default, A.to.dtype_layout, A.type_as.default)
+# Node meta of an ExportedProgram's placeholder: the number its one-element lifted constant holds.
+LIFTED_VALUE = "flash_lifted_value"
 
 
 def is_op(node: Any, *targets) -> bool:
@@ -127,6 +130,30 @@ def getitem(graph: fx.Graph, node: fx.Node, i: int) -> fx.Node:
 def same_meta(a: Any, b: Any) -> bool:
     return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
             and a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape))
+
+
+@contextlib.contextmanager
+def lifted_values(ep: torch.export.ExportedProgram):
+    """Within it, each placeholder of ep's graph that lifts a one-element tensor constant holds
+    that constant's number under LIFTED_VALUE. Export lifts a tensor the model made while traced
+    (transformers' `torch.tensor(0.0)` mask fill) to an input, where make_fx keeps an attribute;
+    the value is fixed at export. Parameters and buffers are not read: they may change after."""
+    from torch._subclasses.fake_tensor import is_fake
+    from torch.export.graph_signature import InputKind
+
+    names = {s.arg.name: ep.constants.get(s.target) for s in ep.graph_signature.input_specs
+             if s.kind == InputKind.CONSTANT_TENSOR}
+    marked = []
+    for n in ep.graph.find_nodes(op="placeholder"):
+        t = names.get(n.name)
+        if isinstance(t, torch.Tensor) and t.numel() == 1 and not is_fake(t) and t.device.type != "meta":
+            n.meta[LIFTED_VALUE] = t.item()
+            marked.append(n)
+    try:
+        yield
+    finally:
+        for n in marked:
+            n.meta.pop(LIFTED_VALUE, None)
 
 
 def normalize(gm: fx.GraphModule) -> None:

@@ -157,18 +157,31 @@ class _ConstantZeroMask(torch.nn.Module):
         return w @ v
 
 
-def test_constant_zero_mask_is_causal_without_bias():
-    """The held 0 reads as the number: causal=True and no attn_bias (a 0-d bias of zeros kept
-    the GPU off its bias-free kernels: the Hopper forward of csrc/attention, cuDNN's backward)."""
+def _compiled_graph(m, x) -> tuple[fx.GraphModule, torch.Tensor]:
+    """The graph the flash backend hands on, and its output."""
     graphs = []
 
     def inner(gm, example_inputs):
         graphs.append(gm)
         return gm.forward
 
+    out = torch.compile(m, backend=torch_flash.backend(inner=inner))(*x)
+    return graphs[0], out
+
+
+def _exported_graph(m, x) -> tuple[fx.GraphModule, torch.Tensor]:
+    """The rewritten ExportedProgram's graph (export lifts the held 0 to an input), its output."""
+    ep = torch_flash.rewrite(torch.export.export(m, x))
+    return ep.graph_module, ep.module()(*x)
+
+
+@pytest.mark.parametrize("trace", [_compiled_graph, _exported_graph], ids=["compile", "export"])
+def test_constant_zero_mask_is_causal_without_bias(trace):
+    """The held 0 reads as the number: causal=True and no attn_bias (a 0-d bias of zeros kept
+    the GPU off its bias-free kernels: the Hopper forward of csrc/attention, cuDNN's backward)."""
     x = tuple(torch.randn(2, 4, 8, 16) for _ in range(3))
     m = _ConstantZeroMask()
-    out = torch.compile(m, backend=torch_flash.backend(inner=inner))(*x)
-    (call,) = graphs[0].graph.find_nodes(op="call_function", target=torch.ops.flash.attention.default)
+    gm, out = trace(m, x)
+    (call,) = gm.graph.find_nodes(op="call_function", target=torch.ops.flash.attention.default)
     assert call.args[3] is None and call.kwargs["causal"] is True
     assert_rel_close(out, m(*x))

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ...graph import A, cast_dtype, is_op, number, val
+from ...graph import LIFTED_VALUE, A, cast_dtype, is_op, number, val
 from .._shared import known_equal
 
 # A hidden score at or below this weighs nothing next to any visible score above -9900.
@@ -64,12 +64,15 @@ def int_arg(x: Any) -> Any:
 def constant(x: Any) -> float | None:
     """x as a Python number: a number, or a one-element tensor the graph fills with one
     (torch.full([], c), scalar_tensor, zeros/ones) or holds as a constant (`torch.tensor(0.0)`
-    in the model, as transformers' eager mask up to 5.17 writes it), through casts."""
+    in the model, as transformers' eager mask up to 5.17 writes it: an attribute of a traced
+    module, an input that export lifted), through casts."""
     n = number(x)
     if n is not None or not isinstance(x, fx.Node):
         return n
     if x.op == "get_attr":
         return _held_constant(x)
+    if x.op == "placeholder":
+        return number(x.meta.get(LIFTED_VALUE))
     v = val(x)
     if isinstance(v, (torch.SymInt, torch.SymFloat)):
         return number(v.node.maybe_as_int() if isinstance(v, torch.SymInt) else v.node.maybe_as_float())
