@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+import operator
 from typing import Any
 
 import torch
@@ -92,6 +93,25 @@ def location(node: fx.Node) -> str:
     return node.name
 
 
+# export's spelling of a region under another grad or autocast mode (`@torch.no_grad()`,
+# `torch.autocast(enabled=False)`): one node that runs a subgraph, its outputs read by getitem
+WRAPS = (torch.ops.higher_order.wrap_with_set_grad_enabled, torch.ops.higher_order.wrap_with_autocast)
+
+
+def wrapped_output(node: Any) -> fx.Node | None:
+    """For getitem(wrap, i) of a WRAPS node: the node of its subgraph that computes output i."""
+    if not (is_op(node, operator.getitem) and is_op(node.args[0], *WRAPS)):
+        return None
+    wrap = node.args[0]
+    sub = next((a for a in wrap.args if isinstance(a, fx.Node) and a.op == "get_attr"), None)
+    module = operator.attrgetter(sub.target)(wrap.graph.owning_module) if sub is not None else None
+    if not isinstance(module, fx.GraphModule):
+        return None
+    outputs = next(iter(module.graph.find_nodes(op="output"))).args[0]
+    out = outputs[node.args[1]] if isinstance(outputs, (tuple, list)) else None
+    return out if isinstance(out, fx.Node) else None
+
+
 def fake_call(op, *args, **kwargs):
     """Run op on the FakeTensors of node arguments: the output metadata of a new node."""
     from torch._subclasses.fake_tensor import FakeTensor
@@ -120,7 +140,6 @@ def insert_call(graph: fx.Graph, before: fx.Node, op, args: tuple, kwargs: dict 
 
 
 def getitem(graph: fx.Graph, node: fx.Node, i: int) -> fx.Node:
-    import operator
     with graph.inserting_after(node):
         g = graph.call_function(operator.getitem, (node, i))
     g.meta["val"] = val(node)[i]

@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from ..graph import (A, cast_dtype, dtype_of, getitem, insert_call, is_op, last_dim, location, only_user,
-                     other_operand, split_const, val)
+                     other_operand, split_const, val, wrapped_output)
 from ..report import Report, Site
 from ._shared import (HALF, RESHAPES, Unmatched, arg, call_checked, conclude, keeps_rows, known_equal, replace,
                       same_value)
@@ -120,12 +120,13 @@ def _rotated(rot: fx.Node) -> tuple[fx.Node, bool] | None:
 
 def _table_source(n: fx.Node) -> fx.Node | None:
     """The input of an op that maps each row of it to a row of its output, the same function
-    applied to every element (casts, cos/sin, scaling by a constant) or moving rows whole."""
+    applied to every element (casts, cos/sin, scaling by a constant) or moving rows whole; for
+    an output of a region export wraps (tables made under no_grad), where it is computed."""
     if keeps_rows(n) or cast_dtype(n) is not None or is_op(n, *UNARY):
         return n.args[0]
     if is_op(n, A.mul.Tensor, A.div.Tensor):
         return split_const(n)[0]
-    return None
+    return wrapped_output(n)
 
 
 def _repeats_halves(t: fx.Node, interleaved: bool) -> bool:

@@ -170,3 +170,31 @@ def test_export_rewrite(tmp_path, style):
     assert [str(n.target) for n in ep.graph.nodes if str(n.target).startswith("flash.")] == ["flash.rotary_qk.default"]
     torch.export.save(ep, tmp_path / "rope.pt2")
     torch.testing.assert_close(torch.export.load(tmp_path / "rope.pt2").module()(*args), model(*args))
+
+
+class WrappedTables(RotaryQK):
+    """LLaMA's rotary with its tables made in a region of another mode, which export keeps as
+    one node running a subgraph: under no_grad (transformers' LlamaRotaryEmbedding.forward up
+    to 5.17) or with autocast off (its fp32 tables)."""
+
+    def __init__(self, region):
+        super().__init__(style="llama")
+        self.region = region
+
+    def _cos_sin(self, x, position_ids):
+        with torch.no_grad() if self.region == "no_grad" else torch.autocast("cpu", enabled=False):
+            return super()._cos_sin(x, position_ids)
+
+
+@pytest.mark.parametrize("region", ["no_grad", "autocast_off"])
+def test_export_tables_in_wrapped_region(region):
+    """The halves are proven inside the region's subgraph: q and k become one flash.rotary_qk."""
+    torch.manual_seed(0)
+    model, args = WrappedTables(region).eval(), _inputs()
+    ep = torch.export.export(model, args)
+    wraps = {"no_grad": torch.ops.higher_order.wrap_with_set_grad_enabled,
+             "autocast_off": torch.ops.higher_order.wrap_with_autocast}
+    assert any(n.target is wraps[region] for n in ep.graph.nodes)  # the spelling under test
+    ep = torch_flash.rewrite(ep)
+    assert [str(n.target) for n in ep.graph.nodes if str(n.target).startswith("flash.")] == ["flash.rotary_qk.default"]
+    torch.testing.assert_close(ep.module()(*args), model(*args))
