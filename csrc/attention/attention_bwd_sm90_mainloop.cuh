@@ -275,13 +275,10 @@ struct BwdMainloop
       cutlass::fmha::collective::gemm_zero_acc(mma_nm, tDPrV(_, _, _, read_v.index()), tDPrDO(_, _, _, read_do.index()), acc_DP);
       warpgroup_commit_batch();
 
-      Tensor lse = make_fragment_like<float>(acc_S);
-      Tensor odo = make_fragment_like<float>(acc_S);
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(lse); i++) {
-        lse(i) = float(M_LOG2E) * tSsLSE(_, _, _, read_q.index())(i);
-        odo(i) = tDPsODO(_, _, _, read_do.index())(i);
-      }
+      // lse and sum(dO * O) are read from shared memory where used (a broadcast load a row):
+      // register fragments of them would hold 64 floats a thread across the two GEMMs.
+      Tensor lse = tSsLSE(_, _, _, read_q.index());
+      Tensor odo = tDPsODO(_, _, _, read_do.index());
 
       // P from S, the warpgroups' exponentials taking turns so one's overlaps the other's GEMMs.
       warpgroup_wait<1>();
@@ -290,7 +287,7 @@ struct BwdMainloop
       Fusion{}.before_softmax(acc_S, tScS, problem_size);
       Tensor acc_P = make_fragment_like<float>(acc_S);
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(acc_P); i++) acc_P(i) = ::exp2f(params.scale_softmax_log2 * acc_S(i) - lse(i));
+      for (int i = 0; i < size(acc_P); i++) acc_P(i) = ::exp2f(params.scale_softmax_log2 * acc_S(i) - float(M_LOG2E) * lse(i));
       order_barrier.arrive();
 
       warpgroup_wait<0>();
