@@ -2,8 +2,10 @@
 kernel, its registers / spills / shared memory, whether its PTX uses Hopper's wgmma, and (run
 under ncu with --profile-from-start off) one profiled forward and backward of ours and of
 SDPA-cuDNN at the standard grid's D=128, S=16k point. --sm90: the Hopper CUDA forward of
-torch_flash._C and cuDNN's forward instead.
-Usage: ncu --profile-from-start off [sections] python scripts/profile_attention.py [--causal] [--sm90]
+torch_flash._C and cuDNN's forward instead; --sm90-bwd: its Hopper backward and FlashAttention
+4's backward (where importable; cuDNN's otherwise).
+Usage: ncu --profile-from-start off [sections] python scripts/profile_attention.py [--causal]
+           [--sm90 | --sm90-bwd]
 """
 import sys
 
@@ -49,13 +51,41 @@ def main_sm90(q, k, v, causal):
     torch.cuda.cudart().cudaProfilerStop()
 
 
-def main(causal, sm90):
+def main_sm90_bwd(q, k, v, causal):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    scale = q.shape[-1] ** -0.5
+    out, lse = torch.ops.flash.attention_fwd_sm90(q, k, v, scale, causal)
+    do = torch.randn_like(out)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    try:
+        from flash_attn.cute import flash_attn_func
+        peer = flash_attn_func(*(t.transpose(1, 2) for t in leaves), causal=causal)
+        peer = (peer[0] if isinstance(peer, tuple) else peer).transpose(1, 2)
+    except ImportError:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            peer = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
+
+    def both():
+        torch.ops.flash.attention_bwd_sm90(do, q, k, v, out, lse, scale, causal)
+        torch.autograd.grad(peer, leaves, do, retain_graph=True)
+
+    both()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    both()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
+def main(causal, sm90, sm90_bwd=False):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     b, h, s, d = 2, 16, 16384, 128
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
                for _ in range(3))
     if sm90:
         return main_sm90(q, k, v, causal)
+    if sm90_bwd:
+        return main_sm90_bwd(q, k, v, causal)
     flags = dict(scale=None, causal=causal, window_left=-1, window_right=-1, softcap=0.0,
                  dropout_p=0.0, dropout_seed=None)
     out, lse = A.attention_fwd(q, k, v, None, **flags)  # autotunes
@@ -82,4 +112,4 @@ def main(causal, sm90):
 
 
 if __name__ == "__main__":
-    main("--causal" in sys.argv, "--sm90" in sys.argv)
+    main("--causal" in sys.argv, "--sm90" in sys.argv, "--sm90-bwd" in sys.argv)
