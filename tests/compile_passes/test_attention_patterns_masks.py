@@ -112,6 +112,15 @@ def hf_packed_causal(q, k, v):  # one sequence per row: the mask is the causal o
     return _attend(_scores(q, k).masked_fill(~mask, INF), v)
 
 
+def hf_packed_sliding(q, k, v):  # and a sliding-window piece by the same gathered positions (Gemma 3)
+    pos = (torch.arange(q.shape[-2], device=q.device) + 0)[None, :].expand(q.shape[0], -1)
+    b_idx = torch.arange(q.shape[0], device=q.device)[:, None, None, None]
+    q_idx = torch.arange(q.shape[-2], device=q.device)[None, None, :, None]
+    kv_idx = torch.arange(q.shape[-2], device=q.device)[None, None, None, :]
+    mask = _packed_mask(q, pos[:1]) & (pos[b_idx, kv_idx] > pos[b_idx, q_idx] - 3)
+    return _attend(_scores(q, k).masked_fill(~mask, INF), v)
+
+
 def hf_packed_documents(q, k, v):  # constant positions restarting every 3 tokens: two documents
     mask = _packed_mask(q, (torch.arange(q.shape[-2], device=q.device) % 3)[None, :])
     return _attend(_scores(q, k).masked_fill(~mask, INF), v)
@@ -227,6 +236,7 @@ SPELLINGS = [
     (additive_triu, _args(), dict(causal=True, bias=False)),
     (hf_causal, _args(), dict(causal=True, bias=False)),
     (hf_packed_causal, _args(), dict(causal=True, bias=False)),
+    (hf_packed_sliding, _args(), dict(causal=True, bias=False, window=(2, -1))),
     (hf_packed_documents, _args(), dict(causal=False, bias=True)),
     (kv_cache, _args(sq=3), dict(causal=True, bias=False)),
     (sliding_window, _args(), dict(causal=True, bias=False, window=(2, -1))),

@@ -122,11 +122,11 @@ def _evaluated(node: fx.Node) -> torch.Tensor | None:
 
 def _constant_keep(node: fx.Node, positive: bool, shape: tuple) -> Formula | None:
     """The keep formula of a constant piece (node == positive) over the scores' shape
-    (..., Sq, Sk): TRUE where it keeps everything, the causal band where it equals the
-    bottom-right causal mask, else None (it stays attn_bias). transformers 5.2x builds its
-    causal mask from position ids gathered by index (arange made in the graph) and ands it with
-    a same-sequence piece for packed sequences, which keeps everything without packing; the
-    index algebra proves neither."""
+    (..., Sq, Sk): TRUE where it keeps everything, the band lo <= key - query <= hi where it
+    equals one (causal, a sliding window), else None (it stays attn_bias). transformers 5.2x
+    builds its causal and sliding-window masks from position ids gathered by index (arange made
+    in the graph) and ands them with a same-sequence piece for packed sequences, which keeps
+    everything without packing; the index algebra proves none of them."""
     if any(not isinstance(d, int) for d in shape):
         return None
     value = _evaluated(node)
@@ -139,12 +139,15 @@ def _constant_keep(node: fx.Node, positive: bool, shape: tuple) -> Formula | Non
     if bool(keep.all()):
         return TRUE
     sq, sk = shape[-2:]
-    rows = torch.arange(sq, device=keep.device)[:, None] + (sk - sq)
-    causal = torch.arange(sk, device=keep.device)[None, :] <= rows
-    if torch.equal(keep, causal.expand(shape)):
-        r = len(shape) - 2
-        return atom({r: 1, r + 1: -1}, sk - sq)  # i - j + Sk - Sq >= 0
-    return None
+    offsets = torch.arange(sk, device=keep.device)[None, :] - torch.arange(sq, device=keep.device)[:, None]
+    kept = offsets.expand(shape)[keep]
+    if kept.numel() == 0:
+        return None
+    lo, hi = int(kept.min()), int(kept.max())
+    if not torch.equal(keep, ((offsets >= lo) & (offsets <= hi)).expand(shape)):
+        return None
+    r = len(shape) - 2
+    return f_and(atom({r: 1, r + 1: -1}, hi), atom({r: -1, r + 1: 1}, -lo))  # i - j + hi >= 0, j - i - lo >= 0
 
 
 class _Masks:
