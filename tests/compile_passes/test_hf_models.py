@@ -286,7 +286,7 @@ MODELS = {
 CASES = [pytest.param(name, impl, id=f"{name}-{impl}", marks=pytest.mark.xdist_group(f"hf_{name}"))
          for name in MODELS for impl in ("eager", "sdpa")]
 
-def _batch(task: str, padding: str | None = None) -> dict:
+def batch_of(task: str, padding: str | None = None) -> dict:
     """Every kind of batch has the same shapes and an attention_mask (of the encoder, for
     seq2seq), so that one compiled graph runs them all: padding None (no padding: a mask of
     ones; labels -100 on the last 3 tokens of one sequence, as HF marks padding), "left" (a
@@ -360,7 +360,7 @@ def _run(name: str, impl: str, autocast: bool = False) -> Run:
     # GPT2LMHeadModel's name gives no loss type: HF warns (a graph break) and uses this one
     model.loss_type = model.loss_type or "ForCausalLM"
     sides = () if autocast or spec.task == "image" else ("left", "right")
-    batches = {side: _batch(spec.task, side) for side in (None, *sides)}
+    batches = {side: batch_of(spec.task, side) for side in (None, *sides)}
 
     def step(fn, batch, model=model):
         model.zero_grad()
@@ -405,7 +405,7 @@ def _run(name: str, impl: str, autocast: bool = False) -> Run:
     return run
 
 
-def _expected(name: str, config) -> tuple[dict, dict]:
+def expected_sites(name: str, config) -> tuple[dict, dict]:
     """The sites the architecture has, {op: count} (zeros dropped), and the candidates explain
     rightly leaves alone, {(family, words of its reason): count}."""
     ops = MODELS[name].ops(config)
@@ -413,17 +413,17 @@ def _expected(name: str, config) -> tuple[dict, dict]:
     return {op: k for op, k in ops.items() if k}, left
 
 
-def _assert_sites(run: Run, name: str, family: str | None = None) -> None:
+def assert_sites(report: Report, expected: dict, left: dict, family: str | None = None) -> None:
     """The sites (of the family, or all) are rewritten to the expected ops, as many as the
-    architecture has; the only ones left alone are those it expects, each with explain's reason."""
-    expected, left = _expected(name, run.config)
+    architecture has; the only ones left alone are those it expects (left), each with explain's
+    reason."""
     expected = {op: k for op, k in expected.items() if family in (None, BY_NAME[op].family)}
-    sites = [s for s in run.report.sites if family in (None, s.family)]
-    assert all(s.reason for s in sites if not s.rewritten), str(run.report)
+    sites = [s for s in report.sites if family in (None, s.family)]
+    assert all(s.reason for s in sites if not s.rewritten), str(report)
     kept = Counter(next((key for key in left if key[0] == s.family and key[1] in s.reason), ("?", s.reason))
                    for s in sites if not s.rewritten)
-    assert kept == {key: k for key, k in left.items() if family in (None, key[0])}, str(run.report)
-    assert Counter(s.op for s in sites if s.rewritten) == expected, str(run.report)
+    assert kept == {key: k for key, k in left.items() if family in (None, key[0])}, str(report)
+    assert Counter(s.op for s in sites if s.rewritten) == expected, str(report)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -432,7 +432,7 @@ def test_sites(name, impl, family):
     """Every site of the family is found and rewritten, as many as the architecture has, to
     the expected ops (add_* where a residual sum feeds the norm)."""
     run = _run(name, impl)
-    _assert_sites(run, name, family)
+    assert_sites(run.report, *expected_sites(name, run.config), family)
     sites = [s for s in run.report.sites if s.family == family and s.rewritten]
     if family == "attention":  # the spelling of the implementation was the one matched
         want = "F.scaled_dot_product_attention" if impl == "sdpa" else "softmax"
@@ -481,7 +481,7 @@ def test_padded_batch(name, impl, side):
     4.9e-4, half an fp32 step at 1e4) scales the rows' weights; before this the rows gave 0
     and gradients were off by 0.2-0.5."""
     run = _run(name, impl).padded[side]
-    _assert_sites(run, name)
+    assert_sites(run.report, *expected_sites(name, run.config))
     fully_masked = side == "left" and impl == "eager" and MODELS[name].task == "causal"
     _assert_same_training(run, grad_tol=5e-4 if fully_masked else None)
 
@@ -512,7 +512,7 @@ def test_autocast(name, impl):
     reads it), and the loss and gradients are as close to the float64 model's as eager
     autocast's are (within 2x, or 1e-2)."""
     run = _run(name, impl, autocast=True)
-    _assert_sites(run, name)
+    assert_sites(run.report, *expected_sites(name, run.config))
     exact_loss, exact_grads = run.exact
     assert rel_err(run.loss, exact_loss) <= max(2 * rel_err(run.ref_loss, exact_loss), 1e-2)
     for param, exact in exact_grads.items():
