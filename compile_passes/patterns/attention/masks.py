@@ -140,7 +140,7 @@ def _constant_keep(node: fx.Node, positive: bool, shape: tuple) -> Formula | Non
         return TRUE
     sq, sk = shape[-2:]
     offsets = torch.arange(sk, device=keep.device)[None, :] - torch.arange(sq, device=keep.device)[:, None]
-    kept = offsets.expand(shape)[keep]
+    kept = offsets[keep.reshape(-1, sq, sk).any(0)]  # the offsets some (batch, head) keeps
     if kept.numel() == 0:
         return None
     lo, hi = int(kept.min()), int(kept.max())
