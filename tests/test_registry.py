@@ -68,7 +68,12 @@ def test_spec_matches_the_schemas(op):
     names = [a.name for a in schema.arguments]
     forward = getattr(torch.ops.flash, spec.forward or op).default._schema
     backward = getattr(torch.ops.flash, spec.backward).default._schema
-    assert {a.name for a in forward.arguments} <= set(names)
+    extra = dict(spec.forward_args)
+    for a in forward.arguments:  # the op's argument, a named source, or the forward's default
+        assert a.name in names or a.name in extra or a.has_default_value(), a.name
+    for name, s in extra.items():
+        assert s.kind in (_autograd.ARG, _autograd.REQUIRES_GRAD, _autograd.DEFAULT)
+        assert s.kind == _autograd.DEFAULT or s.ref in names
     assert len(spec.outputs) == len(schema.returns) and max(spec.outputs) < len(forward.returns)
     assert len(spec.backward_args) == len(backward.arguments)
     for s in spec.save:
@@ -84,8 +89,15 @@ def test_spec_matches_the_schemas(op):
             assert s.ref < len(spec.outputs)
         elif s.kind == _autograd.CONST:
             assert isinstance(s.ref, int)
+    for s, a in zip(spec.backward_args, backward.arguments):
+        assert s.kind != _autograd.DEFAULT or a.has_default_value(), a.name
     kinds = {a.name: a.type.kind() for a in schema.arguments}
-    assert all(kinds.get(name) == "BoolType" for name in spec.python_if)
+    for name, value in _autograd.python_if_pairs(spec):
+        assert kinds.get(name) == {bool: "BoolType", str: "StringType"}[type(value)]
+    if spec.handout:  # the forward's gradients, one per backward return, and the op scaling them
+        assert len(spec.handout) == len(backward.returns) and max(spec.handout) < len(forward.returns)
+        scale = getattr(torch.ops.flash, spec.scale).default._schema
+        assert len(scale.arguments) == 2 and scale.arguments[0].alias_info.is_write
     converted = _fast._spec_tuple(op)  # what the C++ node is given
     assert len(converted[1]) == len(forward.arguments) and len(converted[6]) == len(names)
 

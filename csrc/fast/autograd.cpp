@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/saved_variable.h>
 
 #include <type_traits>
@@ -42,9 +43,13 @@ struct SpecNode final : Node {
 
   void release_variables() override {
     for (auto& s : saved) s.reset_data();
+    handed.clear();
   }
 
   variable_list apply(variable_list&& grads) override;
+  // The handed-out gradients as backward's returns, scaled in place; false where a backward
+  // must recompute them (none held, create_graph, or a graph kept for another backward).
+  bool hand_out(const variable_list& grads, torch::jit::Stack& returns);
 
   const OpState& state;
   std::vector<c10::IValue> args;         // the call's non-tensor arguments (None for tensors)
@@ -52,43 +57,67 @@ struct SpecNode final : Node {
   std::vector<bool> present;             // whether argument i is a tensor
   std::vector<bool> required;            // whether argument i required a gradient
   std::vector<torch::autograd::SavedVariable> saved;
+  // spec.handout's tensors: plain, not saved variables, as scaling them in place would trip a
+  // saved variable's version check
+  std::vector<at::Tensor> handed;
 };
+
+bool SpecNode::hand_out(const variable_list& grads, torch::jit::Stack& returns) {
+  if (handed.empty() || c10::GradMode::is_enabled() || torch::autograd::get_current_graph_task_keep_graph()) {
+    return false;
+  }
+  const at::Tensor grad_out = grads[0].defined() ? grads[0] : input_metadata(0).zeros_like();
+  for (at::Tensor& t : handed) {
+    if (t.numel() > 0) {
+      torch::jit::Stack call{t, grad_out};
+      state.spec->scale->callBoxed(&call);
+    }
+    returns.emplace_back(std::move(t));
+  }
+  handed.clear();  // the caller's now: a later backward recomputes
+  return true;
+}
 
 variable_list SpecNode::apply(variable_list&& grads) {
   const Spec& spec = *state.spec;
   torch::jit::Stack stack;
   stack.reserve(spec.backward_args.size());
-  for (const Source& s : spec.backward_args) {
-    switch (s.kind) {
-      case Source::kArg:
-        stack.push_back(args[s.index]);
-        break;
-      case Source::kSaved: {
-        at::Tensor t = saved[s.index].unpack();
-        stack.push_back(t.defined() ? c10::IValue(std::move(t)) : c10::IValue());
-        break;
+  if (!hand_out(grads, stack)) {
+    for (const Source& s : spec.backward_args) {
+      switch (s.kind) {
+        case Source::kArg:
+          stack.push_back(args[s.index]);
+          break;
+        case Source::kSaved: {
+          at::Tensor t = saved[s.index].unpack();
+          stack.push_back(t.defined() ? c10::IValue(std::move(t)) : c10::IValue());
+          break;
+        }
+        case Source::kGrad:  // an unused output's gradient is zero, as autograd.Function materialises it
+          stack.push_back(grads[s.index].defined() ? grads[s.index] : input_metadata(s.index).zeros_like());
+          break;
+        case Source::kGradOrNone:
+          stack.push_back(grads[s.index].defined() ? c10::IValue(grads[s.index]) : c10::IValue());
+          break;
+        case Source::kDtypeOf:
+          stack.push_back(c10::IValue(dtypes[s.index]));
+          break;
+        case Source::kNone:
+          stack.emplace_back();
+          break;
+        case Source::kRequiresGrad:
+          stack.push_back(c10::IValue(static_cast<bool>(required[s.index])));
+          break;
+        case Source::kConst:
+          stack.push_back(c10::IValue(static_cast<int64_t>(s.index)));
+          break;
+        case Source::kDefault:
+          stack.push_back(spec.backward.schema().arguments()[s.index].default_value().value());
+          break;
       }
-      case Source::kGrad:  // an unused output's gradient is zero, as autograd.Function materialises it
-        stack.push_back(grads[s.index].defined() ? grads[s.index] : input_metadata(s.index).zeros_like());
-        break;
-      case Source::kGradOrNone:
-        stack.push_back(grads[s.index].defined() ? c10::IValue(grads[s.index]) : c10::IValue());
-        break;
-      case Source::kDtypeOf:
-        stack.push_back(c10::IValue(dtypes[s.index]));
-        break;
-      case Source::kNone:
-        stack.emplace_back();
-        break;
-      case Source::kRequiresGrad:
-        stack.push_back(c10::IValue(static_cast<bool>(required[s.index])));
-        break;
-      case Source::kConst:
-        stack.push_back(c10::IValue(static_cast<int64_t>(s.index)));
-        break;
     }
+    spec.backward.callBoxed(&stack);
   }
-  spec.backward.callBoxed(&stack);
   variable_list out(num_outputs());
   for (size_t i = 0; i < spec.grads.size(); ++i) {
     const auto [ret, cast] = spec.grads[i];
@@ -116,8 +145,8 @@ bool python_only(const Spec& spec, c10::ArrayRef<c10::IValue> args) {
   for (int i : spec.python_only) {
     if (requires_grad(args[i])) return true;
   }
-  for (int i : spec.python_if) {
-    if (args[i].isBool() && args[i].toBool()) return true;
+  for (const auto& [i, value] : spec.python_if) {
+    if (args[i] == value) return true;
   }
   return false;
 }
@@ -203,7 +232,16 @@ void autograd_kernel(OpState& state, const c10::OperatorHandle& op, c10::Dispatc
   }
   torch::jit::Stack forward;
   forward.reserve(spec.forward_args.size());
-  for (int i : spec.forward_args) forward.push_back(args[i]);
+  const c10::OperatorHandle& forward_op = spec.forward ? *spec.forward : op;
+  for (const Source& s : spec.forward_args) {
+    if (s.kind == Source::kRequiresGrad) {
+      forward.push_back(c10::IValue(requires_grad(args[s.index])));
+    } else if (s.kind == Source::kDefault) {
+      forward.push_back(forward_op.schema().arguments()[s.index].default_value().value());
+    } else {
+      forward.push_back(args[s.index]);
+    }
+  }
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     if (spec.forward) {
@@ -226,13 +264,15 @@ void autograd_kernel(OpState& state, const c10::OperatorHandle& op, c10::Dispatc
     }
     node->saved.emplace_back(t, /*is_output=*/false);
   }
+  for (int j : spec.handout) node->handed.push_back(forward[j].toTensor());
   torch::jit::drop(*stack, state.num_args);
   for (auto& v : outputs) stack->push_back(std::move(v));
 }
 
 // spec: (forward op or "", forward_args, public_outputs, saved, backward op, backward_args, grads,
-// python_only, python_if); saved and backward_args hold (Source kind, index) pairs, grads (backward
-// return, cast) pairs.
+// python_only, python_if, handout, scale op or ""); forward_args, saved and backward_args hold
+// (Source kind, index) pairs, grads (backward return, cast) pairs, python_if (argument, bool or
+// str value) pairs.
 std::unique_ptr<Spec> parse_spec(py::handle obj) {
   if (obj.is_none()) return nullptr;
   const auto t = obj.cast<py::tuple>();
@@ -244,12 +284,23 @@ std::unique_ptr<Spec> parse_spec(py::handle obj) {
     }
     return out;
   };
-  const auto forward = t[0].cast<std::string>();
+  auto op_or_none = [&](py::handle name) -> std::optional<c10::OperatorHandle> {
+    const auto text = name.cast<std::string>();
+    return text.empty() ? std::nullopt : std::optional(dispatcher.findSchemaOrThrow(text.c_str(), ""));
+  };
+  std::vector<std::pair<int, c10::IValue>> python_if;
+  for (py::handle pair : t[8]) {
+    const auto entry = pair.cast<py::tuple>();
+    const c10::IValue value = py::isinstance<py::bool_>(entry[1]) ? c10::IValue(entry[1].cast<bool>())
+                                                                  : c10::IValue(entry[1].cast<std::string>());
+    python_if.emplace_back(entry[0].cast<int>(), value);
+  }
   auto spec = std::make_unique<Spec>(Spec{
-      forward.empty() ? std::nullopt : std::optional(dispatcher.findSchemaOrThrow(forward.c_str(), "")),
-      t[1].cast<std::vector<int>>(), t[2].cast<std::vector<int>>(), sources(t[3]),
+      op_or_none(t[0]), sources(t[1]), t[2].cast<std::vector<int>>(), sources(t[3]),
       dispatcher.findSchemaOrThrow(t[4].cast<std::string>().c_str(), ""), sources(t[5]),
-      t[6].cast<std::vector<std::pair<int, int>>>(), t[7].cast<std::vector<int>>(), t[8].cast<std::vector<int>>()});
+      t[6].cast<std::vector<std::pair<int, int>>>(), t[7].cast<std::vector<int>>(), std::move(python_if),
+      t[9].cast<std::vector<int>>(), op_or_none(t[10])});
+  TORCH_CHECK(spec->handout.empty() || spec->scale, "torch_flash fast path: a handout without a scale op");
   return spec;
 }
 

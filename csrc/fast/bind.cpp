@@ -44,7 +44,8 @@ struct Quiet final : c10::WarningHandler {
   void process(const c10::Warning&) override {}
 };
 
-void enable(const std::string& name, py::object fallback, py::object rule, py::object spec, bool autograd) {
+void enable(const std::string& name, py::object fallback, py::object rule, py::object spec, bool autograd,
+            bool python_when_keeping_graph) {
   TORCH_CHECK(!registry().count(name), "torch_flash fast path: flash.", name, " is already enabled");
   auto state = std::make_unique<OpState>();
   state->name = name;
@@ -53,6 +54,7 @@ void enable(const std::string& name, py::object fallback, py::object rule, py::o
   state->fallback = fallback.release().ptr();
   state->rule = rule.is_none() ? nullptr : rule.release().ptr();
   state->spec = parse_spec(spec);
+  state->python_when_keeping_graph = python_when_keeping_graph;
   OpState* raw = state.get();
   registry().emplace(name, std::move(state));
   Quiet quiet;
@@ -70,8 +72,9 @@ void enable(const std::string& name, py::object fallback, py::object rule, py::o
 
 void bind(py::module_& m) {
   m.def("fast_enable", &enable, py::arg("name"), py::arg("fallback"), py::arg("rule"), py::arg("spec"),
-        py::arg("autograd"),
-        "Registers flash.<name>'s CUDA kernel in C++, and its AutogradCUDA one where autograd is set "
+        py::arg("autograd"), py::arg("python_when_keeping_graph") = false,
+        "Registers flash.<name>'s CUDA kernel in C++, and its AutogradCUDA one where autograd is set; "
+        "python_when_keeping_graph: calls inside a backward that keeps its graph run the Python body "
         "(torch_flash/ops/_fast.py)");
   m.def(
       "fast_target_check",

@@ -90,7 +90,8 @@ struct Recipe {
 // What the autograd node of an op does (torch_flash/ops/_fast.py, Spec, documents the fields).
 struct Source {
   enum Kind : int {
-    kArg = 0, kSaved = 1, kGrad = 2, kGradOrNone = 3, kDtypeOf = 4, kNone = 5, kRequiresGrad = 6, kConst = 7
+    kArg = 0, kSaved = 1, kGrad = 2, kGradOrNone = 3, kDtypeOf = 4, kNone = 5, kRequiresGrad = 6, kConst = 7,
+    kDefault = 8  // index: the argument's position in the called op's schema
   };
   Kind kind;
   int index;
@@ -98,14 +99,16 @@ struct Source {
 
 struct Spec {
   std::optional<c10::OperatorHandle> forward;  // a sibling returning extra state; nullopt: the op
-  std::vector<int> forward_args;     // argument positions passed to `forward`
+  std::vector<Source> forward_args;  // kArg (the call's argument), kRequiresGrad or kDefault
   std::vector<int> public_outputs;   // which of forward's returns the op returns
   std::vector<Source> saved;         // kArg (a tensor argument) or kSaved (forward's return i)
   c10::OperatorHandle backward;
   std::vector<Source> backward_args;
   std::vector<std::pair<int, int>> grads;  // per argument: (backward return or -1, cast to dtype of arg or -1)
   std::vector<int> python_only;  // arguments whose gradient only the Python rule computes
-  std::vector<int> python_if;    // bool arguments that, when true, send the call to the Python rule
+  std::vector<std::pair<int, c10::IValue>> python_if;  // an argument equal to the value: the Python rule
+  std::vector<int> handout;  // forward's returns that are backward's for an upstream gradient of one
+  std::optional<c10::OperatorHandle> scale;  // scale(grad, grad_out): a handed-out gradient in place
 };
 
 using Key = std::vector<int64_t>;
@@ -125,6 +128,7 @@ struct OpState {
   PyObject* fallback = nullptr;  // fallback(args, record) -> (result, recipe or None); never freed
   PyObject* rule = nullptr;      // the Python autograd rule (rule(*args, **kwargs)), or null
   std::unique_ptr<Spec> spec;    // null: the op has no C++ autograd node
+  bool python_when_keeping_graph = false;  // inside a backward that keeps its graph: the Python body
   std::mutex mutex;
   std::unordered_map<Key, Entry, KeyHash> table;
   std::atomic<const std::string*> last{nullptr};  // the recipe path of the latest call if replayed

@@ -9,6 +9,7 @@
 #include <cuda_runtime_api.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/PyInterpreter.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
 #include <cstring>
@@ -456,7 +457,11 @@ void cuda_kernel(OpState& state, const c10::OperatorHandle& op, c10::DispatchKey
   const auto args = torch::jit::last(*stack, state.num_args);
   Key key;
   bool record = false;
-  if (!backend_forced() && make_key(args, key)) {
+  // a body that refuses backwards keeping their graph must see every such call
+  const bool keeping_graph = state.python_when_keeping_graph &&
+                             torch::autograd::get_current_graph_task_id() != -1 &&
+                             torch::autograd::get_current_graph_task_keep_graph();
+  if (!keeping_graph && !backend_forced() && make_key(args, key)) {
     std::shared_ptr<const Recipe> recipe;
     {
       std::lock_guard<std::mutex> guard(state.mutex);

@@ -151,24 +151,46 @@ def _lce_inputs(bias=False):
     return (h, w, target, torch.randn(1000, device=DEV, dtype=torch.bfloat16)) if bias else (h, w, target)
 
 
+@pytest.mark.parametrize("upstream", [1.0, 3.0])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_linear_cross_entropy_gradients_replay(reduction):
-    """With a gradient, the autograd rule (Python) runs flash.linear_cross_entropy_with_grads,
-    whose calls replay: loss and gradients equal the Python path's bit for bit."""
-    before = _stats("linear_cross_entropy_with_grads")[0]
+def test_linear_cross_entropy_gradients_replay(reduction, upstream):
+    """With a gradient, the C++ node runs flash.linear_cross_entropy_with_grads and hands its
+    gradients out scaled in place (flash.linear_cross_entropy_scale_), all replays: loss and
+    gradients equal the Python path's bit for bit."""
+    before = [_stats(op)[0] for op in ("linear_cross_entropy_with_grads", "linear_cross_entropy_scale_")]
     for call in range(4):
         inputs = _lce_inputs(bias=True)
         leaves = [t.requires_grad_() if t.is_floating_point() else t for t in inputs]
         loss = torch_flash.linear_cross_entropy(*leaves, z_loss=1e-4, reduction=reduction)
-        loss.backward()
+        assert loss.grad_fn.name() == "flash::linear_cross_entropy backward"
+        (loss * upstream).backward()
         want_leaves = [t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs]
         want = _python_path(torch_flash.linear_cross_entropy, want_leaves, dict(z_loss=1e-4, reduction=reduction))
-        want.backward()
+        (want * upstream).backward()
         assert torch.equal(loss, want), f"loss of call {call}"
         for got_t, want_t in zip(leaves, want_leaves):
             if got_t.is_floating_point():
                 assert torch.equal(got_t.grad, want_t.grad), f"gradient of call {call}"
-    assert _stats("linear_cross_entropy_with_grads")[0] >= before + 2
+    after = [_stats(op)[0] for op in ("linear_cross_entropy_with_grads", "linear_cross_entropy_scale_")]
+    assert after[0] >= before[0] + 2 and after[1] >= before[1] + 2
+
+
+def test_linear_cross_entropy_node_retained_graph():
+    """A backward that keeps its graph recomputes (the scaling op refuses such backwards), the
+    next one hands the forward's gradients out: both equal the Python path's; a reduction of
+    "none" takes the Python rule."""
+    inputs = _lce_inputs(bias=False)
+    leaves = [t.requires_grad_() if t.is_floating_point() else t for t in inputs]
+    want_leaves = [t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs]
+    loss = torch_flash.linear_cross_entropy(*leaves)
+    want = _python_path(torch_flash.linear_cross_entropy, want_leaves, {})
+    for retain in (True, False):
+        got = torch.autograd.grad(loss * 2, leaves[:2], retain_graph=retain)
+        expected = torch.autograd.grad(want * 2, want_leaves[:2], retain_graph=retain)
+        for g, e in zip(got, expected):
+            assert_rel_close(g.double(), e.double(), TOL[torch.bfloat16])
+    rows = torch_flash.linear_cross_entropy(*leaves, reduction="none")
+    assert rows.grad_fn.name() != "flash::linear_cross_entropy backward"
 
 
 @pytest.mark.parametrize("case", list(_forward_cases()))

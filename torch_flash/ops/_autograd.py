@@ -117,11 +117,12 @@ def _kernel_scan_deferred():
         _library_triton.get_inner_triton_kernels = scan
 
 
-def register_body(opdef: CustomOpDef) -> None:
+def register_body(opdef: CustomOpDef, mutated: tuple[int, ...] = ()) -> None:
     """A custom op's body (launching_directly's), run without the dispatcher by call() and
-    recorded by the eager fast path (ops/_fast.py), as a triton op's is."""
+    recorded by the eager fast path (ops/_fast.py), as a triton op's is; mutated: the positions
+    of the arguments it writes."""
     _BODIES[opdef._name] = opdef._init_fn
-    _MUTATED[opdef._name] = ()
+    _MUTATED[opdef._name] = mutated
 
 
 def triton_op(name: str, *, mutates_args) -> Callable[[Callable], CustomOpDef]:
@@ -359,7 +360,7 @@ def autograd_rule(opdef: CustomOpDef, *, forward: Callable[..., tuple[Any, Any]]
 
 
 # csrc/fast/fast_path.h, Source::Kind
-ARG, SAVED, GRAD, GRAD_OR_NONE, DTYPE_OF, NONE, REQUIRES_GRAD, CONST = range(8)
+ARG, SAVED, GRAD, GRAD_OR_NONE, DTYPE_OF, NONE, REQUIRES_GRAD, CONST, DEFAULT = range(9)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,7 +369,7 @@ class Src:
     tensor), SAVED (the ref-th saved tensor), GRAD / GRAD_OR_NONE (the gradient of the ref-th
     output; an unused output's is zeros / None), DTYPE_OF (the dtype of tensor argument `ref`),
     NONE (None), REQUIRES_GRAD (whether tensor argument `ref` requires a gradient), CONST (the
-    integer `ref`)."""
+    integer `ref`), DEFAULT (the called op's default for this argument)."""
     kind: int
     ref: int | str | None = None
 
@@ -386,7 +387,14 @@ class Spec:
     dtype it is cast to, or None); arguments that were None get none. python_grads: argument
     name -> fn(saved, grads) computing its gradient in Python (grads: zeros for unused outputs);
     a call where such an argument needs a gradient runs the Python rule. python_if: arguments
-    that, when true, send the call to the rule register_autograd_spec is given beside the Spec."""
+    that, when true (a name) or equal to a value (a (name, value) pair), send the call to the
+    rule register_autograd_spec is given beside the Spec (or the op's own Python rule).
+    forward_args: forward's arguments that are not the op's same-named one, by name (REQUIRES_GRAD,
+    DEFAULT, ARG of another name). handout: forward's returns that are backward's returns for an
+    upstream gradient of one; the first backward without create_graph or retain_graph gives
+    them away, each scaled in place by the gradient of output 0 through the op `scale`
+    (scale(grad, grad_out)), instead of calling backward (which recomputes). Only the C++ node
+    runs handout Specs (register_fast_spec): the op's Python rule does the same itself."""
     backward: str
     backward_args: tuple[Src, ...]
     grads: tuple[tuple[str, int, str | None], ...]
@@ -394,7 +402,10 @@ class Spec:
     forward: str | None = None
     outputs: tuple[int, ...] = (0,)
     python_grads: tuple[tuple[str, Callable], ...] = ()
-    python_if: tuple[str, ...] = ()
+    python_if: tuple[str | tuple[str, Any], ...] = ()
+    forward_args: tuple[tuple[str, Src], ...] = ()
+    handout: tuple[int, ...] = ()
+    scale: str | None = None
 
 
 # op name -> its Spec (the fast path hands them to C++)
@@ -411,6 +422,8 @@ def register_autograd_spec(opdef: CustomOpDef, spec: Spec, otherwise: Callable |
     """opdef's autograd rule from its Spec (through register_autograd_via); otherwise: the rule
     (as autograd_rule returns it) of the calls whose spec.python_if arguments are not all false."""
     name = opdef._name
+    if spec.handout or spec.forward_args:
+        raise ValueError(f"flash.{name}: a Spec with a handout or forward_args runs in C++ only (register_fast_spec)")
     forward_names = sum(_schema_names(spec.forward or name), [])
     backward_positional, keyword = _schema_names(spec.backward)
     n_positional = len(backward_positional)
@@ -448,14 +461,26 @@ def register_autograd_spec(opdef: CustomOpDef, spec: Spec, otherwise: Callable |
     if spec.python_if:
         names = [a.name for a in opdef._opoverload._schema.arguments]
         defaults = {a.name: a.default_value for a in opdef._opoverload._schema.arguments if a.has_default_value()}
-        flags = [(names.index(n), n) for n in spec.python_if]
+        flags = [(names.index(n), n, v) for n, v in python_if_pairs(spec)]
         spec_rule = rule
 
         def rule(*args, **kwargs):
-            flagged = any(args[i] if i < len(args) else kwargs.get(n, defaults.get(n)) for i, n in flags)
+            flagged = any((args[i] if i < len(args) else kwargs.get(n, defaults.get(n))) == v for i, n, v in flags)
             return (otherwise if flagged else spec_rule)(*args, **kwargs)
     register_autograd_kernel(opdef, rule)
     SPECS[name] = spec
+
+
+def python_if_pairs(spec: Spec) -> list[tuple[str, Any]]:
+    """spec.python_if as (argument, value sending the call to Python) pairs."""
+    return [(entry, True) if isinstance(entry, str) else entry for entry in spec.python_if]
+
+
+def register_fast_spec(opdef: CustomOpDef, spec: Spec) -> None:
+    """spec as the C++ node of the eager fast path runs it (csrc/fast/autograd.cpp), for an op
+    whose Python rule is its own (register_autograd_via) and computes the same: the fast path
+    tests compare the two bit for bit."""
+    SPECS[opdef._name] = spec
 
 
 def grad_or_empty(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

@@ -41,12 +41,16 @@ OPS = ("rms_norm", "rms_norm_backward", "add_rms_norm", "add_rms_norm_backward",
        "layer_norm", "layer_norm_with_stats", "layer_norm_backward",
        "add_layer_norm", "add_layer_norm_with_stats", "add_layer_norm_backward",
        "cross_entropy", "cross_entropy_with_lse", "cross_entropy_backward",
-       "attention", "attention_with_lse", "attention_backward", "attention_varlen", "attention_varlen_backward")
+       "attention", "attention_with_lse", "attention_backward", "attention_varlen", "attention_varlen_backward",
+       "linear_cross_entropy")
 # ops whose CUDA kernel alone is served here: their calls without a gradient (autograd: Python;
-# decode writes the new keys into the cache, call() moves its version counters; linear
-# cross-entropy's autograd rule hands the forward's gradients to the backward, which no Spec says)
-FORWARD_OPS = ("rotary", "rotary_qk", "attention_decode",
-               "linear_cross_entropy", "linear_cross_entropy_with_grads", "linear_cross_entropy_backward")
+# decode writes the new keys into the cache, call() moves its version counters; the others are
+# linear cross-entropy's forward with gradients, its backward and the in-place scaling the
+# C++ node hands its gradients out with)
+FORWARD_OPS = ("rotary", "rotary_qk", "attention_decode", "linear_cross_entropy_with_grads",
+               "linear_cross_entropy_backward", "linear_cross_entropy_scale_")
+# ops whose replays stop inside a backward that keeps its graph: their Python body refuses it
+PYTHON_WHEN_KEEPING_GRAPH = ("linear_cross_entropy_scale_",)
 
 # ATen calls a recorded body may make: allocations (replayed) and views (their effect is in the
 # pointers and strides recorded)
@@ -288,17 +292,28 @@ def _spec_tuple(op: str) -> tuple | None:
     if spec is None:
         return None
     names = [a.name for a in getattr(torch.ops.flash, op).default._schema.arguments]
+
+    def source(s: _autograd.Src, position: int) -> tuple[int, int]:
+        # DEFAULT: the position in the called op's schema, whose default C++ reads
+        if s.kind == _autograd.DEFAULT:
+            return s.kind, position
+        return s.kind, names.index(s.ref) if isinstance(s.ref, str) else s.ref or 0
+
     forward = spec.forward or op
-    forward_args = [names.index(a.name) for a in getattr(torch.ops.flash, forward).default._schema.arguments]
+    extra = dict(spec.forward_args)
+    own = {n: _autograd.Src(_autograd.ARG, n) for n in names}  # else: the forward's default
+    forward_args = [source(extra.get(a.name, own.get(a.name, _autograd.Src(_autograd.DEFAULT))), i)
+                    for i, a in enumerate(getattr(torch.ops.flash, forward).default._schema.arguments)]
     saved = [(_autograd.ARG, names.index(s)) if isinstance(s, str) else (_autograd.SAVED, s) for s in spec.save]
-    sources = [(s.kind, names.index(s.ref) if isinstance(s.ref, str) else s.ref or 0) for s in spec.backward_args]
+    sources = [source(s, i) for i, s in enumerate(spec.backward_args)]
     grads = [(-1, -1)] * len(names)
     for name, ret, cast in spec.grads:
         grads[names.index(name)] = (ret, -1 if cast is None else names.index(cast))
     python_only = [names.index(name) for name, _ in spec.python_grads]
-    python_if = [names.index(name) for name in spec.python_if]
+    python_if = [(names.index(name), value) for name, value in _autograd.python_if_pairs(spec)]
     return (f"flash::{spec.forward}" if spec.forward else "", forward_args, list(spec.outputs), saved,
-            f"flash::{spec.backward}", sources, grads, python_only, python_if)
+            f"flash::{spec.backward}", sources, grads, python_only, python_if, list(spec.handout),
+            f"flash::{spec.scale}" if spec.scale else "")
 
 
 _ready: bool | None = None
@@ -325,7 +340,7 @@ def enable(module) -> bool:
         module.fast_enable(op, _fallback(op), _autograd.REGISTERED.get(op), _spec_tuple(op), True)
         _autograd.FAST[op] = getattr(torch.ops.flash, op).default
     for op in FORWARD_OPS:
-        module.fast_enable(op, _fallback(op), None, None, False)
+        module.fast_enable(op, _fallback(op), None, None, False, op in PYTHON_WHEN_KEEPING_GRAPH)
         _autograd.FAST_FORWARD[op] = getattr(torch.ops.flash, op).default
     _dispatch.LAST.attach(module.fast_last, module.fast_forget, OPS + FORWARD_OPS)
     return True

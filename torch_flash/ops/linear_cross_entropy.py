@@ -26,7 +26,8 @@ from torch._functorch import config as functorch_config
 from .. import _dispatch
 from ..reference import linear_cross_entropy as ref
 from ..reference._common import compute_dtype
-from ._autograd import call, grad_or_empty, launching_directly, register_autograd_via, register_body, triton_op
+from ._autograd import (ARG, DEFAULT, GRAD, REQUIRES_GRAD, SAVED, Spec, Src, call, grad_or_empty, launching_directly,
+                        register_autograd_via, register_body, register_fast_spec, triton_op)
 from ._checks import check, check_same_device, check_same_dtype, check_tensor, fail
 from ..reference import cross_entropy as ce_ref
 from .cross_entropy import (LossOptions, TargetCheck, check_grad_loss, check_options, check_ranks_agree,
@@ -209,6 +210,7 @@ def _keeps_graph() -> bool:
 
 
 @torch.library.custom_op("flash::linear_cross_entropy_scale_", mutates_args=("grad",))
+@launching_directly
 def _linear_cross_entropy_scale_(grad: Tensor, grad_loss: Tensor) -> None:
     """grad *= grad_loss in place, no pass for 1 (read on the device): what a compiled graph's
     backward does to a gradient its forward computed (flash.linear_cross_entropy_with_grads),
@@ -261,8 +263,22 @@ def _backward(ctx, grad_loss):
     return {name: got[name] if ctx.flags[flag] else None for name, flag in _GRAD_FLAGS.items()}
 
 
+register_body(_linear_cross_entropy_scale_, mutated=(0,))
 register_autograd_via(_linear_cross_entropy, forward=_forward, setup_context=_setup,
                       backward=_backward, pass_needs_grad=True)
+# The same rule for the eager fast path's C++ node: the forward computes the gradients the
+# inputs need, the first backward hands them out scaled in place, a later one (or one keeping
+# its graph) recomputes; reduction="none" takes the rule above.
+_GRAD_SOURCES = tuple((flag, Src(REQUIRES_GRAD, name)) for name, flag in _GRAD_FLAGS.items())
+register_fast_spec(_linear_cross_entropy, Spec(
+    forward="linear_cross_entropy_with_grads", forward_args=_GRAD_SOURCES, outputs=(0,),
+    save=("hidden", "weight", "target", "bias"),
+    backward="linear_cross_entropy_backward",
+    backward_args=(Src(GRAD, 0), Src(SAVED, 0), Src(SAVED, 1), Src(SAVED, 2), Src(SAVED, 3),
+                   *(Src(ARG, name) for name in _OPTIONS), *(src for _, src in _GRAD_SOURCES),
+                   Src(DEFAULT)),
+    grads=(("hidden", 0, None), ("weight", 1, None), ("bias", 2, None)),
+    python_if=(("reduction", "none"),), handout=(1, 2, 3), scale="linear_cross_entropy_scale_"))
 
 
 # --------------------------------------------------------------------------------------

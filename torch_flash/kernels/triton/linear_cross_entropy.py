@@ -232,7 +232,7 @@ def scale_unless_one_(tensors, grad_loss: torch.Tensor) -> None:
             x.mul_(g.to(x.dtype))  # still no host read, only no skip
             continue
         programs = min(cdiv(x.numel(), SCALE_BLOCK), SCALE_PROGRAMS_PER_SM * _dispatch.sm_count(x.device))
-        _scale_kernel[(programs,)](x, g, x.numel(), BLOCK=SCALE_BLOCK)
+        launch(_scale_kernel, (programs,), x, g, x.numel(), BLOCK=SCALE_BLOCK)
 
 
 def lce_supports(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
