@@ -1,5 +1,6 @@
-"""Triton flash-attention kernels (torch_flash/kernels/triton/attention.py) against a float64
-plain-PyTorch reference written here: forward, backward, every feature, dense and varlen.
+"""Triton flash-attention kernels (torch_flash/kernels/triton/attention.py, attention_backward.py)
+against a float64 plain-PyTorch reference written here: forward, backward, every feature, dense
+and varlen.
 
 On a machine without a GPU the kernels run under TRITON_INTERPRET=1 on CPU tensors (slow:
 tiny shapes); the `cuda`-marked grid at realistic sizes runs where a GPU is present.
@@ -15,7 +16,7 @@ if not torch.cuda.is_available():
 os.environ.setdefault("TORCH_FLASH_AUTOTUNE", "0")
 
 pytest.importorskip("triton")
-from torch_flash.kernels.triton import attention as A  # noqa: E402
+from torch_flash.kernels.triton import attention as A, attention_backward as B  # noqa: E402
 from torch_flash.reference.attention import MASK_FILL, MASK_SCORE  # noqa: E402
 from _utils import rel_err  # noqa: E402
 
@@ -117,7 +118,7 @@ def run_case(q, k, v, bias=None, *, keep=None, grad_lse=False, deterministic=Fal
 
     dout = torch.randn_like(out) if dout_mask is None else torch.randn_like(out) * dout_mask
     glse = torch.randn_like(lse) if grad_lse else None
-    grads = A.attention_bwd(dout, glse, q, k, v, bias, out, lse, **f, bias_requires_grad=bias_grad,
+    grads = B.attention_bwd(dout, glse, q, k, v, bias, out, lse, **f, bias_requires_grad=bias_grad,
                             deterministic=deterministic)
     ref_loss = (ref_out * dout.double()).sum()
     if grad_lse:
@@ -229,7 +230,7 @@ def test_sinks():
     check_close(out, ref_out, TOL[torch.float32], "out")
     check_close(lse, ref_lse, 1e-5, "lse")
     dout = torch.randn_like(out)
-    grads = A.attention_bwd(dout, None, q, k, v, None, out, lse, **f, bias_requires_grad=False)
+    grads = B.attention_bwd(dout, None, q, k, v, None, out, lse, **f, bias_requires_grad=False)
     ref_grads = torch.autograd.grad((ref_out * dout.double()).sum(), leaves)
     for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
         check_close(g, r, TOL[torch.float32], name)
@@ -247,7 +248,7 @@ def test_deterministic_bitwise():
     f = flags(causal=True)
     out, lse = A.attention_fwd(q, k, v, None, **f)
     dout = torch.randn_like(out)
-    runs = [A.attention_bwd(dout, None, q, k, v, None, out, lse, **f, bias_requires_grad=False,
+    runs = [B.attention_bwd(dout, None, q, k, v, None, out, lse, **f, bias_requires_grad=False,
                             deterministic=True) for _ in range(2)]
     for a, b in zip(runs[0][:3], runs[1][:3]):
         assert torch.equal(a, b)
@@ -300,7 +301,7 @@ def test_varlen(dtype, kw):
     out, lse = A.attention_varlen_fwd(q, k, v, cu_q, cu_k, max(lq) + 7, max(lk) + 3, **f)
     assert out.shape == (sum(lq), 4, 16) and lse.shape == (4, sum(lq))
     dout = torch.randn_like(out)
-    dq, dk, dv = A.attention_varlen_bwd(dout, None, q, k, v, cu_q, cu_k, max(lq) + 7, max(lk) + 3,
+    dq, dk, dv = B.attention_varlen_bwd(dout, None, q, k, v, cu_q, cu_k, max(lq) + 7, max(lk) + 3,
                                         out, lse, **f)
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     outs, lses = [], []
@@ -324,8 +325,8 @@ def test_varlen_deterministic_matches_atomic():
     f = flags(causal=True)
     out, lse = A.attention_varlen_fwd(q, k, v, cu, cu, 12, 12, **f)
     dout = torch.randn_like(out)
-    det = A.attention_varlen_bwd(dout, None, q, k, v, cu, cu, 12, 12, out, lse, **f, deterministic=True)
-    atomic = A.attention_varlen_bwd(dout, None, q, k, v, cu, cu, 12, 12, out, lse, **f)
+    det = B.attention_varlen_bwd(dout, None, q, k, v, cu, cu, 12, 12, out, lse, **f, deterministic=True)
+    atomic = B.attention_varlen_bwd(dout, None, q, k, v, cu, cu, 12, 12, out, lse, **f)
     for a, b in zip(det, atomic):
         check_close(a, b, 1e-5, "deterministic vs atomic")
 
@@ -334,7 +335,7 @@ def test_empty_batch():
     q, k, v = rand(0, 2, 5, 32), rand(0, 2, 5, 32), rand(0, 2, 5, 32)
     out, lse = A.attention_fwd(q, k, v, None, **NO_FLAGS)
     assert out.shape == (0, 2, 5, 32) and lse.shape == (0, 2, 5)
-    dq, dk, dv, db = A.attention_bwd(out, None, q, k, v, None, out, lse, **NO_FLAGS,
+    dq, dk, dv, db = B.attention_bwd(out, None, q, k, v, None, out, lse, **NO_FLAGS,
                                      bias_requires_grad=False)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape and db is None
 
@@ -375,7 +376,7 @@ def test_gpu_grid_vs_sdpa(d, s, causal):
     f = flags(causal=causal)
     out, lse = A.attention_fwd(q, k, v, None, **f)
     dout = torch.randn_like(out)
-    dq, dk, dv, _ = A.attention_bwd(dout, None, q, k, v, None, out, lse, **f, bias_requires_grad=False)
+    dq, dk, dv, _ = B.attention_bwd(dout, None, q, k, v, None, out, lse, **f, bias_requires_grad=False)
 
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     ref_out, ref_lse = reference(*leaves, **f)
@@ -410,11 +411,12 @@ def test_gpu_features_bf16():
 def test_gpu_every_config():
     """Each autotune config of the d128 class (the main H100 target), run alone, against the
     reference: autotuning may pick any of them."""
-    kernels = A._KERNELS["d128"]
+    kernels = (A._KERNELS["d128"], *B._KERNELS["d128"])  # forward, dK/dV, dQ
+    configs = (A._CONFIGS["d128"], *B._CONFIGS["d128"])
     saved = [k.configs for k in kernels]
     try:
         for which, kernel in enumerate(kernels):
-            for config in A._CONFIGS["d128"][which]:
+            for config in configs[which]:
                 kernel.configs = [config]
                 run_case(rand(2, 4, 300, 128, dtype=torch.bfloat16, transposed=True),
                          rand(2, 2, 333, 128, dtype=torch.bfloat16, transposed=True),

@@ -82,7 +82,7 @@ def _qkv(d: int, s: int, b: int) -> tuple[torch.Tensor, ...]:
 
 
 def _time_point(d: int, s: int, b: int, causal: bool) -> list[dict]:
-    from torch_flash.kernels.triton import attention as tk
+    from torch_flash.kernels.triton import attention as tk, attention_backward as tkb
     h = HIDDEN // d
     q, k, v = _qkv(d, s, b)
     dout = torch.randn_like(q)
@@ -98,7 +98,7 @@ def _time_point(d: int, s: int, b: int, causal: bool) -> list[dict]:
                 dout, q, k, v, o, l, d ** -0.5, causal)
     out, lse = tk.attention_fwd(q, k, v, None, **flags)
     for impl, det in (("triton", False), ("triton-det", True)):
-        fns[impl, "bwd"] = lambda det=det: tk.attention_bwd(
+        fns[impl, "bwd"] = lambda det=det: tkb.attention_bwd(
             dout, None, q, k, v, None, out, lse, **flags, bias_requires_grad=False, deterministic=det)
 
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]

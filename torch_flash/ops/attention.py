@@ -420,7 +420,7 @@ def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
             return _Sm90BwdPlan(spec)
         if backend != "triton":
             return None
-        from ..kernels.triton.attention import AttentionBwd
+        from ..kernels.triton.attention_backward import AttentionBwd
         return AttentionBwd(grad_out, grad_lse, q, k, v, attn_bias, out, lse, None, None, q.shape[0], q.shape[2],
                             k.shape[2], kernel_flags(spec), bias_requires_grad, deterministic=True)
     # with the global state cudnn_backward_serves reads

@@ -133,7 +133,7 @@ def _attention_varlen_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: 
                        sinks)
         if not use_triton(op, q, k, v, None, dropout_p):
             return None
-        from ..kernels.triton.attention import AttentionBwd
+        from ..kernels.triton.attention_backward import AttentionBwd
         return AttentionBwd(grad_out, grad_lse, q, k, v, None, out, lse, cu_seqlens_q, cu_seqlens_k,
                             cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, kernel_flags(spec), False,
                             deterministic=True)
