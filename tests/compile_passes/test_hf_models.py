@@ -338,6 +338,18 @@ def _draws_for_layerdrop(model: str) -> bool:
     return re.search(r"if self\.training:\s+dropout_probability = torch\.rand", source) is not None
 
 
+def _xfail_if_uncompilable(loss_of: Callable, batch: dict, model: str) -> None:
+    """xfail when the model does not train under AOTAutograd without the flash backend either
+    (transformers 5.17's CPU MoE experts: a custom op whose backward reads data), which no
+    rewrite can fix."""
+    torch._dynamo.reset()
+    try:
+        torch.compile(loss_of, backend="aot_eager", fullgraph=True)(**batch).backward()
+    except Exception as e:
+        pytest.xfail(f"{model} in transformers {transformers.__version__} does not train under aot_eager "
+                     f"either ({type(e).__name__})")
+
+
 @functools.cache
 def _run(name: str, impl: str, autocast: bool = False) -> Run:
     """One forward/backward of the model eagerly and through the flash backend. The backend
@@ -391,8 +403,12 @@ def _run(name: str, impl: str, autocast: bool = False) -> Run:
     runs = {}
     for side, batch in batches.items():
         ref_loss, ref_grads = step(loss_of, batch)
-        with torch._functorch.config.patch(decompose_custom_triton_ops=False):
-            loss, grads = step(compiled, batch)
+        try:
+            with torch._functorch.config.patch(decompose_custom_triton_ops=False):
+                loss, grads = step(compiled, batch)
+        except torch._dynamo.exc.BackendCompilerFailed:
+            _xfail_if_uncompilable(loss_of, batch, spec.model)
+            raise
         assert len(graphs) == 2, (f"{len(graphs)} AOT graphs after the {side or 'unpadded'} batch: expected one "
                                   "forward and one backward (no graph breaks, no second compile)")
         runs[side] = Run(model.config, report, loss, ref_loss, grads, ref_grads, _flash_ops(graphs[0]),
