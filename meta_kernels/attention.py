@@ -54,4 +54,4 @@ def attention_fwd_sm90(q, k, v, scale, causal):
 @torch.library.register_fake("flash::attention_bwd_sm90")
 def attention_bwd_sm90(grad_out, q, k, v, out, lse, scale, causal):
     check_sm90_bwd_args("attention_bwd_sm90", grad_out, q, k, v, out, lse, causal)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return _in_layout(q, q.shape), _in_layout(k, k.shape), _in_layout(k, v.shape)

@@ -218,7 +218,8 @@ at::Tensor tma_ready(const at::Tensor& t) {
 }
 
 // The gradients of attention_fwd_sm90: grad_out and out (B, Hq, Sq, D), lse (B, Hq, Sq) fp32 as
-// the forward returned them -> dq, dk, dv contiguous. dq is summed over the key blocks by TMA
+// the forward returned them -> dq laid out like q, dk and dv like k (empty_like_layout: the
+// epilogue stores both alike). dq is summed over the key blocks by TMA
 // reductions: in any order by default, in key-block order (bitwise reproducible) under
 // torch.use_deterministic_algorithms(True).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_sm90(const at::Tensor& grad_out, const at::Tensor& q,
@@ -239,10 +240,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_sm90(const at::Tens
   c10::cuda::CUDAGuard guard(q.device());
   const auto grad_out_ = tma_ready(grad_out), out_ = tma_ready(out), lse_ = tma_ready(lse);
   const int64_t group = heads_q / heads_kv;
-  auto dq = at::empty_like(q, at::MemoryFormat::Contiguous);
-  // one slice of dk and dv per query head of a group, summed below (one kernel each)
-  auto dk = at::empty({group, batch, heads_kv, seqlen_k, head_dim}, q.options());
-  auto dv = at::empty_like(dk);
+  auto dq = empty_like_layout(q);
+  // with a group, one slice of dk and dv per query head, summed below (one kernel each)
+  at::Tensor dk_out = empty_like_layout(k), dv_out = at::empty_like(dk_out);
+  auto dk = group == 1 ? dk_out.unsqueeze(0) : at::empty({group, batch, heads_kv, seqlen_k, head_dim}, q.options());
+  auto dv = group == 1 ? dv_out.unsqueeze(0) : at::empty_like(dk);
   auto dq_acc = at::zeros({batch, heads_q, seqlen_q, head_dim}, q.options().dtype(at::kFloat));
   auto sum_odo = at::empty({batch, heads_q, seqlen_q}, q.options().dtype(at::kFloat));
   at::Tensor dq_semaphore;
@@ -291,14 +293,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_sm90(const at::Tens
   p.lse_batch_stride = to_int(lse_.stride(0), "lse.stride(0)", kBwdOp);
   to_int(lse_.stride(1) * group, "lse.stride(1) * group", kBwdOp);
   p.lse_head_stride = static_cast<int>(lse_.stride(1));
+  p.dk_batch_stride = to_int(dk.stride(1), "dk.stride(0)", kBwdOp);
+  p.dk_head_stride = to_int(dk.stride(2), "dk.stride(1)", kBwdOp);
+  p.dk_row_stride = to_int(dk.stride(3), "dk.stride(2)", kBwdOp);
   p.dkv_member_stride = dk.stride(0);
   p.scale = static_cast<float>(scale);
   p.bf16 = q.scalar_type() == at::kBFloat16;
   p.causal = causal;
   p.device = device;
   entry(p, c10::cuda::getCurrentCUDAStream(device).stream());
-  if (group == 1) return {dq, dk[0], dv[0]};
-  return {dq, dk.sum(0), dv.sum(0)};
+  if (group > 1) {
+    at::sum_out(dk_out, dk, at::IntArrayRef{0});
+    at::sum_out(dv_out, dv, at::IntArrayRef{0});
+  }
+  return {dq, dk_out, dv_out};
 }
 
 }  // namespace

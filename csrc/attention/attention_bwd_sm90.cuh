@@ -138,8 +138,8 @@ void run_bwd(const AttentionBwdSm90Params& p, cudaStream_t stream) {
              p.dq_semaphore == nullptr ? nullptr : p.dq_semaphore + long(g) * q_tiles,
              p.heads_q * q_tiles, q_tiles * group},
             p.scale},
-        {static_cast<Element*>(p.dk) + dkv_at, {p.heads_kv * p.seqlen_k * d, p.seqlen_k * d, d, _1{}},
-         static_cast<Element*>(p.dv) + dkv_at, {p.heads_kv * p.seqlen_k * d, p.seqlen_k * d, d, _1{}}},
+        {static_cast<Element*>(p.dk) + dkv_at, {p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride, _1{}},
+         static_cast<Element*>(p.dv) + dkv_at, {p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride, _1{}}},
         hw};
     if (!Kernel::can_implement(args)) {
       throw std::runtime_error("flash.attention_backward (sm90 kernel): unsupported problem (head dim " +

@@ -8,9 +8,9 @@ namespace torch_flash {
 
 // The gradients of one multi-head problem: q, out, grad_out (B, Hq, Sq, D), k/v (B, Hkv, Sk, D),
 // lse (B, Hq, Sq) fp32 natural log, as the forward wrote it. Strides in elements, the last dim
-// contiguous. dq (B, Hq, Sq, D); dk/dv (G, B, Hkv, Sk, D) with G = Hq / Hkv: one slice per query
-// head of a group (member g holds the gradients of heads g, g + G, ...), summed by the caller
-// where G > 1. The workspace: dq_acc (B, Hq, Sq, D) fp32 zeroed, sum_odo (B, Hq, Sq) fp32, both
+// contiguous. dq (B, Hq, Sq, D); dk/dv (B, Hkv, Sk, D) for each of G = Hq / Hkv query heads of a
+// group: member g holds the gradients of heads g, g + G, ..., at dkv_member_stride elements
+// from member 0, summed by the caller where G > 1. The workspace: dq_acc (B, Hq, Sq, D) fp32 zeroed, sum_odo (B, Hq, Sq) fp32, both
 // contiguous.
 // Query rows of the backward's tiles (every head dim): dQ is reduced one such tile at a time.
 constexpr int kBwdQueryRows = 64;
@@ -38,7 +38,8 @@ struct AttentionBwdSm90Params {
   int grad_out_batch_stride, grad_out_head_stride, grad_out_row_stride;
   int lse_batch_stride, lse_head_stride;
   int dq_batch_stride, dq_head_stride, dq_row_stride;
-  long dkv_member_stride;  // between the G slices of dk and dv, which are otherwise contiguous
+  int dk_batch_stride, dk_head_stride, dk_row_stride;  // dk and dv share their layout
+  long dkv_member_stride;  // between the G slices of dk and dv
   float scale;
   bool bf16;    // else fp16
   bool causal;  // aligned bottom-right (row i sees keys j <= i + Sk - Sq), with Sq <= Sk

@@ -375,8 +375,7 @@ class _Sm90BwdPlan:
 
     def __call__(self, grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, dropout_seed, alibi_slopes):
         grads = torch.ops.flash.attention_bwd_sm90(grad_out, q, k, v, out, lse, self.scale, self.causal)
-        # the kernel writes them contiguous: the copy into q's, k's and v's layout is the one
-        # their transposes back would otherwise make
+        # dq and dk come in q's and k's layout; dv in k's, copied where v's differs
         return (*(ref.in_layout(g, t) for g, t in zip(grads, (q, k, v))), None)
 
 

@@ -262,9 +262,9 @@ def attention_fwd_sm90(q, k, v, scale, causal):
 
 def attention_bwd_sm90(grad_out, q, k, v, out, lse, scale, causal):
     """flash.attention_bwd_sm90 by the formula: (dq, dk, dv) of `attention_with_lse`'s backward
-    without an lse gradient, contiguous as the kernel returns them."""
+    without an lse gradient, laid out as the kernel writes them: dq like q, dk and dv like k."""
     dq, dk, dv, _ = backward(grad_out, None, q, k, v, None, out, lse, Spec(scale, causal), False)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+    return in_layout(dq, q), in_layout(dk, k), in_layout(dv, k)
 
 
 # ---------------------------------------------------------------------------- CPU path
