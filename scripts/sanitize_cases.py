@@ -28,6 +28,35 @@ def _sample(op: str, stem: str, device: str):
     return None
 
 
+def _attention_sample(op: str, device: str):
+    """The attention ops' opcheck samples have head dim 8, below the Triton kernels' 16 (only
+    the reference path serves them): a bf16 call at head dim 32 instead, causal with a window
+    (cuDNN takes no window, so the Triton backward runs), GQA, Sq != Sk."""
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(device, torch.bfloat16)
+    flags = dict(scale=None, causal=True, window_left=24, window_right=-1, softcap=0.0, dropout_p=0.0)
+    if op.startswith("attention_varlen"):
+        q, k, v = rand(40, 4, 32), rand(56, 2, 32), rand(56, 2, 32)
+        cu_q, cu_k = (torch.tensor(c, dtype=torch.int32, device=device) for c in ([0, 17, 40], [0, 25, 56]))
+        if op == "attention_varlen":
+            return [q, k, v, cu_q, cu_k, 23, 31], {k: flags[k] for k in ("causal", "window_left")}
+        out, lse = torch.ops.flash.attention_varlen(q, k, v, cu_q, cu_k, 23, 31, causal=True, window_left=24)
+        return [torch.randn_like(out), None, q, k, v, cu_q, cu_k, 23, 31, out, lse, *flags.values(), None], {}
+    q, k, v = rand(2, 4, 40, 32), rand(2, 2, 56, 32), rand(2, 2, 56, 32)
+    if op in ("attention", "attention_with_lse"):
+        return [q, k, v], {k: flags[k] for k in ("causal", "window_left")}
+    out, lse = torch.ops.flash.attention_with_lse(q, k, v, causal=True, window_left=24)
+    return [torch.randn_like(out), None, q, k, v, None, out, lse, *flags.values(), None, False], {}
+
+
+# ops whose opcheck samples no kernel serves
+_KERNEL_SAMPLES = {op: _attention_sample for op in
+                   ("attention", "attention_with_lse", "attention_varlen", "attention_backward",
+                    "attention_varlen_backward")}
+
+
 def _path(op: str) -> str:
     """The backend the op's last call took, where the op records one."""
     from torch_flash import _dispatch
@@ -44,7 +73,8 @@ def main(argv=None) -> int:
     for op, stem in [(e.name, e.stem) for e in OPS] + backward_ops():
         if only is not None and op not in only:
             continue
-        sample = _sample(op, stem, args.device)
+        sample = (_KERNEL_SAMPLES[op](op, args.device) if op in _KERNEL_SAMPLES
+                  else _sample(op, stem, args.device))
         if sample is None:
             print(f"{op:36s} no sample without float64", flush=True)
             failed += 1
@@ -54,7 +84,11 @@ def main(argv=None) -> int:
                 getattr(torch.ops.flash, op)(*sample[0], **sample[1])
             if args.device == "cuda":
                 torch.cuda.synchronize()
-            print(f"{op:36s} ran ({_path(op)})", flush=True)
+            path = _path(op)
+            print(f"{op:36s} ran ({path})", flush=True)
+            if args.device == "cuda" and path == "reference":  # no kernel ran under the tool
+                print(f"{op:36s} FAILED: only the reference path ran", flush=True)
+                failed += 1
         except Exception as e:  # reported: the kernel did not run under the sanitizer
             print(f"{op:36s} FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
             failed += 1
