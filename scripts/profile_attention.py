@@ -13,6 +13,7 @@ import torch
 
 import torch_flash  # noqa: F401
 from torch_flash.kernels.triton import attention as A
+from torch_flash.kernels.triton import attention_backward as AB
 
 
 def compiled_kernels(tuned):
@@ -90,9 +91,9 @@ def main(causal, sm90, sm90_bwd=False):
                  dropout_p=0.0, dropout_seed=None)
     out, lse = A.attention_fwd(q, k, v, None, **flags)  # autotunes
     do = torch.randn_like(out)
-    A.attention_bwd(do, None, q, k, v, None, out, lse, **flags, bias_requires_grad=False,
-                    deterministic=True)
-    for name, tuned in zip(("forward", "dK/dV", "dQ"), A._KERNELS["d128"]):
+    AB.attention_bwd(do, None, q, k, v, None, out, lse, **flags, bias_requires_grad=False,
+                     deterministic=True)
+    for name, tuned in zip(("forward", "dK/dV", "dQ"), (A._KERNELS["d128"], *AB._KERNELS["d128"])):
         describe(name, tuned)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -102,8 +103,8 @@ def main(causal, sm90, sm90_bwd=False):
 
     torch.cuda.cudart().cudaProfilerStart()
     A.attention_fwd(q, k, v, None, **flags)
-    A.attention_bwd(do, None, q, k, v, None, out, lse, **flags, bias_requires_grad=False,
-                    deterministic=True)
+    AB.attention_bwd(do, None, q, k, v, None, out, lse, **flags, bias_requires_grad=False,
+                     deterministic=True)
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         ref = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
         torch.autograd.grad(ref, leaves, do)
