@@ -8,7 +8,7 @@
 // dtype after. GQA runs one launch per query head of a group (as the forward does), each
 // into its own slice of dk and dv. The mainloop (attention_bwd_sm90_mainloop.cuh) splits dQ over
 // both warpgroups (by head dim at 128, by keys at 64) and, under
-// torch.use_deterministic_algorithms, adds each dQ tile's contributions in key-block order.
+// torch.use_deterministic_algorithms, adds each dQ tile's contributions in a fixed key-block order.
 #pragma once
 
 #include <algorithm>
@@ -42,6 +42,9 @@ using BwdStrideRow = cute::tuple<int, int, _1>;  // lse, sum(dO * O): (batch, he
 // BlockKV keys; before_softmax sees (key, query) index pairs. Every query tile is visited, the
 // ones that see none of the block's keys skipped (is_contributing: then all tiles before them).
 struct NoMaskBwd {
+  // Deterministic dQ: the key blocks add into a query tile in index order (see KeyBlockScheduler).
+  static constexpr bool kReverseKeyBlocks = false;
+
   template <class BlkCoord, class TileShape, class ProblemSize>
   CUTLASS_DEVICE int get_trip_count(BlkCoord const&, TileShape const& tile, ProblemSize const& problem) {
     return ceil_div(get<2>(problem), get<0>(tile));
@@ -60,10 +63,21 @@ struct NoMaskBwd {
 
 // flash.attention's causal mask, aligned bottom-right: query row i sees keys j <= i + Sk - Sq.
 struct CausalBottomRightBwd : NoMaskBwd {
+  // Deterministic dQ: the key blocks add into a query tile from the last that sees it to the
+  // first, CTAs of later key blocks starting first: a block's first tiles then wait for no one.
+  static constexpr bool kReverseKeyBlocks = true;
+
   template <class BlkCoord, class TileShape, class ProblemSize>
   CUTLASS_DEVICE bool is_contributing(BlkCoord const& blk, TileShape const& tile, ProblemSize const& problem) {
-    const int last_row = std::min((get<0>(blk) + 1) * int(get<0>(tile)), int(get<2>(problem))) - 1;
-    return get<1>(blk) * int(get<1>(tile)) <= last_row + get<3>(problem) - get<2>(problem);
+    return get<1>(blk) <= last_key_block(get<0>(blk), tile, problem);
+  }
+
+  // The last key block query tile m sees (-1: none).
+  template <class TileShape, class ProblemSize>
+  CUTLASS_DEVICE int last_key_block(int m, TileShape const& tile, ProblemSize const& problem) {
+    const int last_row = std::min((m + 1) * int(get<0>(tile)), int(get<2>(problem))) - 1;
+    const int last_key = std::min(last_row + get<3>(problem) - get<2>(problem), get<3>(problem) - 1);
+    return last_key < 0 ? -1 : last_key / int(get<1>(tile));
   }
 
   template <class AccQK, class IndexQK, class ProblemSize>
@@ -77,14 +91,49 @@ struct CausalBottomRightBwd : NoMaskBwd {
   }
 };
 
+// One CTA per (key block, head, batch), as the example's IndividualTileScheduler; reversed: the
+// key blocks numbered last to first, so that deterministic dQ reductions from the last key block
+// to the first (kReverseKeyBlocks) wait only for CTAs dispatched before them.
+struct KeyBlockScheduler {
+  using Base = cutlass::fmha::kernel::IndividualTileScheduler;
+  struct Params {
+    dim3 grid;
+    bool reversed;
+  };
+
+  Params params;
+  bool valid = true;
+
+  CUTLASS_DEVICE explicit KeyBlockScheduler(Params const& params) : params(params) {}
+
+  template <class ProblemSize, class ClusterShape, class TileShape>
+  static Params to_underlying_arguments(ProblemSize const& problem, cutlass::KernelHardwareInfo hw,
+                                        ClusterShape const& cluster, TileShape const& tile) {
+    return {Base::to_underlying_arguments(problem, hw, cluster, tile).grid, false};
+  }
+
+  static dim3 get_grid_shape(Params const& params) { return params.grid; }
+
+  CUTLASS_DEVICE bool is_valid() { return valid; }
+
+  CUTLASS_DEVICE auto get_block_coord() {
+    const int block = params.reversed ? int(gridDim.x - 1 - blockIdx.x) : int(blockIdx.x);
+    return make_coord(block, _0{}, make_coord(blockIdx.y, blockIdx.z));
+  }
+
+  CUTLASS_DEVICE KeyBlockScheduler& operator++() {
+    valid = false;
+    return *this;
+  }
+};
+
 // TileShape: (query rows per step, keys per CTA, head dim).
 template <class Element, class Fusion, class TileShape>
 struct BwdKernel {
   using Mainloop = MainloopWithScale<BwdMainloop<Element, TileShape, Fusion>>;
   using Epilogue = cutlass::fmha::collective::FmhaBwdEpilogueKV<Element, float, typename Mainloop::TileShapePV>;
   using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
-      Mainloop, Epilogue,
-      cutlass::fmha::kernel::TileSchedulerBwdAdapter<cutlass::fmha::kernel::IndividualTileScheduler>>;
+      Mainloop, Epilogue, cutlass::fmha::kernel::TileSchedulerBwdAdapter<KeyBlockScheduler>>;
   using SumOdO = cutlass::fmha::kernel::FmhaKernelBwdSumOdO<Element, float>;
   using Convert = cutlass::fmha::kernel::FmhaKernelBwdConvert<Element, float>;
 };
@@ -146,6 +195,7 @@ void run_bwd(const AttentionBwdSm90Params& p, cudaStream_t stream) {
                                std::to_string(d) + ", seqlen_q " + std::to_string(sq) + ")");
     }
     auto params = Kernel::to_underlying_arguments(args, nullptr);
+    params.tile_scheduler.reversed = Fusion::kReverseKeyBlocks && p.dq_semaphore != nullptr;
     cutlass::device_kernel<Kernel>
         <<<Kernel::get_grid_shape(params), Kernel::get_block_shape(), Kernel::SharedStorageSize, stream>>>(params);
     check_cuda(cudaGetLastError(), "backward kernel launch");

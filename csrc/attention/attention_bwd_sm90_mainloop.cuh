@@ -75,7 +75,7 @@ struct BwdMainloop
   static constexpr int kDqPartial = 5;  // and 6
 
   // dq_semaphore (B, H, query tiles) int32 zeros, or null: each dQ tile then takes the key
-  // blocks' reductions in key-block order (torch.use_deterministic_algorithms), each CTA waiting
+  // blocks' reductions in a fixed order (torch.use_deterministic_algorithms), each CTA waiting
   // until its predecessors have added theirs. Strides in elements.
   struct Arguments : Base::Arguments {
     int* dq_semaphore;
@@ -106,8 +106,8 @@ struct BwdMainloop
     Tensor tDQsDQ = tma.partition_S(sDQ);
     Tensor tDQgDQ = tma.partition_D(gDQ);
 
-    // Every key block before this one adds into each query tile this one adds into (the causal
-    // mask sees a prefix of the key blocks), so this block's turn at each tile is its index.
+    // The key blocks that add into a query tile are a prefix 0..last (the causal mask sees a
+    // prefix of them): this block's turn is its index, or last - index where they go last first.
     const int key_block = get<1>(blk_coord);
     int* const locks = params.dq_semaphore == nullptr ? nullptr
         : params.dq_semaphore + get<2, 0>(blk_coord) * params.semaphore_batch_stride +
@@ -120,7 +120,11 @@ struct BwdMainloop
       if (!Fusion{}.is_contributing(make_coord(q_tile, get<1>(blk_coord)), TileShape{}, problem_size)) continue;
       pipeline.consumer_wait(read);
       if (leader) {
-        if (locks) wait_for_turn(locks + q_tile, key_block);
+        if (locks) {
+          int turn = key_block;
+          if constexpr (Fusion::kReverseKeyBlocks) turn = Fusion{}.last_key_block(q_tile, TileShape{}, problem_size) - key_block;
+          wait_for_turn(locks + q_tile, turn);
+        }
         copy(params.tma_red_dq, tDQsDQ(_, _, _, read.index()), tDQgDQ(_, _, _, q_tile));
         tma_store_arrive();
         if (locks) {
