@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# One GPU session in one call (the H100 has no network and bills by the minute): install the
-# carried wheels and the package, report the environment, run the GPU tests, the demo and the
-# benchmarks, and leave logs and JSON in $OUT.
+# One GPU session in one call (the GPU machine has no network and bills by the minute): install
+# the carried wheels, the peers (FlashAttention 4, quack) where their first part waits in /tmp
+# (see the CuTe DSL split of gpu-peers.sh: its run 1 copies part1 there), the package and, with
+# BUILD=1, torch_flash._C (FLASH_HDIMS, default 64,128; the built .so also left gzipped in $OUT
+# for later calls to carry); report the environment; run the GPU tests, the demo and the
+# benchmarks; leave logs and JSON in $OUT.
 # Usage: scripts/gpu_session.sh [suite[:seconds] ...]   (seconds: that suite's time limit)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -11,7 +14,17 @@ if ls .wheels/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .wheels/*.whl
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
+if [ -f /tmp/part1 ] && [ -f .gpu-peers/b/gpu-peers.sh ]; then
+  bash .gpu-peers/b/gpu-peers.sh install &&
+    export PYTHONPATH=/tmp/peers:/tmp/peers/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+if [ "${BUILD:-0}" = 1 ]; then
+  start=$SECONDS
+  python3 -m torch_flash build --hdims "${FLASH_HDIMS:-64,128}" > "$OUT/build.txt" 2>&1
+  echo "build: exit $?, $((SECONDS - start)) s" | tee -a "$OUT/build.txt"
+  gzip -c torch_flash/_C*.so > "$OUT/_C.so.gz" 2>/dev/null
+fi
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -m torch_flash info; } 2>&1 | tee "$OUT/info.txt"
 [ "${DEMO:-1}" = 0 ] || TORCH_FLASH_AUTOTUNE=0 python3 -m torch_flash demo 2>&1 | tee "$OUT/demo.txt"
 if [ -n "${GPU_TESTS:-1}" ] && [ "${GPU_TESTS:-1}" != 0 ]; then
