@@ -339,3 +339,20 @@ def test_finite_fill_in_float64(fn, extra):
     assert_rel_close(out, ref, tol=1e-12)
     for g, r in zip(grads, ref_grads):
         assert_rel_close(g, r, tol=1e-12, what="grad")
+
+
+@pytest.mark.parametrize("chunk", [1 << 24, 7])
+def test_constant_band_in_row_chunks(monkeypatch, chunk):
+    """A mask evaluated at compile time is a band lo <= key - query <= hi exactly when it is
+    one, however many rows a chunk of the check holds (7 elements: one row at a time)."""
+    from torch_flash.compile_passes.patterns.attention import masks
+    monkeypatch.setattr(masks, "BAND_CHUNK_ELEMENTS", chunk)
+    i, j = torch.arange(9)[:, None], torch.arange(12)[None, :]
+    causal, window = j <= i + 3, (j <= i + 3) & (j >= i)
+    assert masks._band(causal.expand(2, 9, 12)) == (-8, 3)
+    assert masks._band(window[None]) == (0, 3)
+    holes = window.clone()
+    holes[4, 5] = False
+    assert masks._band(holes[None]) is None
+    assert masks._band(torch.stack([causal, window])) is None  # slices must agree
+    assert masks._band(torch.zeros(1, 9, 12, dtype=torch.bool)) is None

@@ -78,8 +78,11 @@ def _summands(node: Any, mult: float) -> list[Part]:
     return _summands(node.args[0], mult) + _summands(node.args[1], mult * sign)
 
 
-# A keep piece made of constants is evaluated at compile time up to this many elements.
-CONSTANT_MASK_ELEMENTS = 1 << 26
+# A keep piece made of constants is evaluated at compile time up to this many elements: a causal
+# mask of 32k x 32k tokens (HF eager attention builds one; left as attn_bias, it would rule out
+# every causal kernel). The band check below works in row chunks of BAND_CHUNK_ELEMENTS.
+CONSTANT_MASK_ELEMENTS = 1 << 30
+BAND_CHUNK_ELEMENTS = 1 << 24
 
 
 def _evaluated(node: fx.Node) -> torch.Tensor | None:
@@ -138,16 +141,37 @@ def _constant_keep(node: fx.Node, positive: bool, shape: tuple) -> Formula | Non
         return None
     if bool(keep.all()):
         return TRUE
-    sq, sk = shape[-2:]
-    offsets = torch.arange(sk, device=keep.device)[None, :] - torch.arange(sq, device=keep.device)[:, None]
-    kept = offsets[keep.reshape(-1, sq, sk).any(0)]  # the offsets some (batch, head) keeps
-    if kept.numel() == 0:
+    band = _band(keep.reshape(-1, *shape[-2:]))
+    if band is None:
         return None
-    lo, hi = int(kept.min()), int(kept.max())
-    if not torch.equal(keep, ((offsets >= lo) & (offsets <= hi)).expand(shape)):
-        return None
+    lo, hi = band
     r = len(shape) - 2
     return f_and(atom({r: 1, r + 1: -1}, hi), atom({r: -1, r + 1: 1}, -lo))  # i - j + hi >= 0, j - i - lo >= 0
+
+
+def _band(keep: torch.Tensor) -> tuple[int, int] | None:
+    """(lo, hi) where every (Sq, Sk) slice of keep is lo <= key - query <= hi, else None; in
+    chunks of rows, so that a 16k-token mask needs no (Sq, Sk) int64 offsets."""
+    if not bool((keep == keep[:1]).all()):
+        return None
+    keep = keep[0]
+    sq, sk = keep.shape
+    rows = max(1, BAND_CHUNK_ELEMENTS // max(sk, 1))
+    keys = torch.arange(sk, device=keep.device)
+    lo = hi = None
+    for r0 in range(0, sq, rows):  # the offsets kept: their range
+        offsets = keys[None, :] - torch.arange(r0, min(r0 + rows, sq), device=keep.device)[:, None]
+        kept = offsets[keep[r0:r0 + rows]]
+        if kept.numel():
+            lo = int(kept.min()) if lo is None else min(lo, int(kept.min()))
+            hi = int(kept.max()) if hi is None else max(hi, int(kept.max()))
+    if lo is None:
+        return None
+    for r0 in range(0, sq, rows):  # and nothing else but them
+        offsets = keys[None, :] - torch.arange(r0, min(r0 + rows, sq), device=keep.device)[:, None]
+        if not torch.equal(keep[r0:r0 + rows], (offsets >= lo) & (offsets <= hi)):
+            return None
+    return lo, hi
 
 
 class _Masks:
