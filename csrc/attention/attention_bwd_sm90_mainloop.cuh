@@ -113,8 +113,9 @@ struct BwdMainloop
         : params.dq_semaphore + get<2, 0>(blk_coord) * params.semaphore_batch_stride +
               get<2, 1>(blk_coord) * params.semaphore_head_stride;
 
-    PipelineStateReducer previous = read;
-    bool any = false;
+    // The stage to return once the next reduction has been issued, -1 for none (an index only:
+    // this warp runs on 24 registers).
+    int previous = -1;
     const int tiles = this->get_inner_tile_count(blk_coord, problem_size);
     for (int q_tile = 0; q_tile < tiles; ++q_tile) {
       if (!Fusion{}.is_contributing(make_coord(q_tile, get<1>(blk_coord)), TileShape{}, problem_size)) continue;
@@ -134,14 +135,13 @@ struct BwdMainloop
         }
       }
       __syncwarp();
-      if (any) pipeline.consumer_release(previous);
-      any = true;
-      previous = read;
+      if (previous >= 0) pipeline.consumer_release(PipelineStateReducer(previous, 0, 0));
+      previous = read.index();
       ++read;
     }
     if (leader) tma_store_wait<0>();
     __syncwarp();
-    if (any) pipeline.consumer_release(previous);
+    if (previous >= 0) pipeline.consumer_release(PipelineStateReducer(previous, 0, 0));
   }
 
   static CUTLASS_DEVICE void wait_for_turn(int const* lock, int turn) {
@@ -157,6 +157,47 @@ struct BwdMainloop
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
     asm volatile("fence.proxy.async.global;" ::: "memory");
     asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(lock) : "memory");
+  }
+
+  // Explicit shared-memory accesses: through generic pointers the dQ stores lost their address
+  // space (generic ST, 64-bit addresses).
+  static CUTLASS_DEVICE void st_shared(uint32_t dst, float2 v) {
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(dst), "f"(v.x), "f"(v.y) : "memory");
+  }
+  static CUTLASS_DEVICE float2 ld_shared(uint32_t src) {
+    float2 v;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(src) : "memory");
+    return v;
+  }
+  // The dQ stage is swizzled within 1 KiB (SW128 of fp32): offsets a multiple of 1 KiB apart stay
+  // as far apart once swizzled. kDqRep[i] is the first float2 of a thread's dQ view in i's class,
+  // so only those addresses are swizzled at run time and the others are an immediate from them.
+  static_assert(std::is_same_v<decltype(typename Base::SmemLayoutDQ{}.layout_a()), Swizzle<3, 4, 3>>);
+  static constexpr int kDqPeriod = 1024 / sizeof(float2);
+  template <class Layout>
+  static constexpr auto dq_reps(Layout layout) {
+    static_assert(is_static<Layout>::value);
+    cute::array<int, size(Layout{})> rep{};
+    for (int i = 0; i < size(layout); ++i) {
+      rep[i] = i;
+      for (int k = 0; k < i; ++k) {
+        if ((layout(i) - layout(k)) % kDqPeriod == 0) {
+          rep[i] = k;
+          break;
+        }
+      }
+    }
+    return rep;
+  }
+
+  // A shared-memory operand's GMMA descriptors, re-derived in the loop from an opaque base: hoisted
+  // out of it, the loop-invariant ones (K, V and dS, every k-block) outgrow the uniform registers
+  // and spill. Only the base stays live; each descriptor is an add from it.
+  template <class FragTensor>
+  static CUTLASS_DEVICE auto in_loop(FragTensor const& t) {
+    auto iter = t.data();
+    asm volatile("" : "+r"(iter.desc_.reg32_[0]));
+    return make_tensor(iter, t.layout());
   }
 
   template <class BlkCoord, class ProblemShape, class PipelineReducer, class PipelineStateReducer, class OrderBarrier>
@@ -209,7 +250,11 @@ struct BwdMainloop
     Tensor sDS = make_tensor(make_smem_ptr(storage.smem_ds.data()), typename Base::SmemLayoutDS{});
     Tensor sDSt = sDS.compose(make_layout(make_shape(size<1>(sDS), size<0>(sDS), size<2>(sDS)),
                                           make_stride(size<0>(sDS), _1{}, size<1>(sDS) * size<0>(sDS))));
-    Tensor tDPsDS = thr_nm.partition_C(sDSt);
+    // dS leaves the S/dP accumulator layout by stmatrix: four 8x8 matrices an instruction, a row
+    // of 8 query rows (16 contiguous bytes of sDSt) an address, instead of a 32-bit store a pair.
+    auto ds_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_nm);
+    auto thr_ds_copy = ds_copy.get_thread_slice(thread_idx);
+    Tensor tDSsDS = thr_ds_copy.partition_D(sDSt);
     auto thr_nd_ss = TiledMmaND_SS{}.get_thread_slice(thread_idx);
     Tensor tDKrDS = thr_nd_ss.make_fragment_A(thr_nd_ss.partition_A(sDSt));
 
@@ -260,6 +305,16 @@ struct BwdMainloop
       }
       if (tiles == 0) break;
 
+      Tensor tSrK_ = in_loop(tSrK);
+      Tensor tSrQ_ = in_loop(tSrQ);
+      Tensor tDPrV_ = in_loop(tDPrV);
+      Tensor tDPrDO_ = in_loop(tDPrDO);
+      Tensor tDVrDO_ = in_loop(tDVrDO);
+      Tensor tDKrQ_ = in_loop(tDKrQ);
+      Tensor tDKrDS_ = in_loop(tDKrDS);
+      Tensor tDQrDS_ = in_loop(tDQrDS);
+      Tensor tDQrK_ = in_loop(tDQrK);
+
       pipeline_inner.consumer_wait(smem_pipe_read_inner);
       PipelineState read_q = smem_pipe_read_inner;
       ++smem_pipe_read_inner;
@@ -269,14 +324,14 @@ struct BwdMainloop
       Tensor acc_S = partition_fragment_C(mma_nm, take<0, 2>(TileShapeNM{}));
       warpgroup_fence_operand(acc_S);
       warpgroup_arrive();
-      cutlass::fmha::collective::gemm_zero_acc(mma_nm, tSrK(_, _, _, read_k.index()), tSrQ(_, _, _, read_q.index()), acc_S);
+      cutlass::fmha::collective::gemm_zero_acc(mma_nm, tSrK_(_, _, _, read_k.index()), tSrQ_(_, _, _, read_q.index()), acc_S);
       warpgroup_commit_batch();
 
       pipeline_inner.consumer_wait(read_do);
       Tensor acc_DP = partition_fragment_C(mma_nm, take<0, 2>(TileShapeNM{}));
       warpgroup_fence_operand(acc_DP);
       warpgroup_arrive();
-      cutlass::fmha::collective::gemm_zero_acc(mma_nm, tDPrV(_, _, _, read_v.index()), tDPrDO(_, _, _, read_do.index()), acc_DP);
+      cutlass::fmha::collective::gemm_zero_acc(mma_nm, tDPrV_(_, _, _, read_v.index()), tDPrDO_(_, _, _, read_do.index()), acc_DP);
       warpgroup_commit_batch();
 
       // lse and sum(dO * O) are read from shared memory where used (a broadcast load a row):
@@ -304,17 +359,13 @@ struct BwdMainloop
       warpgroup_fence_operand(acc_DV);
       warpgroup_fence_operand(op_P);
       warpgroup_arrive();
-      cute::gemm(mma_nd, op_P, tDVrDO(_, _, _, read_do.index()), acc_DV);
+      cute::gemm(mma_nd, op_P, tDVrDO_(_, _, _, read_do.index()), acc_DV);
       warpgroup_commit_batch();
 
       // Publish this warpgroup's dS (at D = 128 once the other's dQ GEMM of the previous tile has
       // read it; at D = 64 only this warpgroup reads it, and its GEMMs of that tile are done).
       if constexpr (kSplitDQ) my_ds_free.sync();
-      using Pair = uint_bit_t<2 * sizeof_bits_v<Element>>;
-      auto ds_dst = recast<Pair>(tDPsDS(_, _, _, wg_idx));
-      auto ds_src = recast<Pair>(acc_DS);
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(ds_src); i++) ds_dst(i) = ds_src(i);
+      copy(ds_copy, thr_ds_copy.retile_S(acc_DS), tDSsDS(_, _, _, wg_idx));
       cutlass::arch::fence_view_async_shared();
       ds_ready.sync();
 
@@ -322,16 +373,16 @@ struct BwdMainloop
       warpgroup_fence_operand(acc_DQ);
       warpgroup_arrive();
       if constexpr (kSplitDQ) {
-        cutlass::fmha::collective::gemm_zero_acc(mma_dq, tDQrDS(_, _, _, 0), tDQrK(_, _, _, k_stage[0]), acc_DQ);
-        cute::gemm(mma_dq, tDQrDS(_, _, _, 1), tDQrK(_, _, _, k_stage[1]), acc_DQ);
+        cutlass::fmha::collective::gemm_zero_acc(mma_dq, tDQrDS_(_, _, _, 0), tDQrK_(_, _, _, k_stage[0]), acc_DQ);
+        cute::gemm(mma_dq, tDQrDS_(_, _, _, 1), tDQrK_(_, _, _, k_stage[1]), acc_DQ);
       } else {
-        cutlass::fmha::collective::gemm_zero_acc(mma_dq, tDQrDS(_, _, _, wg_idx), tDQrK(_, _, _, read_k.index()), acc_DQ);
+        cutlass::fmha::collective::gemm_zero_acc(mma_dq, tDQrDS_(_, _, _, wg_idx), tDQrK_(_, _, _, read_k.index()), acc_DQ);
       }
       warpgroup_commit_batch();
 
       warpgroup_fence_operand(acc_DK);
       warpgroup_arrive();
-      cute::gemm(TiledMmaND_SS{}, tDKrDS(_, _, _, wg_idx), tDKrQ(_, _, _, read_q.index()), acc_DK);
+      cute::gemm(TiledMmaND_SS{}, tDKrDS_(_, _, _, wg_idx), tDKrQ_(_, _, _, read_q.index()), acc_DK);
       warpgroup_commit_batch();
 
       warpgroup_wait<1>();  // dV and dQ done, dK may still run
@@ -345,18 +396,28 @@ struct BwdMainloop
       const int stage = smem_pipe_write_reducer.index();
       auto dq_dst = recast<float2>(tDQsDQ(_, _, _, stage));
       auto dq_src = recast<float2>(acc_DQ);
+      constexpr auto kDqRep = dq_reps(decltype(dq_dst.layout()){});
+      // The swizzle acts on the shared address (its window is aligned far beyond 1 KiB).
+      const uint32_t dq_base = cute::cast_smem_ptr_to_uint(raw_pointer_cast(dq_dst.data()));
+      uint32_t dq_addr[size(dq_dst)];
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(dq_dst); i++) {
+        dq_addr[i] = kDqRep[i] == i
+            ? uint32_t(Swizzle<3, 4, 3>{}(dq_base + dq_dst.layout()(i) * sizeof(float2)))
+            : dq_addr[kDqRep[i]] + (dq_dst.layout()(i) - dq_dst.layout()(kDqRep[i])) * sizeof(float2);
+      }
       if (kSplitDQ || wg_idx == 0) {
         CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(dq_src); i++) dq_dst(i) = dq_src(i);
+        for (int i = 0; i < size(dq_src); i++) st_shared(dq_addr[i], dq_src(i));
         if constexpr (!kSplitDQ) cutlass::arch::NamedBarrier::arrive(kConsumerThreads, kDqPartial + stage);
       } else {
         cutlass::arch::NamedBarrier::sync(kConsumerThreads, kDqPartial + stage);
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < size(dq_src); i++) {
-          float2 sum = dq_dst(i);
+          float2 sum = ld_shared(dq_addr[i]);
           sum.x += dq_src(i).x;
           sum.y += dq_src(i).y;
-          dq_dst(i) = sum;
+          st_shared(dq_addr[i], sum);
         }
       }
       cutlass::arch::fence_view_async_shared();
