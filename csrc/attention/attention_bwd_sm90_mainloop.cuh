@@ -74,6 +74,17 @@ struct BwdMainloop
   static constexpr int kDsStored = 3;   // and 4
   static constexpr int kDqPartial = 5;  // and 6
 
+  // The dQ stage with the example's SW128 atoms stacked along rows first (it stacks them along D):
+  // a TMA box then spans all rows of a 128-byte column slice, 4 reductions a tile at D = 128
+  // instead of 32, whose coordinates made the reducer warp (24 registers) spill.
+  using SmemLayoutDQ = decltype(tile_to_shape(typename Base::SmemAtomDQ{},
+                                              make_shape(get<0>(TileShapeMD{}), get<1>(TileShapeMD{}), _2{}),
+                                              Step<_1, _2, _3>{}));
+  static_assert(cosize_v<SmemLayoutDQ> == cosize_v<typename Base::SmemLayoutDQ>);
+  using TMA_DQ = decltype(make_tma_copy(SM90_TMA_REDUCE_ADD{},
+                                        make_tensor((const float*)nullptr, make_shape(1, 1, 1, 1), make_stride(0, _1{}, 0, 0)),
+                                        SmemLayoutDQ{}(_, _, _0{})));
+
   // dq_semaphore (B, H, query tiles) int32 zeros, or null: each dQ tile then takes the key
   // blocks' reductions in a fixed order (torch.use_deterministic_algorithms), each CTA waiting
   // until its predecessors have added theirs. Strides in elements.
@@ -82,13 +93,17 @@ struct BwdMainloop
     int semaphore_batch_stride, semaphore_head_stride;
   };
   struct Params : Base::Params {
+    TMA_DQ tma_red_dq_rows;
     int* dq_semaphore;
     int semaphore_batch_stride, semaphore_head_stride;
   };
 
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape const& problem, Arguments const& args, void* workspace) {
-    return {Base::to_underlying_arguments(problem, args, workspace), args.dq_semaphore,
+    TMA_DQ tma_red_dq_rows = make_tma_copy(
+        SM90_TMA_REDUCE_ADD{}, make_tensor(args.ptr_dQ, select<2, 4, 0, 1>(problem), select<2, 3, 0, 1>(args.dDQ)),
+        SmemLayoutDQ{}(_, _, _0{}));
+    return {Base::to_underlying_arguments(problem, args, workspace), tma_red_dq_rows, args.dq_semaphore,
             args.semaphore_batch_stride, args.semaphore_head_stride};
   }
 
@@ -98,11 +113,11 @@ struct BwdMainloop
   CUTLASS_DEVICE void reduce(BlkCoord const& blk_coord, Params const& params, ProblemShape const& problem_size,
                              PipelineReducer& pipeline, PipelineStateReducer& read, SharedStorage& storage) {
     const bool leader = cute::elect_one_sync();
-    Tensor mDQ = params.tma_red_dq.get_tma_tensor(select<2, 4, 0, 1>(problem_size));
+    Tensor mDQ = params.tma_red_dq_rows.get_tma_tensor(select<2, 4, 0, 1>(problem_size));
     Tensor gDQ = local_tile(mDQ, TileShapeMD{}, make_coord(_, _, _), Step<_1, _1, Underscore>{})(
         _, _, _, _0{}, get<2, 0>(blk_coord), get<2, 1>(blk_coord));  // (rows, D, query tile)
-    Tensor sDQ = make_tensor(make_smem_ptr(storage.smem_dq.data()), typename Base::SmemLayoutDQ{});
-    auto tma = params.tma_red_dq.get_slice(_0{});
+    Tensor sDQ = make_tensor(make_smem_ptr(storage.smem_dq.data()), SmemLayoutDQ{});
+    auto tma = params.tma_red_dq_rows.get_slice(_0{});
     Tensor tDQsDQ = tma.partition_S(sDQ);
     Tensor tDQgDQ = tma.partition_D(gDQ);
 
@@ -126,7 +141,7 @@ struct BwdMainloop
           if constexpr (Fusion::kReverseKeyBlocks) turn = Fusion{}.last_key_block(q_tile, TileShape{}, problem_size) - key_block;
           wait_for_turn(locks + q_tile, turn);
         }
-        copy(params.tma_red_dq, tDQsDQ(_, _, _, read.index()), tDQgDQ(_, _, _, q_tile));
+        copy(params.tma_red_dq_rows, tDQsDQ(_, _, _, read.index()), tDQgDQ(_, _, _, q_tile));
         tma_store_arrive();
         if (locks) {
           pass_turn(locks + q_tile);
@@ -172,7 +187,7 @@ struct BwdMainloop
   // The dQ stage is swizzled within 1 KiB (SW128 of fp32): offsets a multiple of 1 KiB apart stay
   // as far apart once swizzled. kDqRep[i] is the first float2 of a thread's dQ view in i's class,
   // so only those addresses are swizzled at run time and the others are an immediate from them.
-  static_assert(std::is_same_v<decltype(typename Base::SmemLayoutDQ{}.layout_a()), Swizzle<3, 4, 3>>);
+  static_assert(std::is_same_v<decltype(SmemLayoutDQ{}.layout_a()), Swizzle<3, 4, 3>>);
   static constexpr int kDqPeriod = 1024 / sizeof(float2);
   template <class Layout>
   static constexpr auto dq_reps(Layout layout) {
@@ -268,7 +283,7 @@ struct BwdMainloop
     Tensor sKpPart = local_tile(sKp, make_shape(Int<kDQCols>{}, size<1>(sKp), size<2>(sKp)),
                                 make_coord(dq_part, _0{}, _0{}));
     Tensor tDQrK = thr_dq.make_fragment_B(thr_dq.partition_B(sKpPart));
-    Tensor sDQ = make_tensor(make_smem_ptr(storage.smem_dq.data()), typename Base::SmemLayoutDQ{});
+    Tensor sDQ = make_tensor(make_smem_ptr(storage.smem_dq.data()), SmemLayoutDQ{});
     Tensor tDQsDQ = thr_dq.partition_C(local_tile(
         sDQ, make_shape(size<0>(sDQ), Int<kDQCols>{}, size<2>(sDQ)), make_coord(_0{}, dq_part, _0{})));
     const int k_stage[2] = {wg_idx == 0 ? read_k.index() : read_k_other.index(),
