@@ -41,20 +41,19 @@ def _attention_sample(op: str, device: str):
         q, k, v = rand(40, 4, 32), rand(56, 2, 32), rand(56, 2, 32)
         cu_q, cu_k = (torch.tensor(c, dtype=torch.int32, device=device) for c in ([0, 17, 40], [0, 25, 56]))
         if op == "attention_varlen":
-            return [q, k, v, cu_q, cu_k, 23, 31], {k: flags[k] for k in ("causal", "window_left")}
+            return [q, k, v, cu_q, cu_k, 23, 31], {name: flags[name] for name in ("causal", "window_left")}
         out, lse = torch.ops.flash.attention_varlen(q, k, v, cu_q, cu_k, 23, 31, causal=True, window_left=24)
         return [torch.randn_like(out), None, q, k, v, cu_q, cu_k, 23, 31, out, lse, *flags.values(), None], {}
     q, k, v = rand(2, 4, 40, 32), rand(2, 2, 56, 32), rand(2, 2, 56, 32)
     if op in ("attention", "attention_with_lse"):
-        return [q, k, v], {k: flags[k] for k in ("causal", "window_left")}
+        return [q, k, v], {name: flags[name] for name in ("causal", "window_left")}
     out, lse = torch.ops.flash.attention_with_lse(q, k, v, causal=True, window_left=24)
     return [torch.randn_like(out), None, q, k, v, None, out, lse, *flags.values(), None, False], {}
 
 
-# ops whose opcheck samples no kernel serves
-_KERNEL_SAMPLES = {op: _attention_sample for op in
-                   ("attention", "attention_with_lse", "attention_varlen", "attention_backward",
-                    "attention_varlen_backward")}
+# ops whose opcheck samples no kernel serves: _attention_sample's calls instead
+_ATTENTION_OPS = frozenset({"attention", "attention_with_lse", "attention_varlen", "attention_backward",
+                            "attention_varlen_backward"})
 
 
 def _path(op: str) -> str:
@@ -73,7 +72,7 @@ def main(argv=None) -> int:
     for op, stem in [(e.name, e.stem) for e in OPS] + backward_ops():
         if only is not None and op not in only:
             continue
-        sample = (_KERNEL_SAMPLES[op](op, args.device) if op in _KERNEL_SAMPLES
+        sample = (_attention_sample(op, args.device) if op in _ATTENTION_OPS
                   else _sample(op, stem, args.device))
         if sample is None:
             print(f"{op:36s} no sample without float64", flush=True)

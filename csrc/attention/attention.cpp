@@ -219,8 +219,8 @@ at::Tensor tma_ready(const at::Tensor& t) {
 
 // The gradients of attention_fwd_sm90: grad_out and out (B, Hq, Sq, D), lse (B, Hq, Sq) fp32 as
 // the forward returned them -> dq laid out like q, dk and dv like k (empty_like_layout: the
-// epilogue stores both alike). dq is summed over the key blocks by TMA
-// reductions: in any order by default, in a fixed key-block order (bitwise reproducible) under
+// epilogue stores both alike). dq is summed over the key blocks by TMA reductions: in any order
+// by default, in a fixed key-block order (bitwise reproducible) under
 // torch.use_deterministic_algorithms(True).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_sm90(const at::Tensor& grad_out, const at::Tensor& q,
                                                                   const at::Tensor& k, const at::Tensor& v,

@@ -10,8 +10,8 @@ namespace torch_flash {
 // lse (B, Hq, Sq) fp32 natural log, as the forward wrote it. Strides in elements, the last dim
 // contiguous. dq (B, Hq, Sq, D); dk/dv (B, Hkv, Sk, D) for each of G = Hq / Hkv query heads of a
 // group: member g holds the gradients of heads g, g + G, ..., at dkv_member_stride elements
-// from member 0, summed by the caller where G > 1. The workspace: dq_acc (B, Hq, Sq, D) fp32 zeroed, sum_odo (B, Hq, Sq) fp32, both
-// contiguous.
+// from member 0, summed by the caller where G > 1. The workspace: dq_acc (B, Hq, Sq, D) fp32
+// zeroed, sum_odo (B, Hq, Sq) fp32, both contiguous.
 // Query rows of the backward's tiles (every head dim): dQ is reduced one such tile at a time.
 constexpr int kBwdQueryRows = 64;
 

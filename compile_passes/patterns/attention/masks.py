@@ -158,18 +158,22 @@ def _band(keep: torch.Tensor) -> tuple[int, int] | None:
     sq, sk = keep.shape
     rows = max(1, BAND_CHUNK_ELEMENTS // max(sk, 1))
     keys = torch.arange(sk, device=keep.device)
+
+    def chunks():  # (rows r0.., their key - query offsets, their part of keep)
+        for r0 in range(0, sq, rows):
+            queries = torch.arange(r0, min(r0 + rows, sq), device=keep.device)
+            yield keys[None, :] - queries[:, None], keep[r0:r0 + rows]
+
     lo = hi = None
-    for r0 in range(0, sq, rows):  # the offsets kept: their range
-        offsets = keys[None, :] - torch.arange(r0, min(r0 + rows, sq), device=keep.device)[:, None]
-        kept = offsets[keep[r0:r0 + rows]]
+    for offsets, part in chunks():  # the offsets kept: their range
+        kept = offsets[part]
         if kept.numel():
             lo = int(kept.min()) if lo is None else min(lo, int(kept.min()))
             hi = int(kept.max()) if hi is None else max(hi, int(kept.max()))
     if lo is None:
         return None
-    for r0 in range(0, sq, rows):  # and nothing else but them
-        offsets = keys[None, :] - torch.arange(r0, min(r0 + rows, sq), device=keep.device)[:, None]
-        if not torch.equal(keep[r0:r0 + rows], (offsets >= lo) & (offsets <= hi)):
+    for offsets, part in chunks():  # and nothing else but them
+        if not torch.equal(part, (offsets >= lo) & (offsets <= hi)):
             return None
     return lo, hi
 
