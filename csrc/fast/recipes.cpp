@@ -330,6 +330,7 @@ std::pair<py::tuple, py::dict> to_python_call(const c10::OperatorHandle& op, con
 
 void push_returns(const c10::OperatorHandle& op, torch::jit::Stack* stack, py::handle out) {
   const auto& returns = op.schema().returns();
+  if (returns.empty()) return;  // an in-place op returning nothing: its body returns None
   if (returns.size() == 1) {
     stack->push_back(torch::jit::toIValue(out, returns[0].real_type()));
     return;
