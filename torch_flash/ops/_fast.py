@@ -251,7 +251,8 @@ def _recipe(args: tuple, out, rec: _Recording, path: str) -> tuple | None:
                 summary, *rest = step
                 steps.append(("check", (tensors.base(summary), *rest)))
         outputs = []
-        for t in out if isinstance(out, tuple) else (out,):
+        # None: an in-place op that returns nothing (flash.linear_cross_entropy_scale_)
+        for t in out if isinstance(out, tuple) else () if out is None else (out,):
             if not isinstance(t, torch.Tensor) or t.untyped_storage()._cdata in tensors.owners:
                 raise _Unreplayable  # an output that aliases an input
             outputs.append(tensors.view(t))
