@@ -1,7 +1,8 @@
 """Attention benchmark: our Triton kernels and, where torch_flash._C is built, the Hopper
 kernels of csrc/attention (cuda-sm90), vs FlashAttention 4 (fa4: flash-attn-4's CuTe DSL
 kernels, where importable) and SDPA's flash, cuDNN and efficient backends (flash-op is
-flash.attention as dispatched: the CUDA kernels where they serve, Triton otherwise).
+flash.attention as dispatched: the CUDA kernels where they serve, Triton otherwise; the -det
+rows are the backwards in deterministic mode, with a fixed dQ accumulation order).
 
 Standard grid: bf16, 32k tokens per batch, hidden 2048 (H = 2048 / D), D in {64, 128},
 S in {1k, 4k, 16k} (B = 32k / S), causal and not. Inputs are (B, S, H, D) buffers viewed as
@@ -81,6 +82,16 @@ def _qkv(d: int, s: int, b: int) -> tuple[torch.Tensor, ...]:
                  for _ in range(3))
 
 
+def _deterministic(fn: Callable, *args):
+    """fn(*args) under torch.use_deterministic_algorithms(True): the kernel's fixed-order dQ."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        return fn(*args)
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
 def _time_point(d: int, s: int, b: int, causal: bool) -> list[dict]:
     from torch_flash.kernels.triton import attention as tk, attention_backward as tkb
     h = HIDDEN // d
@@ -96,6 +107,8 @@ def _time_point(d: int, s: int, b: int, causal: bool) -> list[dict]:
             o, l = torch.ops.flash.attention_fwd_sm90(q, k, v, d ** -0.5, causal)
             fns["cuda-sm90", "bwd"] = lambda o=o, l=l: torch.ops.flash.attention_bwd_sm90(
                 dout, q, k, v, o, l, d ** -0.5, causal)
+            fns["cuda-sm90-det", "bwd"] = lambda o=o, l=l: _deterministic(
+                torch.ops.flash.attention_bwd_sm90, dout, q, k, v, o, l, d ** -0.5, causal)
     out, lse = tk.attention_fwd(q, k, v, None, **flags)
     for impl, det in (("triton", False), ("triton-det", True)):
         fns[impl, "bwd"] = lambda det=det: tkb.attention_bwd(
