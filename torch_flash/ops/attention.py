@@ -24,7 +24,7 @@ from ..reference._common import compute_dtype
 from ._autograd import (ARG, GRAD, GRAD_OR_NONE, NONE, REQUIRES_GRAD, SAVED, Spec, Src, call, grad_or_empty,
                         register_autograd_spec, triton_op)
 from ._checks import (FLOAT_DTYPES, check, check_last_dim_contiguous, check_like, check_probability,
-                      check_same_device, check_same_dtype, check_tensor)
+                      check_same_device, check_same_dtype, check_tensor, fail)
 from ._plans import Plans
 
 
@@ -495,8 +495,8 @@ register_autograd_spec(_attention, _spec(with_lse=False))
 
 def op_kwargs(op: str, scale, causal, window, softcap, dropout_p) -> dict:
     """Keyword arguments of the ops from the public ones; draws the dropout seed."""
-    check(isinstance(window, (tuple, list)) and len(window) == 2, op,
-          f"window must be a pair (left, right), got {window!r}")
+    if not (isinstance(window, (tuple, list)) and len(window) == 2):  # formatted only on failure:
+        fail(op, f"window must be a pair (left, right), got {window!r}")  # traced, it holds SymInts
     # torch.manual_seed makes the mask reproducible; backward regenerates it from the seed
     seed = torch.randint(2**62, (), dtype=torch.int64) if dropout_p > 0 else None
     return dict(scale=scale, causal=causal, window_left=window[0], window_right=window[1],

@@ -29,7 +29,7 @@ from ..reference import attention_decode as ref
 from . import rotary as _rotary
 from ._autograd import call, triton_op
 from ._checks import (INDEX_DTYPES, check, check_last_dim_contiguous, check_same_device,
-                      check_same_dtype, check_tensor)
+                      check_same_dtype, check_tensor, fail)
 from ._plans import Plans
 from .attention import check_alibi, check_sinks
 
@@ -199,8 +199,8 @@ def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens:
     Inference only (no backward). No host synchronisation on the GPU (CUDA-graph safe); index
     values are validated only for CPU tensors (see the module doc).
     """
-    check(isinstance(window, (tuple, list)) and len(window) == 2, OP,
-          f"window must be a pair (left, right), got {window!r}")
+    if not (isinstance(window, (tuple, list)) and len(window) == 2):  # formatted only on failure:
+        fail(OP, f"window must be a pair (left, right), got {window!r}")  # traced, it holds SymInts
     return call("attention_decode",
                 q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, rotary_cos, rotary_sin, alibi_slopes,
                 sinks, cache_leftpad, scale=scale, causal=causal, window_left=window[0], window_right=window[1],
