@@ -150,7 +150,7 @@ def _tanh(x):
 @triton.jit
 def _alibi(s, slope, dist):
     """s - slope * |dist|: ALiBi for query/key pairs dist positions from the diagonal (slope in
-    the units of s). Shared with the decoding kernel."""
+    the units of s; dist int or fp32). Shared with the decoding kernel."""
     return s - slope * tl.abs(dist.to(tl.float32))
 
 
@@ -177,8 +177,9 @@ def _scores(qk, i, j, seq_q, seq_k, diag, window_left, window_right, bias_base, 
     else:
         t = qk
         s = qk * qk_scale
-    if ALIBI:
-        s = _alibi(s, slope, i + diag - j)
+    if ALIBI:  # i and j converted before they broadcast: a tile of int-to-float conversions
+        # costs more than the rest of ALiBi; integers below 2^24 subtract exactly in fp32
+        s = _alibi(s, slope, (i + diag).to(tl.float32) - j.to(tl.float32))
     if BIAS_KIND != 0:
         ptrs = bias_base + i.to(tl.int64) * stride_bm + j * stride_bn
         inside = (i < seq_q) & (j < seq_k)
