@@ -11,7 +11,7 @@ class Site:
     location: str  # user source line or module path
     anchor: str  # the distinctive node the search started from (softmax, rsqrt, ...)
     op: str | None = None  # flash op it became, None when left alone
-    reason: str = ""  # why it was left alone, in words a user can act on
+    reason: str = ""  # why it was left alone (or, rewritten, what of it was not), in words a user can act on
 
     @property
     def rewritten(self) -> bool:
@@ -38,6 +38,8 @@ class Report:
         lines = []
         for s in self.sites:
             what = f"-> flash.{s.op}" if s.rewritten else f"not rewritten: {s.reason}"
+            if s.rewritten and s.reason:
+                what += f" ({s.reason})"
             lines.append(f"[{s.family}] {s.anchor} at {s.location}: {what}")
         done = sum(s.rewritten for s in self.sites)
         lines.append(f"{done}/{len(self.sites)} sites rewritten")

@@ -5,6 +5,7 @@ replaces, the residual-add fusion of the norm families, and Unmatched, what ever
 matching returns where a site is left alone."""
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +81,25 @@ def keeps_rows(n: Any) -> bool:
         return last_dim(n.args[1][-1], s.dim())
     if is_op(n, A.index.Tensor):
         return len(n.args[1]) < s.dim() or n.args[1][-1] is None
+    return False
+
+
+def learned(gm: fx.GraphModule, t: fx.Node) -> bool:
+    """t depends on an input or attribute that requires grad (the ops give rotary tables and
+    ALiBi slopes no gradient). Inputs are read from their fake values, or Dynamo's example
+    values where a retrace kept them."""
+    seen, stack = set(), [t]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder" and any(getattr(n.meta.get(k), "requires_grad", False)
+                                         for k in ("val", "example_value")):
+            return True
+        if n.op == "get_attr" and getattr(operator.attrgetter(n.target)(gm), "requires_grad", False):
+            return True
+        stack.extend(n.all_input_nodes)
     return False
 
 

@@ -33,8 +33,8 @@ import torch.fx as fx
 from ..graph import (A, cast_dtype, dtype_of, getitem, insert_call, is_op, last_dim, location, only_user,
                      other_operand, split_const, val, wrapped_output)
 from ..report import Report, Site
-from ._shared import (HALF, RESHAPES, Unmatched, arg, call_checked, conclude, keeps_rows, known_equal, replace,
-                      same_value)
+from ._shared import (HALF, RESHAPES, Unmatched, arg, call_checked, conclude, keeps_rows, known_equal, learned,
+                      replace, same_value)
 
 FLASH = torch.ops.flash
 END = 2**63 - 1  # what x[..., a:] traces to as a slice end
@@ -262,24 +262,6 @@ def _match_pairs(flat: fx.Node, graph: fx.Graph) -> Match | Unmatched | None:
     return _pairs_match(graph, _pair_source(xs[0]), table, flat)
 
 
-def _learned(gm: fx.GraphModule, t: fx.Node) -> bool:
-    """t depends on an input or attribute that requires grad (the op gives tables no gradient).
-    Inputs are read from their fake values, or Dynamo's example values where a retrace kept them."""
-    seen, stack = set(), [t]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "placeholder" and any(getattr(n.meta.get(k), "requires_grad", False)
-                                         for k in ("val", "example_value")):
-            return True
-        if n.op == "get_attr" and getattr(operator.attrgetter(n.target)(gm), "requires_grad", False):
-            return True
-        stack.extend(n.all_input_nodes)
-    return False
-
-
 def _layout(gm: fx.GraphModule, m: Match) -> int | Unmatched:
     """The dim of x holding the heads (1: (B, H, S, D), 2: (B, S, H, D)), which the tables
     broadcast over while giving every position its own row; or why they do not fit."""
@@ -288,7 +270,7 @@ def _layout(gm: fx.GraphModule, m: Match) -> int | Unmatched:
         return Unmatched(f"x has shape {tuple(xv.shape)}, not (B, H, S, D) or (B, S, H, D)")
     if tuple(cv.shape) != tuple(sv.shape) or cv.dim() > 4:
         return Unmatched(f"cos {tuple(cv.shape)} and sin {tuple(sv.shape)} are not tables of one shape")
-    if _learned(gm, m.cos) or _learned(gm, m.sin):
+    if learned(gm, m.cos) or learned(gm, m.sin):
         return Unmatched("cos/sin require grad, and flash.rotary gives no gradient for the tables")
     shape = (1,) * (4 - cv.dim()) + tuple(cv.shape)
     for heads, seq in ((1, 2), (2, 1)):

@@ -245,7 +245,7 @@ SPELLINGS = [
     (causal_and_padding, _args(PADDING), dict(causal=True, bias=True)),
     (hf_causal_padding, _args(PADDING), dict(causal=False, bias=True)),  # finite fill: test_finite_fill_*
     (additive_input, _args(ADDITIVE), dict(causal=False, bias=True)),
-    (alibi, _args(SLOPES), dict(causal=True, bias=True)),
+    (alibi, _args(SLOPES), dict(causal=True, bias=False, alibi=True)),  # slopes * (j - i) under causal: ALiBi
     (t5, _args(POSITION_BIAS), dict(causal=True, bias=True, scale=1.0)),
     (chunked_causal, _args(), dict(causal=True, bias=True)),
     (top_left_causal, _args(sq=3), dict(causal=False, bias=True, window=NONE)),

@@ -17,7 +17,9 @@ import torch.fx as fx
 from ...graph import A, cast_dtype, dtype_of, is_op, number
 from .formulas import FALSE, TRUE, Formula, atom, f_and, f_not, f_or
 from .index import AND, NOT, OR, Index, Val, as_float
-from .nodes import MASKED, MASKED_FILL, SAME, WHERE, constant, op_kind
+from . import alibi
+from .._shared import Unmatched
+from .nodes import MASKED, MASKED_FILL, SAME, WHERE, constant, evaluated, op_kind
 from .operands import Match, Part
 from .windows import Window, window_of
 
@@ -33,6 +35,12 @@ def _conjuncts(node: fx.Node, positive: bool) -> list[tuple[fx.Node, bool]]:
     if ((t in (A.expand.default, A.expand_as.default) or cast_dtype(node) == torch.bool)
             and dtype_of(node.args[0]) == torch.bool):
         return _conjuncts(node.args[0], positive)
+    if cast_dtype(node) == torch.bool and op_kind(node.args[0]) in WHERE:
+        # where(c, 0, fill).bool() is not c (MPT's float mask cast to the bool it masked_fills by)
+        c, a, b = node.args[0].args[:3]
+        x, y = constant(a), constant(b)
+        if isinstance(c, fx.Node) and x is not None and y is not None and (x == 0) != (y == 0):
+            return _conjuncts(c, positive if x != 0 else not positive)
     return [(node, positive)]
 
 
@@ -86,41 +94,9 @@ BAND_CHUNK_ELEMENTS = 1 << 24
 
 
 def _evaluated(node: fx.Node) -> torch.Tensor | None:
-    """node's value, computed now, when it depends on no graph input or attribute, only on
-    deterministic aten ops with concrete arguments (then it is the same in every call); else
-    None, as for any failure to evaluate it."""
-    order: list[fx.Node] = []
-    seen: set[fx.Node] = set()
-
-    def visit(n: fx.Node) -> bool:
-        if n in seen:
-            return True
-        seen.add(n)
-        if (n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload)
-                or torch.Tag.nondeterministic_seeded in n.target.tags):
-            return False
-        if not all(visit(a) for a in n.all_input_nodes):
-            return False
-        order.append(n)
-        return True
-
-    if not visit(node):
-        return None
-    env: dict[fx.Node, Any] = {}
-    try:
-        with torch.utils._python_dispatch._disable_current_modes():
-            for n in order:
-                args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
-                if any(isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
-                       for x in torch.utils._pytree.tree_leaves((args, kwargs))):
-                    return None
-                env[n] = out = n.target(*args, **kwargs)
-                if isinstance(out, torch.Tensor) and out.numel() > CONSTANT_MASK_ELEMENTS:
-                    return None
-    except Exception:
-        return None
-    out = env[node]
-    return out if isinstance(out, torch.Tensor) and out.dtype == torch.bool else None
+    """node's value computed now (nodes.evaluated) when it is a bool tensor, else None."""
+    out = evaluated(node, CONSTANT_MASK_ELEMENTS)
+    return out if out is not None and out.dtype == torch.bool else None
 
 
 def _constant_keep(node: fx.Node, positive: bool, shape: tuple) -> Formula | None:
@@ -243,6 +219,56 @@ def _overwrites_alone(m: Match) -> bool:
 
 
 def fold_masks(m: Match, shape: tuple) -> None:
+    """Move an ALiBi term that provably is one from m.parts into m.alibi (alibi.py), then the
+    masks that provably are a band around the bottom-right diagonal into m.window (_fold).
+    ALiBi's proof may need the band (a bias linear in the key position is ALiBi under a causal
+    mask only), so the masks are sorted without the term first; where the proof fails they are
+    sorted again with it, as attn_bias, and the reason is noted for explain. The op reads a
+    float mask fill at or below -1e9 as the score -1e4, which must weigh nothing next to the
+    keys a row sees with ALiBi's penalty on them (alibi.bounded); and where q is zeroed on
+    rows (Match.zero_rows) their scores would be ALiBi's, not the model's: ALiBi stays a bias."""
+    found = _alibi_term(m, shape)
+    if isinstance(found, tuple):
+        before = (m.parts, m.window)
+        m.parts = found[0]
+        band = _fold(m, shape)
+        done = alibi.prove(found[1], band, shape)
+        if isinstance(done, alibi.Alibi) and m.zero_rows:
+            done = Unmatched("ALiBi with a padding mask that overwrites whole rows' scores after it (their q is "
+                             "zeroed, so the op's ALiBi would be their scores): left as attn_bias")
+        if (isinstance(done, alibi.Alibi) and any(p.kind == "add" for p in m.parts)
+                and not alibi.bounded(done, shape)):
+            done = Unmatched("ALiBi next to a float mask whose fill the op reads as -1e4: its penalty is not "
+                             "bounded (sizes or slopes not known constants); left as attn_bias")
+        if isinstance(done, alibi.Alibi):
+            m.alibi = done
+            return None
+        m.notes.append(done.reason)
+        m.parts, m.window, m.uniform_rows, m.zero_rows = before[0], before[1], False, False
+    elif isinstance(found, Unmatched):
+        m.notes.append(found.reason)
+    _fold(m, shape)
+    return None
+
+
+def _alibi_term(m: Match, shape: tuple) -> tuple[list[Part], alibi.Candidate] | Unmatched | None:
+    """(m.parts without the first ALiBi-like term, that term's Candidate), the reason the first
+    ALiBi-like term cannot be one, or None where no term is ALiBi-like. A part that sums the term
+    with others (alibi + mask) leaves those others as parts of their own."""
+    why = None
+    for i, part in enumerate(m.parts):
+        if part.kind != "add":
+            continue
+        terms = [dataclasses.replace(t, heads=part.heads) for t in _summands(part.node, part.mult)]
+        for j, t in enumerate(terms):
+            c = alibi.candidate(t, shape)
+            if isinstance(c, alibi.Candidate):
+                return m.parts[:i] + terms[:j] + terms[j + 1:] + m.parts[i + 1:], c
+            why = why or c
+    return why
+
+
+def _fold(m: Match, shape: tuple) -> Window | None:
     """Move the masks that provably are a band around the bottom-right diagonal from m.parts
     into m.window. Sums are split into their terms and keep conditions into their and-ed
     pieces where that finds a band (causal & padding: the causal piece becomes causal=True,
@@ -257,7 +283,8 @@ def fold_masks(m: Match, shape: tuple) -> None:
     and k: where such masks are all the site has (_overwrites_alone), the rows they hide
     entirely are computed beside the op (m.uniform_rows); else the op reads the model's
     scores less q @ k^T, term by term in its order, with q = 0 on the rows where those are the
-    scores (m.zero_rows)."""
+    scores (m.zero_rows). Returns the band the masks keep keys within (as attn_bias or not),
+    None where none is proven."""
     sorted_ = _Masks(shape)
     for part in m.parts:
         terms = _summands(part.node, part.mult) if part.kind == "add" else [part]
@@ -284,8 +311,8 @@ def fold_masks(m: Match, shape: tuple) -> None:
         if any(p.overwrite for p in sorted_.finite):
             m.uniform_rows = _overwrites_alone(m)
             m.zero_rows = not m.uniform_rows
-        return None  # the model's own terms, unsplit
+        return window if isinstance(window, Window) else None  # the model's own terms, unsplit
     if isinstance(window, Window):
         m.window = window
     m.parts = kept
-    return None
+    return window if isinstance(window, Window) else None

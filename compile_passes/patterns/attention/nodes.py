@@ -127,3 +127,41 @@ def copies(node: Any) -> bool:
 
 def target_name(node: fx.Node) -> str:
     return getattr(node.target, "__name__", str(node.target))
+
+
+def evaluated(node: fx.Node, max_elements: int) -> torch.Tensor | None:
+    """node's value, computed now, when it depends on no graph input or attribute, only on
+    deterministic aten ops with concrete arguments (then it is the same in every call); else
+    None, as for any failure to evaluate it."""
+    order: list[fx.Node] = []
+    seen: set[fx.Node] = set()
+
+    def visit(n: fx.Node) -> bool:
+        if n in seen:
+            return True
+        seen.add(n)
+        if (n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload)
+                or torch.Tag.nondeterministic_seeded in n.target.tags):
+            return False
+        if not all(visit(a) for a in n.all_input_nodes):
+            return False
+        order.append(n)
+        return True
+
+    if not visit(node):
+        return None
+    env: dict[fx.Node, Any] = {}
+    try:
+        with torch.utils._python_dispatch._disable_current_modes():
+            for n in order:
+                args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
+                if any(isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
+                       for x in torch.utils._pytree.tree_leaves((args, kwargs))):
+                    return None
+                env[n] = out = n.target(*args, **kwargs)
+                if isinstance(out, torch.Tensor) and out.numel() > max_elements:
+                    return None
+    except Exception:
+        return None
+    out = env[node]
+    return out if isinstance(out, torch.Tensor) else None

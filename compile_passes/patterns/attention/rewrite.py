@@ -130,6 +130,20 @@ def _zero_rows(graph: fx.Graph, before: fx.Node, parts: list[Part], q: fx.Node) 
     return q, e(A.where.self, rows, e(A.sub.Tensor, bias, top), bias)
 
 
+def _slopes(graph: fx.Graph, before: fx.Node, m: Match, q: fx.Node) -> fx.Node | None:
+    """alibi_slopes, fp32 (Hq,) or (B, Hq): the graph's slope tensor times the proven factor, or
+    one slope for every head."""
+    a = m.alibi
+    if a is None:
+        return None
+    if a.slopes is None:
+        return _emit(graph, before, A.new_full.default, q, [a.heads], a.factor, dtype=torch.float32)
+    node = _build(graph, before, a.slopes)
+    if dtype_of(node) != torch.float32:
+        node = _emit(graph, before, A._to_copy.default, node, dtype=torch.float32)
+    return node if a.factor == 1 else _emit(graph, before, A.mul.Tensor, node, a.factor)
+
+
 def _seed(graph: fx.Graph, before: fx.Node, like: fx.Node) -> fx.Node:
     """A fresh dropout seed per call, drawn as flash.attention's public function draws it."""
     device = val(like).device
@@ -164,8 +178,9 @@ def _replace(gm: fx.GraphModule, m: Match) -> Unmatched | None:
         if bias is not None and val(bias).dim() == 3:
             bias = _emit(g, at, A.unsqueeze.default, bias, 0)
     seed = _seed(g, at, q) if m.dropout_p > 0 else None
+    slopes = _slopes(g, at, m, q)
     w = m.window
-    node = call_checked(g, at, FLASH.attention.default, (q, k, v, bias, seed),
+    node = call_checked(g, at, FLASH.attention.default, (q, k, v, bias, seed, slopes),
                         {"scale": m.scale, "causal": w.right == 0, "window_left": w.left,
                          "window_right": w.right if w.right > 0 else -1,
                          "softcap": m.softcap, "dropout_p": m.dropout_p})
@@ -222,3 +237,5 @@ def rewrite(gm: fx.GraphModule, report: Report) -> None:
             site.reason = m.reason if anchor != "softmax" else f"softmax not rewritten to attention: {m.reason}"
             continue
         conclude(site, _replace(gm, m), "attention")
+        if site.rewritten and m.notes:
+            site.reason = "; ".join(m.notes)
