@@ -43,7 +43,9 @@ of the full width, 2 x 4096 tokens, 2 + 3 steps.
 Rows: {context, batch, seq, tokens, config, attention, compile, patch, status, error, oom,
 first_loss, loss_rel_diff, loss_agrees, losses, warmup_step_s, warmup_s, step_ms, step_ms_all,
 tokens_per_s, flops_per_step, tflops, mfu, peak_bytes, peak_warmup_bytes, rewrites, graph_breaks,
-warnings, started}.
+warnings, started, kernel_ms, kernel_top}. On a GPU, one more step after the timed ones runs under
+torch.profiler: kernel_ms is its GPU time by kernel kind (KERNEL_KINDS), kernel_top its 12
+longest kernels [name, ms, kind].
 """
 from __future__ import annotations
 
@@ -228,6 +230,38 @@ def _train_step(fn, opt, ids) -> torch.Tensor:
     return loss.detach()
 
 
+# GPU kernels by what they do, first match of a lower-cased name (attention before matmul: the
+# CUTLASS attention kernels carry "cutlass" too)
+KERNEL_KINDS = (("attention", ("attn", "fmha", "flash", "attention", "sdpa")),
+                ("matmul", ("gemm", "nvjet", "xmma", "cublas", "cutlass", "splitk")),
+                ("optimizer", ("adam", "multi_tensor", "foreach")),
+                ("loss", ("_ce_", "cross_entropy", "nll", "log_softmax", "target_summary", "_scale_kernel")),
+                ("norm", ("norm",)), ("rotary", ("rotary", "rope")),
+                ("inductor fused", ("triton_",)), ("copy / fill", ("memcpy", "memset", "copy", "fill")))
+
+
+def _kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, marks in KERNEL_KINDS if any(m in low for m in marks)), "other")
+
+
+def _kernel_profile(fn, opt, ids) -> dict:
+    """GPU time of one more training step by kernel kind (ms; KERNEL_KINDS) and its 12 longest
+    kernels, from torch.profiler: where a configuration's step goes."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _train_step(fn, opt, ids)
+        torch.cuda.synchronize()
+    kernels = [(e.key, e.self_device_time_total / 1e3) for e in prof.key_averages()
+               if e.self_device_time_total > 0]
+    by_kind: dict[str, float] = {}
+    for name, ms in kernels:
+        by_kind[_kernel_kind(name)] = by_kind.get(_kernel_kind(name), 0.0) + ms
+    top = sorted(kernels, key=lambda k: -k[1])[:12]
+    return {"kernel_ms": {k: round(v, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+            "kernel_top": [[name[:120], round(ms, 3), _kernel_kind(name)] for name, ms in top]}
+
+
 def run_config(name: str, config: Config, model: Model, batches: torch.Tensor, warmup: int, device: str,
                peak: Optional[float], max_seq: int, context: int) -> dict:
     """One configuration's row (status "ok", or "failed" with the error and its phase)."""
@@ -241,7 +275,7 @@ def run_config(name: str, config: Config, model: Model, batches: torch.Tensor, w
            "loss_rel_diff": None, "loss_agrees": None, "losses": [], "warmup_step_s": [], "warmup_s": None,
            "step_ms": None, "step_ms_all": [], "tokens_per_s": None, "flops_per_step": flops, "tflops": None,
            "mfu": None, "peak_bytes": None, "peak_warmup_bytes": None, "rewrites": {}, "graph_breaks": None,
-           "warnings": []}
+           "warnings": [], "kernel_ms": None, "kernel_top": None}
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     torch_flash.counters.clear()
@@ -294,6 +328,9 @@ def run_config(name: str, config: Config, model: Model, batches: torch.Tensor, w
         row["tokens_per_s"] = tokens / (row["step_ms"] * 1e-3)
         row["tflops"] = flops / (row["step_ms"] * 1e-3) / 1e12
         row["mfu"] = None if peak is None else row["tflops"] / peak
+        if device == "cuda":
+            phase = "profile"
+            row.update(_kernel_profile(fn, opt, batches[-1]))
         row["status"], phase = "ok", None
     except Exception as e:  # OOM, a compile error: recorded, the suite goes on
         row["error"] = _error(e)
