@@ -80,17 +80,19 @@ def _train(model, args, fn=None):
     return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _check_model(model, args, *, causal, alibi=True):
+def _check_model(model, args, *, causal, alibi=True, bias=None):
     """model compiled with the attention rewrite: one flash.attention, with alibi_slopes and no
-    attn_bias (alibi) or with attn_bias and no slopes; output and parameter gradients equal
-    eager's (fp32, relative to their norms). Returns the call node."""
+    attn_bias (alibi) or with attn_bias and no slopes (bias: whether it has an attn_bias, when
+    that differs); output and parameter gradients equal eager's (fp32, relative to their
+    norms). Returns the call node."""
     torch.manual_seed(0)
     ref, ref_grads = _train(model, args)
     compiled, graphs = _compile(model)
     out, grads = _train(model, args, compiled)
     (call,) = _flash_calls(graphs)
-    bias, slopes = call.args[3], call.args[5] if len(call.args) > 5 else None
-    assert (slopes is not None, bias is None) == (alibi, alibi), call.format_node()
+    slopes = call.args[5] if len(call.args) > 5 else None
+    assert (slopes is not None, call.args[3] is not None) == (alibi, not alibi if bias is None else bias), \
+        call.format_node()
     assert call.kwargs["causal"] == causal
     assert_rel_close(out, ref, tol=1e-5)
     assert grads.keys() == ref_grads.keys() and grads
@@ -274,3 +276,90 @@ def test_bloom_padded_stays_bias(side):
     torch._dynamo.reset()
     sites = [s for s in torch_flash.explain(lambda **kw: model(**kw).loss, **batch).sites if s.family == "attention"]
     assert sites and all(s.rewritten and "cumsum of an attention mask" in s.reason for s in sites)
+
+
+# --- other spellings and entry points
+
+def bloom_mask_of_ones(q, k, v):
+    """Bloom's build_alibi_tensor on a mask of ones made in the graph: positions cumsum(mask) - 1,
+    (B*H, 1, S) as baddbmm's input, the (B*H) scores viewed as (B, H) for the causal mask."""
+    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+
+    b, h, s, d = q.shape
+    alibi = build_alibi_tensor(torch.ones(b, s, dtype=torch.long, device=q.device), h, q.dtype)
+    w = alibi.baddbmm(q.reshape(b * h, s, d), k.reshape(b * h, s, d).transpose(1, 2), beta=1.0, alpha=d ** -0.5)
+    w = w.view(b, h, s, s).masked_fill(torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return (torch.softmax(w, -1).view(b * h, s, s) @ v.reshape(b * h, s, d)).view(b, h, s, d)
+
+
+def sdpa_alibi_mask(q, k, v):
+    """F.scaled_dot_product_attention with ALiBi summed into an additive causal mask."""
+    i, j = _ij(q)
+    causal = torch.zeros(q.shape[-2], q.shape[-2], device=q.device).masked_fill(j > i, float("-inf"))
+    mask = _slopes(q.shape[1]).to(q.device).view(1, -1, 1, 1) * (j - i) + causal
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("fn", [bloom_mask_of_ones, sdpa_alibi_mask])
+def test_spelling(fn):
+    if fn is bloom_mask_of_ones:
+        pytest.importorskip("transformers")
+    q, k, v = _qkv()
+    compiled, graphs = _compile(fn)
+    out, ref = compiled(q, k, v), fn(*(_f64(t) for t in (q, k, v)))
+    (call,) = _calls(graphs)
+    assert call["causal"] and call["alibi"] and not call["bias"]
+    assert_rel_close(out, ref, tol=1e-5)
+    (g,) = torch.autograd.grad((out * torch.randn_like(out)).sum(), q)
+    assert not torch.isnan(g).any()
+
+
+class PaddedAlibi(AlibiAttention):
+    """AlibiAttention("causal") with an additive (B, 1, 1, S) padding mask of finfo.min, as HF adds."""
+
+    def forward(self, x, pad):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, self.d).transpose(1, 2)
+        k, v = self.kv(x).view(b, s, 2, self.heads, self.d).permute(2, 0, 3, 1, 4)
+        slopes = _slopes(self.heads) if self.from_graph else self.slopes
+        i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+        w = q @ k.transpose(-1, -2) / math.sqrt(self.d) + slopes[:, None, None] * (j - i) + pad
+        w = w.masked_fill(j > i, float("-inf"))
+        return self.o((torch.softmax(w, -1) @ v).transpose(1, 2).reshape(b, s, -1))
+
+
+@pytest.mark.parametrize("slopes", ["graph", "buffer"])
+def test_beside_a_finite_padding_mask(slopes):
+    """A float padding mask of finfo.min, which the op reads as the score -1e4: ALiBi's penalty
+    must stay well above it. Slopes computed from constants and static sizes bound it (ALiBi,
+    the mask as attn_bias); a buffer's slopes may change: the bias stays whole, with the reason."""
+    model = PaddedAlibi("causal", slopes)
+    pad = torch.zeros(B, 1, 1, S)
+    pad[0, ..., -2:] = torch.finfo(torch.float32).min
+    x = torch.randn(B, S, 32)
+    if slopes == "graph":
+        _check_model(model, [x, pad], causal=True, alibi=True, bias=True)
+        return
+    _check_model(model, [x, pad], causal=True, alibi=False)
+    torch._dynamo.reset()
+    assert "not bounded" in _reason(model, x, pad)
+
+
+def test_export_and_rewrite():
+    """torch.export then torch_flash.rewrite: the program runs flash.attention with alibi_slopes."""
+    model = AlibiAttention("causal", "buffer").eval()
+    x = torch.randn(B, S, 32)
+    ep = torch_flash.rewrite(torch.export.export(model, (x,)))
+    (call,) = ep.graph.find_nodes(op="call_function", target=torch.ops.flash.attention.default)
+    assert call.args[3] is None and call.args[5] is not None
+    with torch.no_grad():
+        assert_rel_close(ep.module()(x), model(x), tol=1e-5)
+
+
+def test_through_inductor():
+    """backend="flash" (Inductor included): the slopes reach the op, the results the model's."""
+    from models import check_training
+
+    torch_flash.counters.clear()
+    check_training(AlibiAttention("causal"), torch.randn(B, S, 32))
+    assert torch_flash.counters["flash.attention"] == 1

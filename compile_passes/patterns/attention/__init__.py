@@ -24,9 +24,11 @@ arange, ones/full, triu/tril, comparisons, where/masked_fill and logical ops is 
 over the query and key indices. One that provably keeps a band around the bottom-right
 diagonal (j - i within fixed offsets of Sk - Sq) becomes `causal` / window arguments and no
 tensor. Sums of terms and and-ed keep conditions are split first, so HF's causal & padding
-mask becomes causal=True plus the padding piece. Everything else -- masks that arrive as
-inputs, ALiBi and T5 biases, a chunked or top-left causal pattern -- becomes `attn_bias`,
-which keeps the model's semantics.
+mask becomes causal=True plus the padding piece. A term that is per-head slopes times an
+index-only position bias becomes `alibi_slopes` where it provably is the op's ALiBi up to a
+constant per query row (alibi.py). Everything else -- masks that arrive as inputs, T5 biases,
+ALiBi with positions read from data, a chunked or top-left causal pattern -- becomes
+`attn_bias`, which keeps the model's semantics.
 
 Exactness. A rewrite computes what the model computes, to the op's tolerance, on every query
 row that sees at least one key: a score hidden with -inf or a value <= -1e4 (finfo.min in
@@ -40,16 +42,16 @@ scores there (masked_fill(pad, finfo.min)) also cuts the rows' gradient to q and
 masks, of one fill, are all the scores have, the rows they hide entirely are set to v's mean
 beside the op (rewrite.py); else attn_bias is the model's scores less q @ k^T, term by term
 in its order (overwrites set their fill), and q is set to 0 on the rows where every key the
-softmax weighs is overwritten, whose scores then are that bias alone, as in the model
-(MPT's ALiBi, DeBERTa's relative bias, then masked_fill(pad, finfo.min)).
+softmax weighs is overwritten, whose scores then are that bias alone, as in the model (an
+ALiBi bias given as an input, DeBERTa's relative bias, then masked_fill(pad, finfo.min)).
 PyTorch's fused SDPA kernels (graphs traced below SDPA) are sites left as they are.
 Dropout draws its own mask (flash.attention's Philox stream), so training with dropout
 matches the model in distribution, not bit for bit.
 
 Modules, each one step: nodes (reading graph values), formulas (keep formulas), index (the
-index algebra), windows (band proofs), operands (the Match and its q, k, v), match (the walk
-from a softmax), masks (masks -> window or attn_bias), sdpa (SDPA calls), rewrite (the
-replacement, and rewrite(), the family's entry point).
+index algebra), windows (band proofs), alibi (ALiBi proofs), operands (the Match and its q, k,
+v), match (the walk from a softmax), masks (masks -> window, alibi_slopes or attn_bias), sdpa
+(SDPA calls), rewrite (the replacement, and rewrite(), the family's entry point).
 """
 from .rewrite import rewrite
 

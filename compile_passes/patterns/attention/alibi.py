@@ -91,9 +91,9 @@ def _scaled(node: fx.Node) -> tuple[fx.Node, float] | None:
 
 
 def _top(part: Part, shape: tuple):
-    """(node, to_op, nodes passed) where to_op maps a Val over node's shape to the op's (B, Hq, Sq, Sk): the
-    part itself (broadcast), or under a (B*H, x, y) term of (B, H) scores the (H, x, y) tensor
-    it repeats B times or the (B, H, ...) one it merges (Bloom's alibi)."""
+    """(node, to_op, nodes passed) where to_op maps a Val over node's shape to the op's
+    (B, Hq, Sq, Sk): the part itself (broadcast), or under a (B*H, x, y) term of (B, H) scores
+    the (H, x, y) tensor it repeats B times or the (B, H, ...) one it merges (Bloom's alibi)."""
     node, passed = part.node, [part.node]
     if not (part.heads and val(node).dim() == 3 and not known_equal(shape_of(node)[0], 1)):
         return node, lambda v: v.to(shape), passed
@@ -133,7 +133,7 @@ def _walk(top: fx.Node):
             node, factor = s[0], factor * s[1]
             continue
         t = op_kind(node)
-        if cast_dtype(node) is not None or t in SAME or t in SHAPE_OPS or t == A.expand.default:
+        if cast_dtype(node) is not None or t in SAME + SHAPE_OPS or t in (A.expand.default, A.to.device):
             node = node.args[0]
             continue
         break
@@ -212,6 +212,10 @@ def candidate(part: Part, shape: tuple) -> Candidate | Unmatched | None:
         if found is None:
             return None
         s, p, slopes = found
+        if any((dtype_of(n) or torch.float32).is_floating_point and dtype_of(n) not in EXACT
+               for n in passed + chain):
+            return Unmatched("an ALiBi-like bias is computed in half precision (rounded, where the op's ALiBi is "
+                             "not): left as attn_bias")
     else:
         s, p, slopes = None, end, None
     read = _positions(p)
@@ -230,9 +234,8 @@ def candidate(part: Part, shape: tuple) -> Candidate | Unmatched | None:
                                                 "query and key dims; left as attn_bias")
     if s is None and not dict(q.lin).get(3):
         return None  # constant along the keys: not a position bias
-    if any(dtype_of(n).is_floating_point and dtype_of(n) not in EXACT for n in passed + chain):
-        return Unmatched("an ALiBi-like bias is computed in half precision (rounded, where the op's ALiBi is "
-                         "not): left as attn_bias")
+    if any((dtype_of(n) or torch.float32).is_floating_point and dtype_of(n) not in EXACT for n in passed + chain):
+        return None  # positions in half precision, rounded
     if s is not None and learned(s.graph.owning_module, s):
         return Unmatched("ALiBi slopes that require grad (flash.attention gives alibi_slopes none): "
                          "left as attn_bias")
@@ -253,7 +256,7 @@ def prove(c: Candidate, window: Window | None, shape: tuple) -> Alibi | Unmatche
                              "left as attn_bias")
         if known_equal(k, -a * (sk - sq)):
             return _alibi(c, -c.kappa * abs(a), shape)  # kappa * |a| * |i + Sk - Sq - j|
-        # under a causal mask j - i <= Sk - Sq: the sign of a*(j - i) + k is fixed there when...
+        # a causal mask keeps j - i <= Sk - Sq, where a*(j - i) + k may keep one sign
         if causal and a > 0 and statically_known_true(a * (sk - sq) + k <= 0):
             return _alibi(c, -c.kappa * a, shape)
         if causal and a < 0 and statically_known_true(a * (sk - sq) + k >= 0):

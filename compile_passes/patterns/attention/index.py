@@ -280,7 +280,23 @@ class Index:
             keep = atom({c: 1, r: -1}, -k) if t == A.triu.default else atom({c: -1, r: 1}, k)
             zero = _const_val(0, torch.bool if x.kind == "bool" else torch.float64, ())
             return _where(Val("bool", shape, formula=keep), x, zero, shape)
+        if t == A.cumsum.default:
+            return self._cumsum(n, shape)
         return self._shape_op(n, t, shape) if t in SHAPE_OPS else None
+
+    def _cumsum(self, n: fx.Node, shape: tuple) -> Val | None:
+        """cumsum of a constant c along a dim: c * (index + 1) (positions counted from a mask of
+        ones); of anything else, not affine."""
+        x = self(n.args[0])
+        if x is not None and x.kind == "bool" and x.formula in (TRUE, FALSE):
+            x = Val("int", x.shape, const=int(x.formula == TRUE))
+        if x is not None and x.kind == "float" and len(x.cases) == 1 and float(x.cases[0][1]).is_integer():
+            x = Val("int", x.shape, const=int(x.cases[0][1]))
+        if x is None or x.kind != "int" or x.lin or concrete(x.const) is None:
+            return None
+        x = x.to(shape)
+        d = n.args[1] % len(shape)
+        return Val("int", shape, ((d, x.const),) if x.const and not known_equal(shape[d], 1) else (), x.const)
 
     def _arg(self, n: fx.Node, i: int, shape: tuple) -> Val | None:
         x = self(n.args[i])

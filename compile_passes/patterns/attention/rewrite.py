@@ -1,8 +1,9 @@
 """The rewrite: flash.attention in the place of each matched site. Builds q, k and v from
 their Operands, attn_bias from the Parts left (bool masks and'ed, float terms summed with
-masks as 0 / -inf), a fresh dropout seed per call, then the views back to the model's
-layout and dtype; the replaced chain is erased where nothing else reads it. rewrite() is the
-family's entry point: every softmax over the last dim and every SDPA call is a site."""
+masks as 0 / -inf), alibi_slopes from a proven ALiBi term, a fresh dropout seed per call,
+then the views back to the model's layout and dtype; the replaced chain is erased where
+nothing else reads it. rewrite() is the family's entry point: every softmax over the last dim
+and every SDPA call is a site."""
 from __future__ import annotations
 
 import functools
