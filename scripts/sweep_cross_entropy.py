@@ -238,8 +238,10 @@ def main() -> None:
         if time.monotonic() - start > DEADLINE_S:
             print(f"skipping {n} x {v}: past {DEADLINE_S} s", flush=True)
             continue
-        run_shape(n, v, args.rounds, rows, torch.device("cuda"))
-        write_json(path, "sweep_cross_entropy", rows, {**extra, "seconds": round(time.monotonic() - start)})
+        try:
+            run_shape(n, v, args.rounds, rows, torch.device("cuda"))
+        finally:  # what was timed survives a peer that breaks the process
+            write_json(path, "sweep_cross_entropy", rows, {**extra, "seconds": round(time.monotonic() - start)})
         torch.cuda.empty_cache()
     print(f"\nfastest per group, fraction of copy ({time.monotonic() - start:.0f} s):")
     for n, v in shapes:

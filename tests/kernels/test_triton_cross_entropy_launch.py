@@ -123,12 +123,18 @@ def test_sweep_grid_builds_and_runs():
 
 def test_sweep_runs_a_shape(monkeypatch):
     """The sweep's run over one shape with two configurations a group (the interpreter's smoke
-    timings): a row with a time for each, the op's default and fastest pairs, JSON-ready."""
+    timings): a row with a time for each, the op's default and fastest pairs and a stand-in for
+    quack (torch's loss, without its inplace_backward), JSON-ready."""
     import json
+    import sys
+    import types
+
+    import torch.nn.functional as F
 
     sweep = _sweep()
     full = sweep.grid()
     monkeypatch.setattr(sweep, "grid", lambda: {g: [cs[0], cs[-1]] for g, cs in full.items()})
+    monkeypatch.setitem(sys.modules, "quack", types.SimpleNamespace(cross_entropy=lambda x, t: F.cross_entropy(x, t)))
     rows = []
     sweep.run_shape(9, 200, 1, rows, torch.device(DEV))
     json.dumps(rows)
@@ -136,7 +142,7 @@ def test_sweep_runs_a_shape(monkeypatch):
     assert len(timed) == len(rows) - 1 and rows[0]["group"] == "copy"
     for g, cs in full.items():
         assert (g, "default") in timed and (g, cs[-1].name) in timed
-    assert ("op", "default + default") in timed
+    assert ("op", "default + default") in timed and ("op", "quack") in timed
     assert all(r["max_rel_diff_vs_default"] == 0 for r in rows if r.get("timing") == "graph")
 
 
