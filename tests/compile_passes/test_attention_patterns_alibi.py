@@ -145,10 +145,11 @@ def test_one_slope_for_all_heads():
     assert_rel_close(out, fn(*(_f64(t) for t in (q, k, v))), tol=1e-5)
 
 
-def _reason(model, *args) -> str:
-    (site,) = [s for s in torch_flash.explain(model, *args).sites if s.family == "attention"]
-    assert site.rewritten
-    return site.reason
+def _reason(model, *args, **kwargs) -> str:
+    """explain's note on the one attention site of model(*args, **kwargs), which is rewritten."""
+    sites = [s for s in torch_flash.explain(model, *args, **kwargs).sites if s.family == "attention"]
+    assert sites and all(s.rewritten for s in sites)
+    return sites[0].reason
 
 
 @pytest.mark.parametrize("model, words", [
@@ -363,3 +364,11 @@ def test_through_inductor():
     torch_flash.counters.clear()
     check_training(AlibiAttention("causal"), torch.randn(B, S, 32))
     assert torch_flash.counters["flash.attention"] == 1
+
+
+def test_half_precision_bias_stays_bias():
+    """Bloom in bf16 rounds its ALiBi to bf16 (slope * 7 to 8 bits), where the op's is fp32: not
+    the model's bias, so it stays attn_bias, with the reason."""
+    model = _hf("bloom").to(torch.bfloat16)
+    reason = _reason(lambda **kw: model(**kw).loss, **_batch())
+    assert "half precision" in reason, reason
