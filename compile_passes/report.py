@@ -11,7 +11,7 @@ class Site:
     location: str  # user source line or module path
     anchor: str  # the distinctive node the search started from (softmax, rsqrt, ...)
     op: str | None = None  # flash op it became, None when left alone
-    reason: str = ""  # why it was left alone (or, rewritten, what of it was not), in words a user can act on
+    reason: str = ""  # why it was left alone (rewritten: what of it was not), in words a user can act on
 
     @property
     def rewritten(self) -> bool:

@@ -22,7 +22,8 @@ class AlibiAttention(nn.Module):
     """Multi-head attention with an ALiBi bias, spelled as `bias`: "causal" slope * (j - i) under a
     causal mask, "keys" slope * j (Bloom's, per key only) under a causal mask, "distance"
     -slope * |i - j| with no mask, "distance_causal" the same under a causal mask. slopes
-    "graph" computes them in forward, "buffer" holds them. kv_heads < heads: GQA (repeat_kv)."""
+    "graph" computes them in forward, "buffer" holds them, "tensor" makes them in forward from
+    a list (a constant of the traced graph). kv_heads < heads: GQA (repeat_kv)."""
 
     def __init__(self, bias="causal", slopes="graph", heads=H, kv_heads=H, d=D, learned=False):
         super().__init__()
@@ -30,7 +31,7 @@ class AlibiAttention(nn.Module):
         self.q = nn.Linear(32, heads * d)
         self.kv = nn.Linear(32, 2 * kv_heads * d)
         self.o = nn.Linear(heads * d, 32)
-        self.from_graph = slopes == "graph"
+        self.from_graph, self.from_list = slopes == "graph", slopes == "tensor"
         if learned:
             self.slopes = nn.Parameter(_slopes(heads))
         elif not self.from_graph:
@@ -46,7 +47,10 @@ class AlibiAttention(nn.Module):
         if n > 1:  # repeat_kv
             k, v = (t[:, :, None].expand(b, self.kv_heads, n, sk, self.d).reshape(b, self.heads, sk, self.d)
                     for t in (k, v))
-        slopes = _slopes(self.heads).to(x.device) if self.from_graph else self.slopes
+        if self.from_list:
+            slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / self.heads) for h in range(self.heads)], device=x.device)
+        else:
+            slopes = _slopes(self.heads).to(x.device) if self.from_graph else self.slopes
         i = torch.arange(sq, device=x.device)[:, None] + (sk - sq)  # queries at the end of the keys
         j = torch.arange(sk, device=x.device)[None, :]
         s = q @ k.transpose(-1, -2) / math.sqrt(self.d)
@@ -103,7 +107,8 @@ def _check_model(model, args, *, causal, alibi=True, bias=None):
 
 @pytest.mark.parametrize("bias, slopes, causal", [
     ("causal", "graph", True), ("causal", "buffer", True), ("keys", "graph", True), ("keys", "buffer", True),
-    ("distance", "graph", False), ("distance", "buffer", False), ("distance_causal", "buffer", True)])
+    ("causal", "tensor", True), ("distance", "graph", False), ("distance", "buffer", False),
+    ("distance", "tensor", False), ("distance_causal", "buffer", True)])
 def test_hand_written(bias, slopes, causal):
     model = AlibiAttention(bias, slopes)
     _check_model(model, [torch.randn(B, S, 32)], causal=causal)
@@ -346,9 +351,11 @@ def test_beside_a_finite_padding_mask(slopes):
     assert "not bounded" in _reason(model, x, pad)
 
 
-def test_export_and_rewrite():
-    """torch.export then torch_flash.rewrite: the program runs flash.attention with alibi_slopes."""
-    model = AlibiAttention("causal", "buffer").eval()
+@pytest.mark.parametrize("slopes", ["buffer", "tensor"])
+def test_export_and_rewrite(slopes):
+    """torch.export then torch_flash.rewrite: the program runs flash.attention with alibi_slopes
+    (a buffer, or a constant that export lifts to an input)."""
+    model = AlibiAttention("causal", slopes).eval()
     x = torch.randn(B, S, 32)
     ep = torch_flash.rewrite(torch.export.export(model, (x,)))
     (call,) = ep.graph.find_nodes(op="call_function", target=torch.ops.flash.attention.default)

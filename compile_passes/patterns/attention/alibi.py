@@ -222,9 +222,9 @@ def candidate(part: Part, shape: tuple) -> Candidate | Unmatched | None:
     if read is None:
         if s is None:
             return None
-        return Unmatched("an ALiBi-like bias (per-head slopes times positions) has positions read from data "
-                         "(e.g. the cumsum of an attention mask): ALiBi only for left or right padding, which the "
-                         "graph does not show; left as attn_bias")
+        return Unmatched("an ALiBi-like bias (per-head slopes times a tensor over queries and keys) whose positions "
+                         "are not built from indices alone (Bloom's: the cumsum of an attention mask, ALiBi only for "
+                         "left or right padding, which the graph does not show); left as attn_bias")
     seed, sign, absolute = read
     product = end if s is not None else p
     q = _Through(product, seed.to(shape_of(product)), scaling)(top)

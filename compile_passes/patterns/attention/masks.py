@@ -4,7 +4,8 @@ causal / window arguments, and those that stay attn_bias. Sums are split into th
 and keep conditions into their and-ed pieces (HF's causal & padding: causal=True plus the
 padding piece). Masks built in the graph are read by the index algebra (index.py); pieces
 made of constants only are evaluated at compile time. Where a mask that is not a band may
-hide a query row entirely with a finite fill, the model's own terms go in unsplit."""
+hide a query row entirely with a finite fill, the model's own terms go in unsplit. A term
+proven to be ALiBi (alibi.py) becomes the op's alibi_slopes first."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,10 +16,10 @@ import torch
 import torch.fx as fx
 
 from ...graph import A, cast_dtype, dtype_of, is_op, number
+from .._shared import Unmatched
+from . import alibi
 from .formulas import FALSE, TRUE, Formula, atom, f_and, f_not, f_or
 from .index import AND, NOT, OR, Index, Val, as_float
-from . import alibi
-from .._shared import Unmatched
 from .nodes import MASKED, MASKED_FILL, SAME, WHERE, constant, evaluated, op_kind
 from .operands import Match, Part
 from .windows import Window, window_of
