@@ -84,12 +84,12 @@ def _qkv(d: int, s: int, b: int) -> tuple[torch.Tensor, ...]:
 
 def _deterministic(fn: Callable, *args):
     """fn(*args) under torch.use_deterministic_algorithms(True): the kernel's fixed-order dQ."""
-    before = torch.are_deterministic_algorithms_enabled()
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         return fn(*args)
     finally:
-        torch.use_deterministic_algorithms(before)
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 def _time_point(d: int, s: int, b: int, causal: bool) -> list[dict]:
