@@ -98,30 +98,13 @@ struct BwdMainloop
     int semaphore_batch_stride, semaphore_head_stride;
   };
 
-  // The example's Params built as its to_underlying_arguments does, less its dQ descriptor (atoms
-  // along D, unused by reduce()): left empty, not encoded each launch. They stay the base of these
-  // as the inherited loads (load_kv_maybe_q, load_maybe_q) take them.
   template <class ProblemShape>
-  static Params to_underlying_arguments(ProblemShape const& problem, Arguments const& args, void*) {
-    using MmaNM = typename Base::CollectiveMmaNM;
-    auto problem_nm = make_shape(get<3>(problem), get<2>(problem), get<4>(problem),
-                                 make_shape(get<0>(problem), get<1>(problem)));
-    auto stride_nm = [](auto const& s) { return make_stride(get<2>(s), get<3>(s), make_stride(get<0>(s), get<1>(s))); };
-    auto kq = MmaNM::to_underlying_arguments(
-        problem_nm, typename MmaNM::Arguments{args.ptr_K, stride_nm(args.dK), args.ptr_Q, stride_nm(args.dQ)}, nullptr);
-    auto vdo = MmaNM::to_underlying_arguments(
-        problem_nm, typename MmaNM::Arguments{args.ptr_V, stride_nm(args.dV), args.ptr_dO, stride_nm(args.dDO)}, nullptr);
-    auto load_rows = [&](auto const* ptr, auto const& stride) {  // lse, sum(dO * O)
-      return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(ptr, select<2, 0, 1>(problem), select<2, 0, 1>(stride)),
-                           typename Base::SmemLayoutLSE{}(_, _0{}));
-    };
+  static Params to_underlying_arguments(ProblemShape const& problem, Arguments const& args, void* workspace) {
     TMA_DQ tma_red_dq_rows = make_tma_copy(
         SM90_TMA_REDUCE_ADD{}, make_tensor(args.ptr_dQ, select<2, 4, 0, 1>(problem), select<2, 3, 0, 1>(args.dDQ)),
         SmemLayoutDQ{}(_, _, _0{}));
-    typename Base::Params base{kq.tma_load_b, kq.tma_load_a, vdo.tma_load_a, vdo.tma_load_b,
-                               load_rows(args.ptr_LSE, args.dLSE), load_rows(args.ptr_sum_OdO, args.dSumOdO),
-                               {}, 0.f, 0.f};  // the softmax scales: MainloopWithScale sets them
-    return {base, tma_red_dq_rows, args.dq_semaphore, args.semaphore_batch_stride, args.semaphore_head_stride};
+    return {Base::to_underlying_arguments(problem, args, workspace), tma_red_dq_rows, args.dq_semaphore,
+            args.semaphore_batch_stride, args.semaphore_head_stride};
   }
 
   // The example prefetches its loads' descriptors only.
