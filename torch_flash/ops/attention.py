@@ -303,7 +303,10 @@ def cudnn_backward_serves(grad_lse, q: Tensor, k: Tensor, v: Tensor, attn_bias, 
     GPU, fp16/bf16, one head dim <= 128 (a multiple of 8), Sq == Sk (cuDNN aligns the causal
     diagonal top-left, ours bottom-right), causal only from CUDNN_CAUSAL_MIN_SEQLEN keys, no
     bias, ALiBi, sinks, dropout, softcap, window or lse gradient, and k and v laid out as cuDNN reads them
-    (strides and, where real, addresses 16-byte aligned; q is copied anyway)."""
+    (strides and, where real, addresses 16-byte aligned; q is copied anyway), and fewer than 2^31
+    elements in q's copy and in k: at (4104, 32, 128, 128) bf16 (q past 2^31) the call through it
+    failed tests/test_large_index.py with a relative error of 0.25, where the same forward with
+    the Triton backward passed (H200, torch 2.11)."""
     d, s = q.shape[-1], q.shape[2]
     return (os.environ.get("TORCH_FLASH_CUDNN_BACKWARD") != "0" and q.device.type == "cuda"
             and _dispatch.forced_backend() is None
@@ -315,6 +318,7 @@ def cudnn_backward_serves(grad_lse, q: Tensor, k: Tensor, v: Tensor, attn_bias, 
             and attn_bias is None and spec.alibi_slopes is None and spec.sinks is None
             and spec.dropout_p == 0 and spec.softcap == 0
             and spec.window_left < 0 and spec.window_right < 0
+            and _cudnn_q_copy_numel(q) < 2**31 and k.numel() < 2**31
             and all(_cudnn_aligned(t) for t in (k, v)))
 
 
@@ -351,14 +355,24 @@ def _cudnn_operand(t: Tensor, like: Tensor | None = None) -> Tensor:
 CUDNN_Q_BATCH_PAD = 8
 
 
+def _cudnn_q_strides(q: Tensor) -> tuple[int, ...]:
+    """The strides of the copy of q handed to cuDNN: q's layout, its outermost stride padded by
+    CUDNN_Q_BATCH_PAD."""
+    dense = ref.layout_strides(q, q.shape)
+    outer = max(range(3), key=lambda i: dense[i])
+    return tuple(st + CUDNN_Q_BATCH_PAD if i == outer else st for i, st in enumerate(dense))
+
+
+def _cudnn_q_copy_numel(q: Tensor) -> int:
+    """Elements the copy of q handed to cuDNN spans."""
+    return 1 + sum((n - 1) * st for n, st in zip(q.shape, _cudnn_q_strides(q)))
+
+
 def _cudnn_backward(grad_out, q, k, v, out, lse, spec: ref.Spec) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv), each laid out like its input (ref.layout_strides), from cuDNN (see
     cudnn_backward_serves and CUDNN_Q_BATCH_PAD)."""
     s = q.shape[2]
-    dense = ref.layout_strides(q, q.shape)
-    outer = max(range(3), key=lambda i: dense[i])
-    q_strides = tuple(st + CUDNN_Q_BATCH_PAD if i == outer else st for i, st in enumerate(dense))
-    q_own = torch.empty_strided(q.shape, q_strides, dtype=q.dtype, device=q.device).copy_(q)
+    q_own = torch.empty_strided(q.shape, _cudnn_q_strides(q), dtype=q.dtype, device=q.device).copy_(q)
     no_dropout = q.new_empty(0, dtype=torch.int64)  # cuDNN's philox seed and offset
     grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         _cudnn_operand(grad_out, q), q_own, k, v, _cudnn_operand(out, q), _cudnn_operand(lse).unsqueeze(-1),
