@@ -44,6 +44,12 @@ MAX_BLOCK = 8192
 MAX_BLOCK_IN_PLACE = 16384
 ELEMENTS_PER_THREAD = 16
 MAX_WARPS = 16
+# A launch that writes no gradient (the loss or the lse alone) takes narrower blocks of more
+# elements a thread, fewer warps to reduce across: 4096 x 4 warps ran at 0.95-1.00 of a device
+# copy against 0.77-0.84 for 8192 x 16 (H200, 2026-11-28, five shapes from 8192 x 32000 to
+# 16384 x 128256: scripts/sweep_cross_entropy.py, docs/results/sweep_cross_entropy).
+MAX_BLOCK_NO_GRAD = 4096
+ELEMENTS_PER_THREAD_NO_GRAD = 32
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -206,12 +212,15 @@ def l2_programs(n_rows: int, row_bytes: int, device: torch.device, l2_fraction: 
     return max(1, min(n_rows, max(sms, int(l2_fraction * l2) // row_bytes)))
 
 
-def _launch_config(n_cols: int, block: int | None, in_place: bool, knobs: Knobs = Knobs()
+def _launch_config(n_cols: int, block: int | None, in_place: bool, knobs: Knobs = Knobs(), grad: bool = True
                    ) -> tuple[int, int, dict]:
     """(BLOCK, num_warps, the row-loop and pipeline constexprs) for rows of n_cols, whose gradient
-    overwrites them if in_place; block forces the block (tests loop over small ones)."""
-    block = block or min(MAX_BLOCK_IN_PLACE if in_place else MAX_BLOCK, next_power_of_2(n_cols))
-    warps = knobs.num_warps or max(1, min(MAX_WARPS, block // (32 * ELEMENTS_PER_THREAD)))
+    the launch writes if grad, over them if in_place; block forces the block (tests loop over
+    small ones)."""
+    cap, per_thread = ((MAX_BLOCK_IN_PLACE if in_place else MAX_BLOCK, ELEMENTS_PER_THREAD) if grad
+                       else (MAX_BLOCK_NO_GRAD, ELEMENTS_PER_THREAD_NO_GRAD))
+    block = block or min(cap, next_power_of_2(n_cols))
+    warps = knobs.num_warps or max(1, min(MAX_WARPS, block // (32 * per_thread)))
     return block, warps, dict(ROW_LOOP=knobs.programs is not None, NUM_STAGES=knobs.num_stages)
 
 
@@ -317,7 +326,7 @@ def _launch(x, t, *, loss, lse, grad_loss, out, n_valid, ignore_index, label_smo
     n_rows, n_cols = x.shape
     if n_rows == 0:
         return
-    block, num_warps, loop = _launch_config(n_cols, block, in_place, knobs)
+    block, num_warps, loop = _launch_config(n_cols, block, in_place, knobs, grad=out is not None)
     g = grad_loss.reshape(-1) if grad_loss is not None else None
     z_t, z_sum = (None, None) if stats is None else stats
     launch(
@@ -388,7 +397,7 @@ class CeFwd:
         self.n_rows = target.numel()
         self.stride = row_stride(logits) if self.n_rows > 0 else None
         self.reduction, self.shape = reduction, target.shape
-        block, num_warps, loop = _launch_config(n_cols, block, False, knobs)
+        block, num_warps, loop = _launch_config(n_cols, block, False, knobs, grad=False)
         self.programs = _programs(self.n_rows, knobs)
         self.scalars = (ignore_index, label_smoothing, z_loss, softcap, 1.0 / softcap if softcap > 0 else 0.0)
         self.consts = dict(FORWARD=True, STATS=False, WRITE_GRAD=False, HAS_GRAD_LOSS=False, MEAN=False,
