@@ -6,7 +6,7 @@ any strides with a contiguous last dim; alibi_slopes fp32 (Hq,) or (B, Hq); sink
 (causal bottom-right, window, softcap, ALiBi, bias, sinks, dropout mask) are spelled out in
 torch_flash/reference/attention.py. Only the Triton kernels and the reference take ALiBi and
 sinks. The lse includes the sinks, so the backward op needs them only to pick its path; their
-gradient comes from out, lse and the upstream gradients (ref.sink_grad) in the autograd rule.
+gradient comes from out, lse and the upstream gradients (sinks_grad) in the autograd rule.
 Both ops share one backward op, fed the lse that the forward computed: `attention`'s
 autograd runs `attention_with_lse` underneath so that it never recomputes it.
 """
@@ -412,7 +412,7 @@ def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
                         bias_requires_grad: bool, alibi_slopes: Optional[Tensor] = None,
                         sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dbias); dbias has attn_bias's shape, or is empty unless bias_requires_grad.
-    The ALiBi slopes get no gradient; the sinks' comes from ref.sink_grad (lse includes them).
+    The ALiBi slopes get no gradient; the sinks' comes from sinks_grad (lse includes them).
     cuDNN's backward where it serves (cudnn_backward_serves), else the Hopper kernel where it
     serves (_sm90_bwd_serves: D=128 unforced), else the Triton kernels. cuDNN sums dq with atomic
     adds, not bitwise reproducible, so torch.use_deterministic_algorithms(True) turns it off;
@@ -479,16 +479,30 @@ def _attention_bwd_sm90(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
     return ref.attention_bwd_sm90(grad_out, q, k, v, out, lse, scale, causal)
 
 
+def sinks_grad(sinks: Tensor, out: Tensor, grad_out: Tensor, lse: Tensor, grad_lse: Optional[Tensor]) -> Tensor:
+    """d loss / d sinks (ref.sink_grad, dense or packed layouts): eagerly, where Triton runs on
+    out's device (unforced on CUDA), one kernel pass over out and grad_out; traced (Inductor fuses
+    it) or elsewhere, the reference."""
+    forced = _dispatch.forced_backend()
+    if (not _dispatch.symbolic(out) and _dispatch.triton_can_run(out.device)
+            and (forced == "triton" or (forced is None and out.is_cuda))):
+        from ..kernels.triton.attention_backward import sink_grad
+        _dispatch.LAST["attention_sinks_grad"] = "triton"
+        return sink_grad(sinks, out, grad_out, lse, grad_lse)
+    _dispatch.LAST["attention_sinks_grad"] = "reference"
+    return ref.sink_grad(sinks, out, grad_out, lse, grad_lse)
+
+
 def _sinks_grad(saved, grads) -> Tensor:
-    """The sinks' gradient (ref.sink_grad) from the saved tensors of _spec."""
+    """The sinks' gradient (sinks_grad) from the saved tensors of _spec."""
     out, lse, sinks = saved[4], saved[5], saved[8]
-    return ref.sink_grad(sinks, out, grads[0], lse, grads[1] if len(grads) > 1 else None)
+    return sinks_grad(sinks, out, grads[0], lse, grads[1] if len(grads) > 1 else None)
 
 
 def _spec(with_lse: bool) -> Spec:
     """flash.attention's (and flash.attention_with_lse's) autograd rule: the forward keeps its lse
     (attention runs its sibling attention_with_lse), the backward op gives dq, dk, dv and dbias
-    (where the bias needs one); the sinks' gradient is Python's (ref.sink_grad)."""
+    (where the bias needs one); the sinks' gradient is Python's (sinks_grad)."""
     saved = tuple(Src(SAVED, i) for i in range(9))
     return Spec(
         forward=None if with_lse else "attention_with_lse",

@@ -18,12 +18,11 @@ from torch._subclasses.fake_tensor import is_fake
 
 from ..reference import attention_varlen as ref
 from ..reference._common import compute_dtype
-from ..reference.attention import sink_grad
 from ._autograd import ARG, GRAD, GRAD_OR_NONE, SAVED, Spec, Src, call, register_autograd_spec, triton_op
 from ._checks import INDEX_DTYPES, check, check_same_device, check_tensor
 from ._plans import Plans
 from .attention import (check_alibi, check_common, check_saved_and_grads, check_sinks, kernel_flags, op_kwargs,
-                        spec_of, use_triton)
+                        sinks_grad, spec_of, use_triton)
 
 
 def check_cu_seqlens(op: str, name: str, cu_seqlens) -> None:
@@ -149,9 +148,9 @@ def _attention_varlen_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: 
 
 
 def _sinks_grad(saved, grads) -> Tensor:
-    """The sinks' gradient (sink_grad) from the saved tensors of the Spec below."""
+    """The sinks' gradient (sinks_grad) from the saved tensors of the Spec below."""
     out, lse, sinks = saved[5], saved[6], saved[9]
-    return sink_grad(sinks, out, grads[0], lse, grads[1])
+    return sinks_grad(sinks, out, grads[0], lse, grads[1])
 
 
 # The backward op gives dq, dk, dv from the saved out and lse; the sinks' gradient is Python's.

@@ -16,7 +16,7 @@ import triton.language as tl
 from ...reference import attention as ref
 from .attention import (_INTERPRET, _LOG2E, _absent, _alibi_slope, _bhm, _bias_args, _block_ranges,
                         _block_start, _configs, _dot, _dropout_keep, _flags, _grid, _inputs, _key_ranges,
-                        _load_tile, _loop_plan, _lse_strides, _mask_args, _scale, _scores, _seq_bounds,
+                        _load_tile, _loop_plan, _lse_strides, _mask_args, _pow2, _scale, _scores, _seq_bounds,
                         _shape_args, _store_tile, _tile_class, _tuned)
 from .launch import launch_as
 from .scalars import fp32
@@ -62,21 +62,26 @@ def _lse_log2(lse):
 # Kernels
 # --------------------------------------------------------------------------------------
 @triton.jit
-def _attn_bwd_delta(Out, DO, GradLse, Delta, CuQ,
+def _attn_bwd_delta(Out, DO, GradLse, Delta, CuQ, Lse, Sinks, SinkPart,
                     stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
                     stride_lb, stride_lh, H, SEQ_Q,
                     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_GRAD_LSE: tl.constexpr,
-                    IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr):
-    """delta = rowsum(dO * O) - grad_lse (fp32, laid out like lse)."""
+                    IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, SINK_GRAD: tl.constexpr):
+    """delta = rowsum(dO * O) - grad_lse (fp32, laid out like lse). SINK_GRAD: also the block's
+    share of the sink's gradient, sum over its rows of -exp(sink - lse) * delta, into
+    SinkPart[b, h, row block] (ref.sink_grad)."""
     # grid (row blocks, heads, batch), as the forward's
     h = tl.program_id(1)
     b = tl.program_id(2)
     q_start, seq_q = _seq_bounds(CuQ, b, SEQ_Q, IS_VARLEN)
     m0 = tl.program_id(0) * BLOCK_M
-    if m0 >= seq_q:
-        return
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
+    part = SinkPart + (b64 * H + h64) * tl.num_programs(0) + tl.program_id(0)
+    if m0 >= seq_q:
+        if SINK_GRAD:
+            tl.store(part, 0.0)
+        return
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
     o = _load_tile(Out + b64 * stride_ob + h64 * stride_oh + q_start * stride_om, offs_m, stride_om,
@@ -88,6 +93,12 @@ def _attn_bwd_delta(Out, DO, GradLse, Delta, CuQ,
     if HAS_GRAD_LSE:
         delta -= tl.load(GradLse + row, mask=offs_m < seq_q, other=0.0)
     tl.store(Delta + row, delta, mask=offs_m < seq_q)
+    if SINK_GRAD:
+        lse = tl.load(Lse + row, mask=offs_m < seq_q, other=float("-inf"))
+        # a row that sees nothing (lse = -inf) gets no probability for its sink either
+        p_sink = tl.exp2((tl.load(Sinks + h).to(tl.float32) - lse) * _LOG2E)
+        p_sink = tl.where(lse == float("-inf"), 0.0, p_sink)
+        tl.store(part, -tl.sum(p_sink * delta, 0))
 
 
 @triton.jit
@@ -344,7 +355,7 @@ class AttentionBwd:
         self.delta_scalars = dict(
             **_bhm(out, "o", "m"), **_bhm(grad_out, "do", "m"), **lse_strides, H=heads, SEQ_Q=seq_q,
             HEAD_DIM_V=args["HEAD_DIM_V"], BLOCK_DV=args["BLOCK_DV"], HAS_GRAD_LSE=grad_lse is not None,
-            IS_VARLEN=args["IS_VARLEN"], BLOCK_M=max(16, _DELTA_TILE // args["BLOCK_DV"]))
+            IS_VARLEN=args["IS_VARLEN"], BLOCK_M=_delta_rows(args["BLOCK_DV"]), SINK_GRAD=False)
         tensors = ("Q", "K", "V", "CuQ", "CuK", "Seed", "Bias")
         common = {name: value for name, value in (
             *_bhm(grad_out, "do", "m").items(), *lse_strides.items(), ("sm_scale", _scale(q, flags["scale"])),
@@ -376,6 +387,7 @@ class AttentionBwd:
         grad_lse = lse if grad_lse is None else grad_lse.to(torch.float32).expand_as(lse).contiguous()
         launchers[0] = launch_as(launchers[0], _attn_bwd_delta, self.delta_grid, (),
                                  dict(Out=out, DO=grad_out, GradLse=grad_lse, Delta=delta, CuQ=tensors["CuQ"],
+                                      Lse=lse, Sinks=absent["Sinks"], SinkPart=absent["DBias"],
                                       **self.delta_scalars))
         tensors.update(DO=grad_out, Lse=lse, Delta=delta)
         # fp32 atomics land in a buffer of dq's layout (the kernel writes both by dq's strides)
@@ -390,6 +402,33 @@ class AttentionBwd:
         else:
             dq.copy_(dq_buf)
         return dq, dk, dv, _sum_to_bias(dbias_full, attn_bias)
+
+
+def _delta_rows(block_dv: int) -> int:
+    """Rows of one _attn_bwd_delta program."""
+    return max(16, _DELTA_TILE // block_dv)
+
+
+def sink_grad(sinks, out, grad_out, lse, grad_lse):
+    """ref.sink_grad in one pass over out and grad_out (no fp32 copies of them): (Hq,) in sinks'
+    dtype, for dense (out (B, Hq, Sq, Dv), lse (B, Hq, Sq)) or packed (out (T, Hq, Dv), lse
+    (Hq, T)) layouts; packed rows are summed as one sequence (the sum does not see boundaries)."""
+    grad_out = _rows(grad_out)
+    out = _rows(out)
+    heads, dv = out.shape[-2] if out.dim() == 3 else out.shape[1], out.shape[-1]
+    batch, rows = (1, out.shape[0]) if out.dim() == 3 else (out.shape[0], out.shape[2])
+    block_dv = _pow2(dv)
+    block_m = _delta_rows(block_dv)
+    blocks = -(-rows // block_m)
+    part = torch.empty(batch, heads, blocks, dtype=torch.float32, device=out.device)
+    grad_lse = lse if grad_lse is None else grad_lse.to(torch.float32).expand_as(lse).contiguous()
+    no_index = out.new_empty(0, dtype=torch.int32)
+    launch_as(None, _attn_bwd_delta, (blocks, heads, batch), (),
+              dict(Out=out, DO=grad_out, GradLse=grad_lse, Delta=torch.empty_like(lse), CuQ=no_index, Lse=lse,
+                   Sinks=sinks, SinkPart=part, **_bhm(out, "o", "m"), **_bhm(grad_out, "do", "m"),
+                   **_lse_strides(lse), H=heads, SEQ_Q=rows, HEAD_DIM_V=dv, BLOCK_DV=block_dv,
+                   HAS_GRAD_LSE=grad_lse is not lse, IS_VARLEN=False, BLOCK_M=block_m, SINK_GRAD=True))
+    return part.sum((0, 2)).to(sinks.dtype)
 
 
 def _backward(grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, n_batch, seq_q, seq_k,
