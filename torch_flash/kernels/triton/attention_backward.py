@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ...reference import attention as ref
-from .attention import (_INTERPRET, _LOG2E, _absent, _alibi_slope, _bhm, _bias_args, _block_ranges,
+from .attention import (_INTERPRET, _LOG2E, _absent, _alibi_shift, _alibi_slope, _bhm, _bias_args, _block_ranges,
                         _block_start, _configs, _dot, _dropout_keep, _flags, _grid, _inputs, _key_ranges,
                         _load_tile, _loop_plan, _lse_strides, _mask_args, _pow2, _scale, _scores, _seq_bounds,
                         _shape_args, _store_tile, _tile_class, _tuned)
@@ -105,12 +105,12 @@ def _attn_bwd_delta(Out, DO, GradLse, Delta, CuQ, Lse, Sinks, SinkPart,
 def _bwd_kv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, bias_base,
                   dbias_base, alibi_base, stride_qh, stride_qm, stride_doh, stride_dom, stride_dqh, stride_dqm,
                   stride_lh, stride_bh, stride_bm, stride_bn, stride_dbh, stride_dbm, stride_dbn, stride_ah,
-                  seed, bh0, group, offs_n, seq_q, seq_k, diag, window_left, window_right,
+                  seed, bh0, group, offs_n, j0, seq_q, seq_k, diag, window_left, window_right,
                   sm_scale, qk_scale, softcap, dropout_p, first, n_first, second, n_blocks,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, BIAS_KIND: tl.constexpr, BIAS_GRAD: tl.constexpr,
-                  SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                  DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr):
+                  SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, IS_CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
+                  ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr):
     """Accumulates dK, dV of one key block over the query blocks of one loop (see _loop_plan)
     of each of the `group` q heads sharing it (bases point at the group's first head). Heads
     and blocks run as one flat loop: a nested head loop made the compiler spill registers.
@@ -137,8 +137,9 @@ def _bwd_kv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, 
         slope = _alibi_slope(alibi_base + g * stride_ah, ALIBI)
         s_t, t_t = _scores(qk_t, offs_m[None, :], offs_n[:, None], seq_q, seq_k, diag, window_left,
                            window_right, bias_base + g * stride_bh, stride_bm, stride_bn, qk_scale,
-                           softcap, slope, BIAS_KIND, SOFTCAP, ALIBI, MASKED)
-        p_t = tl.math.exp2(s_t - _lse_log2(lse)[None, :])
+                           softcap, slope, j0, BIAS_KIND, SOFTCAP, ALIBI, IS_CAUSAL, MASKED)
+        lse2 = _lse_log2(lse) + _alibi_shift(offs_m, diag, j0, slope, ALIBI, IS_CAUSAL)
+        p_t = tl.math.exp2(s_t - lse2[None, :])
         dp_t = _dot(v, tl.trans(do), None, DOT_PREC)
         if DROPOUT:
             keep = _dropout_keep(seed, bh, offs_m[None, :], offs_n[:, None], dropout_p)
@@ -218,11 +219,11 @@ def _attn_bwd_dkdv(Q, K, V, DO, DQ, DK, DV, Lse, Delta, Bias, DBias, Seed, CuQ, 
         dk, dv = _bwd_kv_inner(dk, dv, k, v, q_base, do_base, dq_base, Lse + row, Delta + row,
                                bias_base, dbias_base, alibi_base, stride_qh, stride_qm, stride_doh, stride_dom,
                                stride_dqh, stride_dqm, stride_lh, stride_bh, stride_bm, stride_bn,
-                               stride_dbh, stride_dbm, stride_dbn, stride_ah, seed, bh0, GROUP, offs_n, seq_q,
-                               seq_k, diag, window_left, window_right, sm_scale, qk_scale, softcap,
+                               stride_dbh, stride_dbm, stride_dbn, stride_ah, seed, bh0, GROUP, offs_n, n0,
+                               seq_q, seq_k, diag, window_left, window_right, sm_scale, qk_scale, softcap,
                                dropout_p, first, n_first, second, n_blocks, HEAD_DIM, HEAD_DIM_V,
-                               BLOCK_D, BLOCK_DV, BIAS_KIND, BIAS_GRAD, SOFTCAP, ALIBI, DROPOUT, ATOMIC_DQ,
-                               DOT_PREC, BLOCK_M, phase == 0)
+                               BLOCK_D, BLOCK_DV, BIAS_KIND, BIAS_GRAD, SOFTCAP, ALIBI, IS_CAUSAL, DROPOUT,
+                               ATOMIC_DQ, DOT_PREC, BLOCK_M, phase == 0)
     _store_tile(DK + b64 * stride_dkb + hk64 * stride_dkh + k_start * stride_dkn, offs_n, stride_dkn,
                 seq_k, offs_d, HEAD_DIM, (dk * sm_scale).to(DK.dtype.element_ty))
     _store_tile(DV + b64 * stride_dvb + hk64 * stride_dvh + k_start * stride_dvn, offs_n, stride_dvn,
@@ -232,12 +233,13 @@ def _attn_bwd_dkdv(Q, K, V, DO, DQ, DK, DV, Lse, Delta, Bias, DBias, Seed, CuQ, 
 @triton.jit
 def _bwd_q_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, bias_base,
                  stride_bm, stride_bn, seed, bh, offs_m, seq_q, seq_k, diag, window_left,
-                 window_right, qk_scale, softcap, slope, dropout_p, first, n_first, second, n_blocks,
+                 window_right, qk_scale, softcap, slope, j0, dropout_p, first, n_first, second, n_blocks,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_DV: tl.constexpr, BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr,
-                 ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr,
-                 MASKED: tl.constexpr):
-    """Accumulates dQ (unscaled) of one query block over the key blocks of one loop."""
+                 ALIBI: tl.constexpr, IS_CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """Accumulates dQ (unscaled) of one query block over the key blocks of one loop; lse2 in
+    log2 units, shifted by _alibi_shift for j0."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for r in range(0, n_blocks):
@@ -246,8 +248,8 @@ def _bwd_q_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, b
         v = _load_tile(v_base, offs_n, stride_vn, seq_k, offs_dv, HEAD_DIM_V, BLOCK_DV, MASKED)
         qk = _dot(q, tl.trans(k), None, DOT_PREC)
         s, t = _scores(qk, offs_m[:, None], offs_n[None, :], seq_q, seq_k, diag, window_left,
-                       window_right, bias_base, stride_bm, stride_bn, qk_scale, softcap, slope,
-                       BIAS_KIND, SOFTCAP, ALIBI, MASKED)
+                       window_right, bias_base, stride_bm, stride_bn, qk_scale, softcap, slope, j0,
+                       BIAS_KIND, SOFTCAP, ALIBI, IS_CAUSAL, MASKED)
         p = tl.math.exp2(s - lse2[:, None])
         dp = _dot(do, tl.trans(v), None, DOT_PREC)
         if DROPOUT:
@@ -303,14 +305,16 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Bias, Seed, CuQ, CuK, Alibi,
     seed = tl.load(Seed) if DROPOUT else 0
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     diag = seq_k - seq_q
+    j0 = m0 + diag
+    lse2 += _alibi_shift(offs_m, diag, j0, slope, ALIBI, IS_CAUSAL)
     a, b_, c, hi = _key_ranges(m0, seq_q, seq_k, diag, window_left, window_right, BLOCK_M, BLOCK_N)
     for phase in tl.static_range(2):
         first, n_first, second, n_blocks = _loop_plan(phase == 0, a, b_, c, hi, BLOCK_N)
         dq = _bwd_q_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, bias_base,
                           stride_bm, stride_bn, seed, bh, offs_m, seq_q, seq_k, diag, window_left,
-                          window_right, qk_scale, softcap, slope, dropout_p, first, n_first, second,
+                          window_right, qk_scale, softcap, slope, j0, dropout_p, first, n_first, second,
                           n_blocks, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BIAS_KIND, SOFTCAP,
-                          ALIBI, DROPOUT, DOT_PREC, BLOCK_N, phase == 0)
+                          ALIBI, IS_CAUSAL, DROPOUT, DOT_PREC, BLOCK_N, phase == 0)
     _store_tile(DQ + b64 * stride_dqb + h64 * stride_dqh + q_start * stride_dqm, offs_m, stride_dqm,
                 seq_q, offs_d, HEAD_DIM, (dq * sm_scale).to(DQ.dtype.element_ty))
 
