@@ -164,26 +164,34 @@ def _alibi_slope(alibi_base, ALIBI: tl.constexpr):
 
 
 @triton.jit
-def _alibi_shift(i, diag, j0, slope, ALIBI: tl.constexpr, IS_CAUSAL: tl.constexpr):
-    """The row shift of causal ALiBi's scores in the kernels (0 otherwise), log2 units: for a
-    visible pair (j <= i + diag) the bias -slope * (i + diag - j) is scored as slope * (j - j0),
-    and row i's lse shifted by slope * (i + diag - j0), which its softmax does not see. That is
-    one FMA a score where the distance takes a subtraction, an absolute value and a multiply.
-    j0 (one per program) near the tile's diagonal keeps the shifted scores small in fp32."""
+def _positions(start, j0, BLOCK: tl.constexpr):
+    """start + arange(BLOCK) - j0 in fp32 with one int-to-float conversion (a conversion per
+    element runs at a fraction of the FP32 rate); exact below 2^24."""
+    return (start - j0).to(tl.float32) + tl.arange(0, BLOCK).to(tl.float32)
+
+
+@triton.jit
+def _alibi_shift(ai, slope, ALIBI: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """The row shift of causal ALiBi's scores in the kernels (0 otherwise), log2 units. For a
+    visible pair (j <= i + diag) the bias -slope * (i + diag - j) is scored as slope * aj, aj =
+    j - j0, and row i's lse shifted by slope * ai, ai = i + diag - j0, which its softmax does not
+    see: one FMA a score where the distance takes a subtraction, an absolute value and a
+    multiply. j0 (one per program) near the tile's diagonal keeps the shifted scores small."""
     if ALIBI and IS_CAUSAL:
-        return slope * (i + diag - j0).to(tl.float32)
+        return slope * ai
     else:
         return 0.0
 
 
 @triton.jit
 def _scores(qk, i, j, seq_q, seq_k, diag, window_left, window_right, bias_base, stride_bm, stride_bn,
-            qk_scale, softcap, slope, j0, BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+            qk_scale, softcap, slope, ai, aj, BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
             IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr):
     """Scores in log2 units for a tile of q.k products; i, j broadcast to the tile (either
     orientation). Returns (scores, tanh of the capped logits; the softcap gradient needs it).
     With SOFTCAP, qk_scale = scale / softcap and softcap is pre-multiplied by log2(e); slope
-    (ALiBi) is in log2 units too. Causal ALiBi scores are shifted per row (_alibi_shift, j0)."""
+    (ALiBi) is in log2 units too, ai and aj the rows' and columns' positions in fp32 (see
+    _alibi_shift: causal ALiBi scores are shifted per row)."""
     if SOFTCAP:
         t = _tanh(qk * qk_scale)
         s = t * softcap
@@ -192,10 +200,9 @@ def _scores(qk, i, j, seq_q, seq_k, diag, window_left, window_right, bias_base, 
         s = qk * qk_scale
     if ALIBI:
         if IS_CAUSAL:
-            s = s + slope * (j - j0).to(tl.float32)
-        else:  # i and j converted before they broadcast: a tile of int-to-float conversions
-            # costs more than the rest of ALiBi; integers below 2^24 subtract exactly in fp32
-            s = _alibi(s, slope, (i + diag).to(tl.float32) - j.to(tl.float32))
+            s = s + slope * aj
+        else:
+            s = _alibi(s, slope, ai - aj)
     if BIAS_KIND != 0:
         ptrs = bias_base + i.to(tl.int64) * stride_bm + j * stride_bn
         inside = (i < seq_q) & (j < seq_k)
@@ -272,21 +279,23 @@ def _block_start(r, first, n_first, second, BLOCK: tl.constexpr):
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bm,
                stride_bn, seed, bh, offs_m, seq_q, seq_k, diag, window_left, window_right,
-               qk_scale, softcap, slope, j0, dropout_p, first, n_first, second, n_blocks,
+               qk_scale, softcap, slope, ai, j0, dropout_p, first, n_first, second, n_blocks,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr,
                ALIBI: tl.constexpr, IS_CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
                BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
-    """Online softmax over the key blocks of one loop (see _loop_plan)."""
+    """Online softmax over the key blocks of one loop (see _loop_plan); ai, j0: ALiBi's rows
+    (_alibi_shift)."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for r in range(0, n_blocks):
-        offs_n = _block_start(r, first, n_first, second, BLOCK_N) + tl.arange(0, BLOCK_N)
+        start = _block_start(r, first, n_first, second, BLOCK_N)
+        offs_n = start + tl.arange(0, BLOCK_N)
         k = _load_tile(k_base, offs_n, stride_kn, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
         qk = _dot(q, tl.trans(k), None, DOT_PREC)
         s, _ = _scores(qk, offs_m[:, None], offs_n[None, :], seq_q, seq_k, diag, window_left,
-                       window_right, bias_base, stride_bm, stride_bn, qk_scale, softcap, slope, j0,
-                       BIAS_KIND, SOFTCAP, ALIBI, IS_CAUSAL, MASKED)
+                       window_right, bias_base, stride_bm, stride_bn, qk_scale, softcap, slope, ai[:, None],
+                       _positions(start, j0, BLOCK_N)[None, :], BIAS_KIND, SOFTCAP, ALIBI, IS_CAUSAL, MASKED)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s - m_use[:, None])
@@ -339,7 +348,8 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias, Seed, CuQ, CuK, Alibi, Sinks,
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     diag = seq_k - seq_q
     j0 = m0 + diag
-    shift = _alibi_shift(offs_m, diag, j0, slope, ALIBI, IS_CAUSAL)
+    ai = _positions(m0 + diag, j0, BLOCK_M)
+    shift = _alibi_shift(ai, slope, ALIBI, IS_CAUSAL)
     if SINKS:  # the sink column as seen first: the running max is its logit, of weight 1 (0 at -inf)
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(Sinks + h).to(tl.float32) * _LOG2E + shift
         l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
@@ -351,7 +361,7 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias, Seed, CuQ, CuK, Alibi, Sinks,
         first, n_first, second, n_blocks = _loop_plan(phase == 0, a, b_, c, hi, BLOCK_N)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
                                    bias_base, stride_bm, stride_bn, seed, bh, offs_m, seq_q, seq_k,
-                                   diag, window_left, window_right, qk_scale, softcap, slope, j0, dropout_p,
+                                   diag, window_left, window_right, qk_scale, softcap, slope, ai, j0, dropout_p,
                                    first, n_first, second, n_blocks, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
                                    BLOCK_DV, BIAS_KIND, SOFTCAP, ALIBI, IS_CAUSAL, DROPOUT, DOT_PREC,
                                    BLOCK_N, phase == 0)

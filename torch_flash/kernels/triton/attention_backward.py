@@ -16,8 +16,8 @@ import triton.language as tl
 from ...reference import attention as ref
 from .attention import (_INTERPRET, _LOG2E, _absent, _alibi_shift, _alibi_slope, _bhm, _bias_args, _block_ranges,
                         _block_start, _configs, _dot, _dropout_keep, _flags, _grid, _inputs, _key_ranges,
-                        _load_tile, _loop_plan, _lse_strides, _mask_args, _pow2, _scale, _scores, _seq_bounds,
-                        _shape_args, _store_tile, _tile_class, _tuned)
+                        _load_tile, _loop_plan, _lse_strides, _mask_args, _positions, _pow2, _scale, _scores,
+                        _seq_bounds, _shape_args, _store_tile, _tile_class, _tuned)
 from .launch import launch_as
 from .scalars import fp32
 
@@ -114,12 +114,16 @@ def _bwd_kv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, 
     """Accumulates dK, dV of one key block over the query blocks of one loop (see _loop_plan)
     of each of the `group` q heads sharing it (bases point at the group's first head). Heads
     and blocks run as one flat loop: a nested head loop made the compiler spill registers.
-    Works on transposed tiles (keys x queries) so that no operand of dK/dV needs a transpose."""
+    Works on transposed tiles (keys x queries) so that no operand of dK/dV needs a transpose.
+    j0: ALiBi's column origin (_alibi_shift)."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
+    aj = (offs_n - j0).to(tl.float32)  # once: the key rows stay
     for it in range(0, group * n_blocks):
         g = it // n_blocks
-        offs_m = _block_start(it - g * n_blocks, first, n_first, second, BLOCK_M) + tl.arange(0, BLOCK_M)
+        start = _block_start(it - g * n_blocks, first, n_first, second, BLOCK_M)
+        offs_m = start + tl.arange(0, BLOCK_M)
+        ai = _positions(start + diag, j0, BLOCK_M)
         g = g.to(tl.int64)
         bh = bh0 + g.to(tl.int32)
         q = _load_tile(q_base + g * stride_qh, offs_m, stride_qm, seq_q, offs_d, HEAD_DIM, BLOCK_D,
@@ -137,8 +141,8 @@ def _bwd_kv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, 
         slope = _alibi_slope(alibi_base + g * stride_ah, ALIBI)
         s_t, t_t = _scores(qk_t, offs_m[None, :], offs_n[:, None], seq_q, seq_k, diag, window_left,
                            window_right, bias_base + g * stride_bh, stride_bm, stride_bn, qk_scale,
-                           softcap, slope, j0, BIAS_KIND, SOFTCAP, ALIBI, IS_CAUSAL, MASKED)
-        lse2 = _lse_log2(lse) + _alibi_shift(offs_m, diag, j0, slope, ALIBI, IS_CAUSAL)
+                           softcap, slope, ai[None, :], aj[:, None], BIAS_KIND, SOFTCAP, ALIBI, IS_CAUSAL, MASKED)
+        lse2 = _lse_log2(lse) + _alibi_shift(ai, slope, ALIBI, IS_CAUSAL)
         p_t = tl.math.exp2(s_t - lse2[None, :])
         dp_t = _dot(v, tl.trans(do), None, DOT_PREC)
         if DROPOUT:
@@ -233,23 +237,24 @@ def _attn_bwd_dkdv(Q, K, V, DO, DQ, DK, DV, Lse, Delta, Bias, DBias, Seed, CuQ, 
 @triton.jit
 def _bwd_q_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, bias_base,
                  stride_bm, stride_bn, seed, bh, offs_m, seq_q, seq_k, diag, window_left,
-                 window_right, qk_scale, softcap, slope, j0, dropout_p, first, n_first, second, n_blocks,
+                 window_right, qk_scale, softcap, slope, ai, j0, dropout_p, first, n_first, second, n_blocks,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_DV: tl.constexpr, BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr,
                  ALIBI: tl.constexpr, IS_CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
     """Accumulates dQ (unscaled) of one query block over the key blocks of one loop; lse2 in
-    log2 units, shifted by _alibi_shift for j0."""
+    log2 units, shifted by _alibi_shift for ALiBi's rows ai and origin j0."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for r in range(0, n_blocks):
-        offs_n = _block_start(r, first, n_first, second, BLOCK_N) + tl.arange(0, BLOCK_N)
+        start = _block_start(r, first, n_first, second, BLOCK_N)
+        offs_n = start + tl.arange(0, BLOCK_N)
         k = _load_tile(k_base, offs_n, stride_kn, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
         v = _load_tile(v_base, offs_n, stride_vn, seq_k, offs_dv, HEAD_DIM_V, BLOCK_DV, MASKED)
         qk = _dot(q, tl.trans(k), None, DOT_PREC)
         s, t = _scores(qk, offs_m[:, None], offs_n[None, :], seq_q, seq_k, diag, window_left,
-                       window_right, bias_base, stride_bm, stride_bn, qk_scale, softcap, slope, j0,
-                       BIAS_KIND, SOFTCAP, ALIBI, IS_CAUSAL, MASKED)
+                       window_right, bias_base, stride_bm, stride_bn, qk_scale, softcap, slope, ai[:, None],
+                       _positions(start, j0, BLOCK_N)[None, :], BIAS_KIND, SOFTCAP, ALIBI, IS_CAUSAL, MASKED)
         p = tl.math.exp2(s - lse2[:, None])
         dp = _dot(do, tl.trans(v), None, DOT_PREC)
         if DROPOUT:
@@ -306,13 +311,14 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Bias, Seed, CuQ, CuK, Alibi,
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     diag = seq_k - seq_q
     j0 = m0 + diag
-    lse2 += _alibi_shift(offs_m, diag, j0, slope, ALIBI, IS_CAUSAL)
+    ai = _positions(m0 + diag, j0, BLOCK_M)
+    lse2 += _alibi_shift(ai, slope, ALIBI, IS_CAUSAL)
     a, b_, c, hi = _key_ranges(m0, seq_q, seq_k, diag, window_left, window_right, BLOCK_M, BLOCK_N)
     for phase in tl.static_range(2):
         first, n_first, second, n_blocks = _loop_plan(phase == 0, a, b_, c, hi, BLOCK_N)
         dq = _bwd_q_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, bias_base,
                           stride_bm, stride_bn, seed, bh, offs_m, seq_q, seq_k, diag, window_left,
-                          window_right, qk_scale, softcap, slope, j0, dropout_p, first, n_first, second,
+                          window_right, qk_scale, softcap, slope, ai, j0, dropout_p, first, n_first, second,
                           n_blocks, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BIAS_KIND, SOFTCAP,
                           ALIBI, IS_CAUSAL, DROPOUT, DOT_PREC, BLOCK_N, phase == 0)
     _store_tile(DQ + b64 * stride_dqb + h64 * stride_dqh + q_start * stride_dqm, offs_m, stride_dqm,
