@@ -41,7 +41,8 @@ def attention_backward(grad_out, grad_lse, q, k, v, attn_bias, out, lse, scale, 
     check_backward_args("attention_backward", grad_out, grad_lse, q, k, v, attn_bias, out, lse, softcap,
                         dropout_p, dropout_seed, window_left, window_right, alibi_slopes, sinks)
     dbias = attn_bias.new_empty(attn_bias.shape) if bias_requires_grad else q.new_empty(0)
-    return _in_layout(q, q.shape), _in_layout(k, k.shape), _in_layout(v, v.shape), dbias
+    dsinks = q.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape)
+    return _in_layout(q, q.shape), _in_layout(k, k.shape), _in_layout(v, v.shape), dbias, dsinks
 
 
 @torch.library.register_fake("flash::attention_fwd_sm90")

@@ -21,4 +21,5 @@ def attention_varlen_backward(grad_out, grad_lse, q, k, v, cu_seqlens_q, cu_seql
     check_backward_args("attention_varlen_backward", grad_out, grad_lse, q, k, v, cu_seqlens_q, cu_seqlens_k,
                         max_seqlen_q, max_seqlen_k, out, lse, softcap, dropout_p, dropout_seed, window_left,
                         window_right, alibi_slopes, sinks)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    dsinks = q.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks

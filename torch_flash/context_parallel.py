@@ -193,7 +193,7 @@ class _RingAttention(torch.autograd.Function):
                 rows, keys, blk_causal = blk
                 # the global out and lse: each block's probabilities are exp(s - lse_global)
                 g_lse = None if grad_lse is None else grad_lse[:, :, rows].contiguous()
-                bq, bk, bv, _ = torch.ops.flash.attention_backward(
+                bq, bk, bv, _, _ = torch.ops.flash.attention_backward(
                     grad_out[:, :, rows].contiguous(), g_lse, q[:, :, rows], kv[0][:, :, keys],
                     kv[1][:, :, keys], None, out[:, :, rows].contiguous(), lse[:, :, rows].contiguous(),
                     ctx.scale, blk_causal, -1, -1, 0.0, 0.0, None, False)

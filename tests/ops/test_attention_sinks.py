@@ -13,7 +13,6 @@ import torch_flash
 from torch_flash.ops.attention import attention, attention_with_lse
 from torch_flash.ops.attention_decode import attention_decode
 from torch_flash.ops.attention_varlen import attention_varlen
-from torch_flash.reference import attention as ref
 from _utils import TOL, assert_rel_close, force_triton_kernels, hopper_dispatch_check
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -259,35 +258,27 @@ def test_triton(case, force_backend):
     check_dense(case, torch.float32, DEVICE, with_attention=False)
     assert torch_flash._dispatch.LAST["attention_with_lse"] == "triton"
     assert torch_flash._dispatch.LAST["attention_backward"] == "triton"
-    assert torch_flash._dispatch.LAST["attention_sinks_grad"] == "triton"
 
 
 def test_triton_varlen(force_backend):
     force_triton_kernels(force_backend)
     check_varlen([3, 17, 0], [9, 18, 4], dict(causal=True), torch.float32, DEVICE)
     assert torch_flash._dispatch.LAST["attention_varlen"] == "triton"
-    assert torch_flash._dispatch.LAST["attention_sinks_grad"] == "triton"
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
-@pytest.mark.parametrize("with_grad_lse", [False, True], ids=["out", "out_and_lse"])
-def test_triton_sink_grad(packed, with_grad_lse, force_backend):
-    """The sinks' gradient kernel against ref.sink_grad in float64: rows that see no key (lse
-    -inf), a row count that is not a multiple of the kernel's block, an expanded grad_out."""
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal_sq>sk"])
+def test_triton_expanded_grad(causal, force_backend):
+    """The expanded gradient of .sum() through the Triton backward, whose delta pass also gives
+    the sinks' gradient (rows without keys too): against float64."""
     force_triton_kernels(force_backend)
-    from torch_flash.kernels.triton.attention_backward import sink_grad
-    heads, dv = 3, 24
-    out = torch.randn(41, heads, dv) if packed else torch.randn(2, heads, 37, dv)
-    lse = torch.randn(heads, 41) + 2 if packed else torch.randn(2, heads, 37) + 2
-    lse[..., 5] = -math.inf
-    sinks = torch.randn(heads)
-    grad_lse = torch.randn_like(lse) if with_grad_lse else None
-    for grad_out in (torch.randn_like(out), torch.randn(dv).expand_as(out)):
-        got = sink_grad(sinks, out, grad_out, lse, grad_lse)
-        want = ref.sink_grad(*(t.double() for t in (sinks, out, grad_out, lse)),
-                             None if grad_lse is None else grad_lse.double())
-        assert got.dtype == sinks.dtype
-        assert_rel_close(got, want, TOL[torch.float32], what="sink_grad")
+    q, k, v = torch.randn(2, 4, 19, 16), torch.randn(2, 2, 6, 16), torch.randn(2, 2, 6, 16)
+    sinks = torch.randn(4) * 2
+    mine, ins = _leaves((q, k, v, sinks)), _leaves((q, k, v, sinks), torch.float64)
+    attention(*mine[:3], sinks=mine[3], causal=causal).sum().backward()
+    exact(*ins, causal=causal)[0].sum().backward()
+    assert torch_flash._dispatch.LAST["attention_backward"] == "triton"
+    for a, e, name in zip(mine, ins, ("dq", "dk", "dv", "dsinks")):
+        assert_rel_close(a.grad, e.grad, 3 * TOL[torch.float32], what=name)
 
 
 @pytest.mark.parametrize("case", list(DECODE_CASES))

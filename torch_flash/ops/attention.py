@@ -5,8 +5,8 @@ any strides with a contiguous last dim; alibi_slopes fp32 (Hq,) or (B, Hq); sink
 (B, Hq, Sq, Dv) contiguous in q's dtype, lse (B, Hq, Sq) fp32 (fp64 for fp64 inputs). Semantics
 (causal bottom-right, window, softcap, ALiBi, bias, sinks, dropout mask) are spelled out in
 torch_flash/reference/attention.py. Only the Triton kernels and the reference take ALiBi and
-sinks. The lse includes the sinks, so the backward op needs them only to pick its path; their
-gradient comes from out, lse and the upstream gradients (sinks_grad) in the autograd rule.
+sinks. The lse includes the sinks; the backward op also gives their gradient, from out, lse and
+the upstream gradients (ref.sink_grad).
 Both ops share one backward op, fed the lse that the forward computed: `attention`'s
 autograd runs `attention_with_lse` underneath so that it never recomputes it.
 """
@@ -410,9 +410,11 @@ def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
                         scale: Optional[float], causal: bool, window_left: int, window_right: int,
                         softcap: float, dropout_p: float, dropout_seed: Optional[Tensor],
                         bias_requires_grad: bool, alibi_slopes: Optional[Tensor] = None,
-                        sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dbias); dbias has attn_bias's shape, or is empty unless bias_requires_grad.
-    The ALiBi slopes get no gradient; the sinks' comes from sinks_grad (lse includes them).
+                        sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dbias, dsinks); dbias has attn_bias's shape, or is empty unless
+    bias_requires_grad; dsinks (Hq,) in sinks' dtype, empty without sinks (ref.sink_grad: lse
+    includes them; the Triton backward computes it in its delta pass). The ALiBi slopes get no
+    gradient.
     cuDNN's backward where it serves (cudnn_backward_serves), else the Hopper kernel where it
     serves (_sm90_bwd_serves: D=128 unforced), else the Triton kernels. cuDNN sums dq with atomic
     adds, not bitwise reproducible, so torch.use_deterministic_algorithms(True) turns it off;
@@ -435,7 +437,7 @@ def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
             return None
         from ..kernels.triton.attention_backward import AttentionBwd
         return AttentionBwd(grad_out, grad_lse, q, k, v, attn_bias, out, lse, None, None, q.shape[0], q.shape[2],
-                            k.shape[2], kernel_flags(spec), bias_requires_grad, deterministic=True)
+                            k.shape[2], kernel_flags(spec), bias_requires_grad, deterministic=True, sinks=sinks)
     # with the global state cudnn_backward_serves reads
     values = (grad_out, grad_lse, q, k, v, attn_bias, out, lse, scale, causal, window_left, window_right, softcap,
               dropout_p, dropout_seed, bias_requires_grad, alibi_slopes, sinks,
@@ -443,15 +445,15 @@ def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
               torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.cudnn_sdp_enabled())
     plan = BACKWARD_PLANS.get("attention_backward", values, make)
     if plan is not None and plan is not _CUDNN:
-        dq, dk, dv, dbias = plan(grad_out, grad_lse, q, k, v, attn_bias, out, lse, None, None, dropout_seed,
-                                 alibi_slopes)
-        return dq, dk, dv, grad_or_empty(dbias, q)
+        dq, dk, dv, dbias, dsinks = plan(grad_out, grad_lse, q, k, v, attn_bias, out, lse, None, None,
+                                         dropout_seed, alibi_slopes, sinks)
+        return dq, dk, dv, grad_or_empty(dbias, q), grad_or_empty(dsinks, q)
     spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed, alibi_slopes,
                    sinks)
     if plan is _CUDNN:
-        return (*_cudnn_backward(grad_out, q, k, v, out, lse, spec), grad_or_empty(None, q))
+        return (*_cudnn_backward(grad_out, q, k, v, out, lse, spec), grad_or_empty(None, q), grad_or_empty(None, q))
     dq, dk, dv, dbias = ref.backward(grad_out, grad_lse, q, k, v, attn_bias, out, lse, spec, bias_requires_grad)
-    return dq, dk, dv, grad_or_empty(dbias, q)
+    return dq, dk, dv, grad_or_empty(dbias, q), ref_sinks_grad(sinks, out, grad_out, lse, grad_lse, q)
 
 
 @torch.library.custom_op("flash::attention_fwd_sm90", mutates_args=())
@@ -479,30 +481,15 @@ def _attention_bwd_sm90(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
     return ref.attention_bwd_sm90(grad_out, q, k, v, out, lse, scale, causal)
 
 
-def sinks_grad(sinks: Tensor, out: Tensor, grad_out: Tensor, lse: Tensor, grad_lse: Optional[Tensor]) -> Tensor:
-    """d loss / d sinks (ref.sink_grad, dense or packed layouts): eagerly, where Triton runs on
-    out's device (unforced on CUDA), one kernel pass over out and grad_out; traced (Inductor fuses
-    it) or elsewhere, the reference."""
-    forced = _dispatch.forced_backend()
-    if (not _dispatch.symbolic(out) and _dispatch.triton_can_run(out.device)
-            and (forced == "triton" or (forced is None and out.is_cuda))):
-        from ..kernels.triton.attention_backward import sink_grad
-        _dispatch.LAST["attention_sinks_grad"] = "triton"
-        return sink_grad(sinks, out, grad_out, lse, grad_lse)
-    _dispatch.LAST["attention_sinks_grad"] = "reference"
-    return ref.sink_grad(sinks, out, grad_out, lse, grad_lse)
-
-
-def _sinks_grad(saved, grads) -> Tensor:
-    """The sinks' gradient (sinks_grad) from the saved tensors of _spec."""
-    out, lse, sinks = saved[4], saved[5], saved[8]
-    return sinks_grad(sinks, out, grads[0], lse, grads[1] if len(grads) > 1 else None)
+def ref_sinks_grad(sinks, out, grad_out, lse, grad_lse, like: Tensor) -> Tensor:
+    """The backward ops' dsinks output on the reference path: ref.sink_grad, empty without sinks."""
+    return grad_or_empty(None if sinks is None else ref.sink_grad(sinks, out, grad_out, lse, grad_lse), like)
 
 
 def _spec(with_lse: bool) -> Spec:
     """flash.attention's (and flash.attention_with_lse's) autograd rule: the forward keeps its lse
     (attention runs its sibling attention_with_lse), the backward op gives dq, dk, dv and dbias
-    (where the bias needs one); the sinks' gradient is Python's (sinks_grad)."""
+    (where the bias needs one) and the sinks'."""
     saved = tuple(Src(SAVED, i) for i in range(9))
     return Spec(
         forward=None if with_lse else "attention_with_lse",
@@ -513,8 +500,7 @@ def _spec(with_lse: bool) -> Spec:
                        *(Src(ARG, n) for n in ("scale", "causal", "window_left", "window_right", "softcap",
                                                "dropout_p")),
                        saved[6], Src(REQUIRES_GRAD, "attn_bias"), saved[7], saved[8]),
-        grads=(("q", 0, None), ("k", 1, None), ("v", 2, None), ("attn_bias", 3, None)),
-        python_grads=(("sinks", _sinks_grad),))
+        grads=(("q", 0, None), ("k", 1, None), ("v", 2, None), ("attn_bias", 3, None), ("sinks", 4, None)))
 
 
 register_autograd_spec(_attention_with_lse, _spec(with_lse=True))

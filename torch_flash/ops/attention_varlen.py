@@ -18,11 +18,12 @@ from torch._subclasses.fake_tensor import is_fake
 
 from ..reference import attention_varlen as ref
 from ..reference._common import compute_dtype
-from ._autograd import ARG, GRAD, GRAD_OR_NONE, SAVED, Spec, Src, call, register_autograd_spec, triton_op
+from ._autograd import (ARG, GRAD, GRAD_OR_NONE, SAVED, Spec, Src, call, grad_or_empty, register_autograd_spec,
+                        triton_op)
 from ._checks import INDEX_DTYPES, check, check_same_device, check_tensor
 from ._plans import Plans
 from .attention import (check_alibi, check_common, check_saved_and_grads, check_sinks, kernel_flags, op_kwargs,
-                        sinks_grad, spec_of, use_triton)
+                        ref_sinks_grad, spec_of, use_triton)
 
 
 def check_cu_seqlens(op: str, name: str, cu_seqlens) -> None:
@@ -120,8 +121,9 @@ def _attention_varlen_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: 
                                scale: Optional[float], causal: bool, window_left: int, window_right: int,
                                softcap: float, dropout_p: float, dropout_seed: Optional[Tensor],
                                alibi_slopes: Optional[Tensor] = None,
-                               sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv); the ALiBi slopes get no gradient, the sinks theirs in the autograd rule."""
+                               sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dsinks): dsinks (Hq,) in sinks' dtype, empty without sinks; the ALiBi slopes
+    get no gradient."""
     op = "attention_varlen_backward"
 
     def make():
@@ -135,25 +137,21 @@ def _attention_varlen_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: 
         from ..kernels.triton.attention_backward import AttentionBwd
         return AttentionBwd(grad_out, grad_lse, q, k, v, None, out, lse, cu_seqlens_q, cu_seqlens_k,
                             cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, kernel_flags(spec), False,
-                            deterministic=True)
+                            deterministic=True, sinks=sinks)
     values = (grad_out, grad_lse, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse,
               scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed, alibi_slopes, sinks)
     plan = BACKWARD_PLANS.get(op, values, make)
     if plan is not None:
-        return plan(grad_out, grad_lse, q, k, v, None, out, lse, cu_seqlens_q, cu_seqlens_k, dropout_seed,
-                    alibi_slopes)[:3]
+        dq, dk, dv, _, dsinks = plan(grad_out, grad_lse, q, k, v, None, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                     dropout_seed, alibi_slopes, sinks)
+        return dq, dk, dv, grad_or_empty(dsinks, q)
     spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed, alibi_slopes,
                    sinks)
-    return ref.backward(grad_out, grad_lse, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, spec)
+    return (*ref.backward(grad_out, grad_lse, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, spec),
+            ref_sinks_grad(sinks, out, grad_out, lse, grad_lse, q))
 
 
-def _sinks_grad(saved, grads) -> Tensor:
-    """The sinks' gradient (sinks_grad) from the saved tensors of the Spec below."""
-    out, lse, sinks = saved[5], saved[6], saved[9]
-    return sinks_grad(sinks, out, grads[0], lse, grads[1])
-
-
-# The backward op gives dq, dk, dv from the saved out and lse; the sinks' gradient is Python's.
+# The backward op gives dq, dk, dv and dsinks from the saved out and lse.
 _SAVED = tuple(Src(SAVED, i) for i in range(10))
 register_autograd_spec(_attention_varlen, Spec(
     outputs=(0, 1),
@@ -163,8 +161,7 @@ register_autograd_spec(_attention_varlen, Spec(
                    Src(ARG, "max_seqlen_k"), *_SAVED[5:7],
                    *(Src(ARG, n) for n in ("scale", "causal", "window_left", "window_right", "softcap", "dropout_p")),
                    *_SAVED[7:]),
-    grads=(("q", 0, None), ("k", 1, None), ("v", 2, None)),
-    python_grads=(("sinks", _sinks_grad),)))
+    grads=(("q", 0, None), ("k", 1, None), ("v", 2, None), ("sinks", 3, None))))
 
 
 def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,

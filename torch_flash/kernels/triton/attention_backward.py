@@ -16,7 +16,7 @@ import triton.language as tl
 from ...reference import attention as ref
 from .attention import (_INTERPRET, _LOG2E, _absent, _alibi_shift, _alibi_slope, _bhm, _bias_args, _block_ranges,
                         _block_start, _configs, _dot, _dropout_keep, _flags, _grid, _inputs, _key_ranges,
-                        _load_tile, _loop_plan, _lse_strides, _mask_args, _positions, _pow2, _scale, _scores,
+                        _load_tile, _loop_plan, _lse_strides, _mask_args, _positions, _scale, _scores,
                         _seq_bounds, _shape_args, _store_tile, _tile_class, _tuned)
 from .launch import launch_as
 from .scalars import fp32
@@ -341,16 +341,18 @@ def _rows(t):
 
 class AttentionBwd:
     """The backward's decisions for one signature of its arguments, as AttentionFwd: called with
-    the tensors of each call, returns (dq, dk, dv, dbias or None), dq/dk/dv laid out like q/k/v
-    (ref.layout_strides; packed sequences: contiguous). deterministic=True computes dQ in its own
-    pass, else by fp32 atomics."""
+    the tensors of each call, returns (dq, dk, dv, dbias or None, dsinks or None), dq/dk/dv laid
+    out like q/k/v (ref.layout_strides; packed sequences: contiguous). deterministic=True computes
+    dQ in its own pass, else by fp32 atomics. With sinks, their gradient comes from the delta pass
+    (ref.sink_grad: per row block, summed per head in torch)."""
 
     def __init__(self, grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, n_batch, seq_q, seq_k,
-                 flags, bias_requires_grad, deterministic):
+                 flags, bias_requires_grad, deterministic, sinks=None):
         self.bias_grad = bool(bias_requires_grad) and attn_bias is not None and attn_bias.is_floating_point()
         self.dbias_shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])  # per (b, h, i, j)
         self.empty = q.numel() == 0 or k.numel() == 0
         self.deterministic = deterministic
+        self.sinks = sinks is not None
         # the gradients laid out like q, k and v (ref.layout_strides; packed sequences:
         # contiguous), from meta tensors (the calls allocate alike)
         self.grad_strides = tuple(torch.empty(t.shape, device="meta").stride() if cu_q is not None
@@ -365,7 +367,8 @@ class AttentionBwd:
         self.delta_scalars = dict(
             **_bhm(out, "o", "m"), **_bhm(grad_out, "do", "m"), **lse_strides, H=heads, SEQ_Q=seq_q,
             HEAD_DIM_V=args["HEAD_DIM_V"], BLOCK_DV=args["BLOCK_DV"], HAS_GRAD_LSE=grad_lse is not None,
-            IS_VARLEN=args["IS_VARLEN"], BLOCK_M=_delta_rows(args["BLOCK_DV"]), SINK_GRAD=False)
+            IS_VARLEN=args["IS_VARLEN"], BLOCK_M=_delta_rows(args["BLOCK_DV"]), SINK_GRAD=self.sinks)
+        self.sink_parts = (n_batch, heads, -(-seq_q // self.delta_scalars["BLOCK_M"]))
         tensors = ("Q", "K", "V", "CuQ", "CuK", "Seed", "Bias")
         common = {name: value for name, value in (
             *_bhm(grad_out, "do", "m").items(), *lse_strides.items(), ("sm_scale", _scale(q, flags["scale"])),
@@ -383,21 +386,24 @@ class AttentionBwd:
         self.absent = _absent(q)
         self.launchers = [None, None, None]
 
-    def __call__(self, grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, dropout_seed, alibi_slopes):
+    def __call__(self, grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, dropout_seed, alibi_slopes,
+                 sinks=None):
         dq, dk, dv = (t.new_empty_strided(t.shape, st) for t, st in zip((q, k, v), self.grad_strides))
         dbias_full = (torch.zeros(self.dbias_shape, dtype=torch.float32, device=q.device) if self.bias_grad
                       else None)
         if self.empty:
             dq.zero_(), dk.zero_(), dv.zero_()
-            return dq, dk, dv, _sum_to_bias(dbias_full, attn_bias)
+            dsinks = None if sinks is None else torch.zeros_like(sinks)
+            return dq, dk, dv, _sum_to_bias(dbias_full, attn_bias), dsinks
         absent, launchers = self.absent, self.launchers
         grad_out, out = _rows(grad_out), _rows(out)
         delta = torch.empty_like(lse)
+        parts = torch.empty(self.sink_parts, dtype=torch.float32, device=q.device) if self.sinks else absent["DBias"]
         tensors = _inputs(absent, self.dropout, q, k, v, attn_bias, cu_q, cu_k, dropout_seed, alibi_slopes)
         grad_lse = lse if grad_lse is None else grad_lse.to(torch.float32).expand_as(lse).contiguous()
         launchers[0] = launch_as(launchers[0], _attn_bwd_delta, self.delta_grid, (),
                                  dict(Out=out, DO=grad_out, GradLse=grad_lse, Delta=delta, CuQ=tensors["CuQ"],
-                                      Lse=lse, Sinks=absent["Sinks"], SinkPart=absent["DBias"],
+                                      Lse=lse, Sinks=absent["Sinks"] if sinks is None else sinks, SinkPart=parts,
                                       **self.delta_scalars))
         tensors.update(DO=grad_out, Lse=lse, Delta=delta)
         # fp32 atomics land in a buffer of dq's layout (the kernel writes both by dq's strides)
@@ -411,7 +417,8 @@ class AttentionBwd:
                                      dict(DQ=dq, **tensors, **self.dq_scalars))
         else:
             dq.copy_(dq_buf)
-        return dq, dk, dv, _sum_to_bias(dbias_full, attn_bias)
+        dsinks = parts.sum((0, 2)).to(sinks.dtype) if self.sinks else None
+        return dq, dk, dv, _sum_to_bias(dbias_full, attn_bias), dsinks
 
 
 def _delta_rows(block_dv: int) -> int:
@@ -419,34 +426,12 @@ def _delta_rows(block_dv: int) -> int:
     return max(16, _DELTA_TILE // block_dv)
 
 
-def sink_grad(sinks, out, grad_out, lse, grad_lse):
-    """ref.sink_grad in one pass over out and grad_out (no fp32 copies of them): (Hq,) in sinks'
-    dtype, for dense (out (B, Hq, Sq, Dv), lse (B, Hq, Sq)) or packed (out (T, Hq, Dv), lse
-    (Hq, T)) layouts; packed rows are summed as one sequence (the sum does not see boundaries)."""
-    grad_out = _rows(grad_out)
-    out = _rows(out)
-    heads, dv = out.shape[-2] if out.dim() == 3 else out.shape[1], out.shape[-1]
-    batch, rows = (1, out.shape[0]) if out.dim() == 3 else (out.shape[0], out.shape[2])
-    block_dv = _pow2(dv)
-    block_m = _delta_rows(block_dv)
-    blocks = -(-rows // block_m)
-    part = torch.empty(batch, heads, blocks, dtype=torch.float32, device=out.device)
-    grad_lse = lse if grad_lse is None else grad_lse.to(torch.float32).expand_as(lse).contiguous()
-    no_index = out.new_empty(0, dtype=torch.int32)
-    launch_as(None, _attn_bwd_delta, (blocks, heads, batch), (),
-              dict(Out=out, DO=grad_out, GradLse=grad_lse, Delta=torch.empty_like(lse), CuQ=no_index, Lse=lse,
-                   Sinks=sinks, SinkPart=part, **_bhm(out, "o", "m"), **_bhm(grad_out, "do", "m"),
-                   **_lse_strides(lse), H=heads, SEQ_Q=rows, HEAD_DIM_V=dv, BLOCK_DV=block_dv,
-                   HAS_GRAD_LSE=grad_lse is not lse, IS_VARLEN=False, BLOCK_M=block_m, SINK_GRAD=True))
-    return part.sum((0, 2)).to(sinks.dtype)
-
-
 def _backward(grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, n_batch, seq_q, seq_k,
               flags, bias_requires_grad, deterministic):
     plan = AttentionBwd(grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, n_batch, seq_q, seq_k,
                         flags, bias_requires_grad, deterministic)
     return plan(grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, flags["dropout_seed"],
-                flags["alibi_slopes"])
+                flags["alibi_slopes"])[:4]
 
 
 def _db_strides(dbias_full) -> dict:
