@@ -378,21 +378,24 @@ def test_random_calls_match_float64(family, start):
         _check(FAMILIES[family](rng, rng), f"{family} case {i} (eager)")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_random_calls_match_float64_compiled(family):
-    """Each group compiles once per structure; its cases must reuse the graph or recompile within
-    dynamo's limit (reaching it raises: no case silently runs eagerly)."""
-    for group in range(GROUPS):
-        torch._dynamo.reset()
-        backend = _CountingBackend()
-        for i in range(PER_GROUP):
-            rng = random.Random(f"{family}-compiled-{group}-{i}")
-            torch.manual_seed(rng.randrange(2**31))
-            case = FAMILIES[family](rng, random.Random(f"{family}-compiled-{group}"))
-            case = case._replace(fn=torch.compile(case.fn, fullgraph=True, dynamic=True, backend=backend))
-            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-                _check(case, f"{family} group {group} case {i} (compiled, {backend.graphs} graphs so far)")
-        assert backend.graphs >= 1
+COMPILED_GROUPS = [(family, group) for family in FAMILIES for group in range(GROUPS)]
+
+
+@pytest.mark.parametrize("family, group", COMPILED_GROUPS, ids=[f"{f}-{g}" for f, g in COMPILED_GROUPS])
+def test_random_calls_match_float64_compiled(family, group):
+    """A group compiles once per structure; its cases must reuse the graph or recompile within
+    dynamo's limit (reaching it raises: no case silently runs eagerly). One test a group, so
+    that pytest-xdist spreads the slowest."""
+    torch._dynamo.reset()
+    backend = _CountingBackend()
+    for i in range(PER_GROUP):
+        rng = random.Random(f"{family}-compiled-{group}-{i}")
+        torch.manual_seed(rng.randrange(2**31))
+        case = FAMILIES[family](rng, random.Random(f"{family}-compiled-{group}"))
+        case = case._replace(fn=torch.compile(case.fn, fullgraph=True, dynamic=True, backend=backend))
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            _check(case, f"{family} group {group} case {i} (compiled, {backend.graphs} graphs so far)")
+    assert backend.graphs >= 1
 
 # ---- bad inputs: the same message eagerly and traced
 
