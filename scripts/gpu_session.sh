@@ -28,7 +28,9 @@ fi
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -m torch_flash info; } 2>&1 | tee "$OUT/info.txt"
 [ "${DEMO:-1}" = 0 ] || TORCH_FLASH_AUTOTUNE=0 python3 -m torch_flash demo 2>&1 | tee "$OUT/demo.txt"
 if [ -n "${GPU_TESTS:-1}" ] && [ "${GPU_TESTS:-1}" != 0 ]; then
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q ${PYTEST_ARGS--x} -m cuda ${TESTS:-tests} 2>&1 | tail -40 | tee "$OUT/tests.txt"
+  # the whole log (tracebacks) in tests_full.txt, its summary in tests.txt
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q ${PYTEST_ARGS--x} -m cuda ${TESTS:-tests} 2>&1 |
+    tee "$OUT/tests_full.txt" | tail -40 | tee "$OUT/tests.txt"
 fi
 for spec in "$@"; do
   suite=${spec%%:*}; limit=${spec#*:}; [ "$limit" = "$spec" ] && limit=${BENCH_TIMEOUT:-240}
