@@ -1,7 +1,7 @@
 """Fakes for flash.rotary, flash.rotary_qk, their backward ops and their in-place forms."""
 import torch
 
-from torch_flash.ops.rotary import check_args, check_inplace_args, check_qk_args
+from torch_flash.ops.rotary import check_args, check_inplace_args, check_qk_args, grad_rows
 
 
 @torch.library.register_fake("flash::rotary")
@@ -14,6 +14,7 @@ def rotary(x, cos, sin, seqlen_offsets=None, cu_seqlens=None, *, interleaved=Fal
 @torch.library.register_fake("flash::rotary_backward")
 def rotary_backward(grad, cos, sin, seqlen_offsets=None, cu_seqlens=None, *, interleaved=False,
                     seqlen_offset=0, conjugate=False):
+    grad = grad_rows(grad)
     check_args("rotary_backward", grad, cos, sin, seqlen_offset, seqlen_offsets, cu_seqlens, "grad")
     return torch.empty_like(grad)
 
@@ -28,6 +29,7 @@ def rotary_qk(q, k, cos, sin, seqlen_offsets=None, cu_seqlens=None, *, interleav
 @torch.library.register_fake("flash::rotary_qk_backward")
 def rotary_qk_backward(grad_q, grad_k, cos, sin, seqlen_offsets=None, cu_seqlens=None, *, interleaved=False,
                        seqlen_offset=0, conjugate=False):
+    grad_q, grad_k = grad_rows(grad_q), grad_rows(grad_k)
     check_qk_args("rotary_qk_backward", grad_q, grad_k, cos, sin, seqlen_offset, seqlen_offsets, cu_seqlens,
                   ("grad_q", "grad_k"))
     return torch.empty_like(grad_q), torch.empty_like(grad_k)

@@ -114,6 +114,9 @@ variable_list SpecNode::apply(variable_list&& grads) {
         case Source::kDefault:
           stack.push_back(spec.backward.schema().arguments()[s.index].default_value().value());
           break;
+        case Source::kNotArg:
+          stack.push_back(c10::IValue(!args[s.index].toBool()));
+          break;
       }
     }
     spec.backward.callBoxed(&stack);

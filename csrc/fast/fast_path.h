@@ -91,7 +91,8 @@ struct Recipe {
 struct Source {
   enum Kind : int {
     kArg = 0, kSaved = 1, kGrad = 2, kGradOrNone = 3, kDtypeOf = 4, kNone = 5, kRequiresGrad = 6, kConst = 7,
-    kDefault = 8  // index: the argument's position in the called op's schema
+    kDefault = 8,  // index: the argument's position in the called op's schema
+    kNotArg = 9    // the negation of bool argument index
   };
   Kind kind;
   int index;
@@ -105,7 +106,7 @@ struct Spec {
   c10::OperatorHandle backward;
   std::vector<Source> backward_args;
   std::vector<std::pair<int, int>> grads;  // per argument: (backward return or -1, cast to dtype of arg or -1)
-  std::vector<int> python_only;  // arguments whose gradient only the Python rule computes
+  std::vector<int> python_only;  // arguments that, requiring a gradient, send the call to the Python rule
   std::vector<std::pair<int, c10::IValue>> python_if;  // an argument equal to the value: the Python rule
   std::vector<int> handout;  // forward's returns that are backward's for an upstream gradient of one
   std::optional<c10::OperatorHandle> scale;  // scale(grad, grad_out): a handed-out gradient in place

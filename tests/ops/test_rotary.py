@@ -187,6 +187,22 @@ def test_bad_inputs(case):
         bad()
 
 
+@pytest.mark.parametrize("op", ["rotary", "rotary_backward", "rotary_qk", "rotary_qk_backward"])
+def test_tables_that_require_grad(op):
+    """Every differentiable op refuses cos/sin that require a gradient while one is recorded
+    (their gradient would be dropped), called directly too; without one recording they pass."""
+    c, s = make_tables(8, 8)
+    xs = [torch.randn(2, h, 4, 8, requires_grad=h == 2) for h in ((2, 1) if "qk" in op else (2,))]
+    fn = getattr(torch.ops.flash, op)
+    for cos, sin in ((c.detach().requires_grad_(), s), (c, s.detach().requires_grad_())):
+        with pytest.raises(ValueError, match=f"^flash.{op}: cos/sin require grad"):
+            fn(*xs, cos, sin)
+        with pytest.raises(ValueError, match=f"^flash.{op}: cos/sin require grad"):
+            fn(*(x.detach() for x in xs), cos=cos, sin=sin)
+        with torch.no_grad():
+            fn(*xs, cos, sin)
+
+
 def _unwritable_k(k):
     """k (non-leaf, requires grad) made into tensors that in-place writes refuse: (k, message,
     whether q requires grad): a leaf, views autograd will not write, an inference tensor (with
@@ -273,6 +289,32 @@ def test_qk_gradcheck(interleaved):
     cu = torch.tensor([0, 4, 6], dtype=torch.int32)
     assert torch.autograd.gradcheck(lambda a, b: rotary_qk(a, b, c, s, interleaved=interleaved, cu_seqlens=cu),
                                    (qp, kp))
+
+
+
+@pytest.mark.parametrize("qk", [False, True])
+def test_gradients_of_any_strides(backend, qk):
+    """The backward ops take gradients of any strides, the expanded one of a sum() and a strided
+    view: the gradients of their contiguous copies. So does a backward op as its own gradient
+    (conjugate flipped: the forward's rotation), in a double backward."""
+    c, s = (t.to(backend) for t in make_tables(9, 8))
+    xs = [torch.randn(2, h, 5, 12, device=backend, requires_grad=True) for h in ((3, 1) if qk else (3,))]
+
+    def fn(*ts):
+        out = rotary_qk(*ts, c, s, seqlen_offsets=2) if qk else rotary(*ts, c, s, seqlen_offsets=2)
+        return out if qk else (out,)
+    outs = fn(*xs)
+    got = torch.autograd.grad(sum(o.sum() for o in outs), xs, retain_graph=True)
+    want = torch.autograd.grad(outs, xs, [torch.ones_like(o) for o in outs], retain_graph=True)
+    strided = [torch.randn(*o.shape[:-1], 2 * o.shape[-1], device=backend)[..., ::2] for o in outs]
+    got += torch.autograd.grad(outs, xs, strided, retain_graph=True)
+    want += torch.autograd.grad(outs, xs, [g.contiguous() for g in strided])
+    upstream = [torch.randn_like(o, requires_grad=True) for o in outs]
+    dxs = torch.autograd.grad(fn(*xs), xs, upstream, create_graph=True)
+    got += torch.autograd.grad(sum(d.sum() for d in dxs), upstream)
+    want += fn(*(torch.ones_like(x) for x in xs))
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

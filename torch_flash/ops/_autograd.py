@@ -360,7 +360,7 @@ def autograd_rule(opdef: CustomOpDef, *, forward: Callable[..., tuple[Any, Any]]
 
 
 # csrc/fast/fast_path.h, Source::Kind
-ARG, SAVED, GRAD, GRAD_OR_NONE, DTYPE_OF, NONE, REQUIRES_GRAD, CONST, DEFAULT = range(9)
+ARG, SAVED, GRAD, GRAD_OR_NONE, DTYPE_OF, NONE, REQUIRES_GRAD, CONST, DEFAULT, NOT_ARG = range(10)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,7 +369,8 @@ class Src:
     tensor), SAVED (the ref-th saved tensor), GRAD / GRAD_OR_NONE (the gradient of the ref-th
     output; an unused output's is zeros / None), DTYPE_OF (the dtype of tensor argument `ref`),
     NONE (None), REQUIRES_GRAD (whether tensor argument `ref` requires a gradient), CONST (the
-    integer `ref`), DEFAULT (the called op's default for this argument)."""
+    integer `ref`), DEFAULT (the called op's default for this argument), NOT_ARG (the negation of
+    the forward's bool argument `ref`; backward_args only)."""
     kind: int
     ref: int | str | None = None
 
@@ -389,6 +390,8 @@ class Spec:
     a call where such an argument needs a gradient runs the Python rule. python_if: arguments
     that, when true (a name) or equal to a value (a (name, value) pair), send the call to the
     rule register_autograd_spec is given beside the Spec (or the op's own Python rule).
+    python_if_grad: tensor arguments that send the call to that same rule where they require a
+    gradient that is being recorded (which may refuse it: rotary's tables).
     forward_args: forward's arguments that are not the op's same-named one, by name (REQUIRES_GRAD,
     DEFAULT, ARG of another name). handout: forward's returns that are backward's returns for an
     upstream gradient of one; the first backward without create_graph or retain_graph gives
@@ -403,6 +406,7 @@ class Spec:
     outputs: tuple[int, ...] = (0,)
     python_grads: tuple[tuple[str, Callable], ...] = ()
     python_if: tuple[str | tuple[str, Any], ...] = ()
+    python_if_grad: tuple[str, ...] = ()
     forward_args: tuple[tuple[str, Src], ...] = ()
     handout: tuple[int, ...] = ()
     scale: str | None = None
@@ -420,7 +424,8 @@ def _schema_names(op: str) -> tuple[list[str], list[str]]:
 
 def register_autograd_spec(opdef: CustomOpDef, spec: Spec, otherwise: Callable | None = None) -> None:
     """opdef's autograd rule from its Spec (through register_autograd_via); otherwise: the rule
-    (as autograd_rule returns it) of the calls whose spec.python_if arguments are not all false."""
+    (as autograd_rule returns it) of the calls whose spec.python_if arguments are not all false,
+    or one of whose spec.python_if_grad arguments requires a gradient that is being recorded."""
     name = opdef._name
     if spec.handout or spec.forward_args:
         raise ValueError(f"flash.{name}: a Spec with a handout or forward_args runs in C++ only (register_fast_spec)")
@@ -448,7 +453,8 @@ def register_autograd_spec(opdef: CustomOpDef, spec: Spec, otherwise: Callable |
         zeros = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
                  for g, (shape, dtype, device) in zip(grads, ctx.outputs)]
         sources = {ARG: ctx.values, SAVED: saved, GRAD: zeros, GRAD_OR_NONE: grads, DTYPE_OF: ctx.dtypes,
-                   NONE: {None: None}, REQUIRES_GRAD: collections.defaultdict(bool, ctx.requires)}
+                   NONE: {None: None}, REQUIRES_GRAD: collections.defaultdict(bool, ctx.requires),
+                   NOT_ARG: {n: not v for n, v in ctx.values.items()}}
         args = [s.ref if s.kind == CONST else sources[s.kind][s.ref] for s in spec.backward_args]
         out = call(spec.backward, *args[:n_positional], **dict(zip(keyword, args[n_positional:])))
         out = out if isinstance(out, tuple) else (out,)
@@ -458,14 +464,18 @@ def register_autograd_spec(opdef: CustomOpDef, spec: Spec, otherwise: Callable |
         return result
 
     rule = autograd_rule(opdef, forward=forward, setup_context=setup_context, backward=backward)
-    if spec.python_if:
+    if spec.python_if or spec.python_if_grad:
         names = [a.name for a in opdef._opoverload._schema.arguments]
         defaults = {a.name: a.default_value for a in opdef._opoverload._schema.arguments if a.has_default_value()}
         flags = [(names.index(n), n, v) for n, v in python_if_pairs(spec)]
+        grad_flags = [(names.index(n), n) for n in spec.python_if_grad]
         spec_rule = rule
 
         def rule(*args, **kwargs):
-            flagged = any((args[i] if i < len(args) else kwargs.get(n, defaults.get(n))) == v for i, n, v in flags)
+            def given(i, n):
+                return args[i] if i < len(args) else kwargs.get(n, defaults.get(n))
+            flagged = any(given(i, n) == v for i, n, v in flags) or (torch.is_grad_enabled() and any(
+                isinstance(t := given(i, n), torch.Tensor) and t.requires_grad for i, n in grad_flags))
             return (otherwise if flagged else spec_rule)(*args, **kwargs)
     register_autograd_kernel(opdef, rule)
     SPECS[name] = spec

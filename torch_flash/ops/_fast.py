@@ -36,18 +36,19 @@ from . import _autograd
 aten = torch.ops.aten
 
 # Ops served here, CUDA and autograd (their plans are pure functions of the signature, their
-# autograd rules Specs), their siblings with statistics and their backward ops.
+# autograd rules Specs), their siblings with statistics and their backward ops (rotary's backward
+# ops are their own gradient, conjugate flipped).
 OPS = ("rms_norm", "rms_norm_backward", "add_rms_norm", "add_rms_norm_backward",
        "layer_norm", "layer_norm_with_stats", "layer_norm_backward",
        "add_layer_norm", "add_layer_norm_with_stats", "add_layer_norm_backward",
        "cross_entropy", "cross_entropy_with_lse", "cross_entropy_backward",
        "attention", "attention_with_lse", "attention_backward", "attention_varlen", "attention_varlen_backward",
-       "linear_cross_entropy")
+       "rotary", "rotary_backward", "rotary_qk", "rotary_qk_backward", "linear_cross_entropy")
 # ops whose CUDA kernel alone is served here: their calls without a gradient (autograd: Python;
 # decode writes the new keys into the cache, call() moves its version counters; the others are
 # linear cross-entropy's forward with gradients, its backward and the in-place scaling the
 # C++ node hands its gradients out with)
-FORWARD_OPS = ("rotary", "rotary_qk", "attention_decode", "linear_cross_entropy_with_grads",
+FORWARD_OPS = ("attention_decode", "linear_cross_entropy_with_grads",
                "linear_cross_entropy_backward", "linear_cross_entropy_scale_")
 # ops whose replays stop inside a backward that keeps its graph: their Python body refuses it
 PYTHON_WHEN_KEEPING_GRAPH = ("linear_cross_entropy_scale_",)
@@ -310,7 +311,8 @@ def _spec_tuple(op: str) -> tuple | None:
     grads = [(-1, -1)] * len(names)
     for name, ret, cast in spec.grads:
         grads[names.index(name)] = (ret, -1 if cast is None else names.index(cast))
-    python_only = [names.index(name) for name, _ in spec.python_grads]
+    # arguments that, requiring a gradient, send the call to the Python rule
+    python_only = [names.index(name) for name in (*(n for n, _ in spec.python_grads), *spec.python_if_grad)]
     python_if = [(names.index(name), value) for name, value in _autograd.python_if_pairs(spec)]
     return (f"flash::{spec.forward}" if spec.forward else "", forward_args, list(spec.outputs), saved,
             f"flash::{spec.backward}", sources, grads, python_only, python_if, list(spec.handout),

@@ -10,8 +10,9 @@ torch_flash/reference/rotary.py for the formula.
 Ops: flash.rotary (x) and flash.rotary_qk (q and k of their own head counts, one kernel
 launch), and their in-place forms flash.rotary_ / flash.rotary_qk_ (declared mutations,
 no outputs). The rotation is orthogonal, so each backward is the same rotation by the
-opposite angle (flash.rotary_backward, flash.rotary_qk_backward: conjugate flipped). The
-in-place ops are differentiable too (see _register_inplace_autograd).
+opposite angle (flash.rotary_backward, flash.rotary_qk_backward: conjugate flipped), and a
+backward op's own gradient is itself with conjugate flipped back. The in-place ops are
+differentiable too (see _register_inplace_autograd).
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from torch._subclasses.fake_tensor import is_fake
 
 from .. import _dispatch
 from ..reference import rotary as ref
-from ._autograd import call, register_autograd_kernel, triton_op
+from ._autograd import (ARG, GRAD, NOT_ARG, SAVED, Spec, Src, call, register_autograd_kernel,
+                        register_autograd_spec, triton_op)
 from ._checks import (INDEX_DTYPES, check, check_last_dim_contiguous, check_positive_float,
                       check_same_device, check_tensor)
 from ._plans import Plans
@@ -225,12 +227,20 @@ def _rotary(x: Tensor, cos: Tensor, sin: Tensor, seqlen_offsets: Optional[Tensor
                    conjugate)[0]
 
 
+def grad_rows(grad):
+    """grad, or its copy where its last dim is not contiguous (the expanded gradient of a sum()):
+    the backward ops take a gradient of any strides."""
+    return grad if grad.dim() == 0 or grad.stride(-1) == 1 else grad.contiguous()  # 0-d: check_args refuses
+
+
 @triton_op("flash::rotary_backward", mutates_args=())
 def _rotary_backward(grad: Tensor, cos: Tensor, sin: Tensor, seqlen_offsets: Optional[Tensor] = None,
                      cu_seqlens: Optional[Tensor] = None, *, interleaved: bool = False,
                      seqlen_offset: int = 0, conjugate: bool = False) -> Tensor:
     """Gradient of flash.rotary (and flash.rotary_) with the same flags: the rotation by the
-    opposite angle."""
+    opposite angle; grad of any strides (see grad_rows)."""
+    grad = grad_rows(grad)
+
     def check():
         check_args("rotary_backward", grad, cos, sin, seqlen_offset, seqlen_offsets, cu_seqlens, "grad")
     return _rotate("rotary_backward", check, (grad,), False, cos, sin, seqlen_offsets, cu_seqlens, interleaved,
@@ -253,7 +263,10 @@ def _rotary_qk_backward(grad_q: Tensor, grad_k: Tensor, cos: Tensor, sin: Tensor
                         seqlen_offsets: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None, *,
                         interleaved: bool = False, seqlen_offset: int = 0,
                         conjugate: bool = False) -> tuple[Tensor, Tensor]:
-    """Gradients of flash.rotary_qk (and flash.rotary_qk_) with the same flags, in one launch."""
+    """Gradients of flash.rotary_qk (and flash.rotary_qk_) with the same flags, in one launch;
+    gradients of any strides (see grad_rows)."""
+    grad_q, grad_k = grad_rows(grad_q), grad_rows(grad_k)
+
     def check():
         check_qk_args("rotary_qk_backward", grad_q, grad_k, cos, sin, seqlen_offset, seqlen_offsets, cu_seqlens,
                       ("grad_q", "grad_k"))
@@ -283,7 +296,7 @@ def _rotary_qk_inplace(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, seqlen_of
 
 
 # ---- autograd. The rotation is orthogonal: each op's gradient is the rotation of the incoming
-# gradients by the opposite angle; only the tables are saved.
+# gradients by the opposite angle, with the op's other flags; only the tables are saved.
 
 def check_tables_no_grad(op: str, cos, sin) -> None:
     """The tables get no gradient (as in FlashAttention): refuse tables that require one
@@ -293,35 +306,32 @@ def check_tables_no_grad(op: str, cos, sin) -> None:
           "(computed under torch.no_grad(), as models do)")
 
 
-def _setup_context(op: str):
-    def setup(ctx, inputs, keyword_only_inputs, output):
-        *_, cos, sin, seqlen_offsets, cu_seqlens = inputs
-        check_tables_no_grad(op, cos, sin)
-        ctx.save_for_backward(cos, sin, seqlen_offsets, cu_seqlens)
-        ctx.flags = dict(keyword_only_inputs)
-    return setup
+def _tables_refused(op: str) -> Callable:
+    """The autograd rule of the calls whose cos or sin requires a gradient being recorded (the
+    Specs' python_if_grad): refused."""
+    names = [a.name for a in getattr(torch.ops.flash, op).default._schema.arguments]
+
+    def rule(*args, **kwargs):
+        given = {**dict(zip(names, args)), **kwargs}
+        check_tables_no_grad(op, given["cos"], given["sin"])  # raises: only such calls come here
+    return rule
 
 
-def _rotate_grads(op_name: str, ctx, grads) -> tuple[Tensor, ...]:
-    """op_name with the forward's flags applied to the gradients of its outputs."""
-    cos, sin, seqlen_offsets, cu_seqlens = ctx.saved_tensors
-    # e.g. the expanded gradient of a sum()
-    grads = [g if g.stride(-1) == 1 else g.clone(memory_format=torch.contiguous_format) for g in grads]
-    dx = getattr(torch.ops.flash, op_name)(*grads, cos, sin, seqlen_offsets, cu_seqlens, **ctx.flags)
-    return dx if isinstance(dx, tuple) else (dx,)
-
-
-def _backward_via(op_name: str):
-    """Each forward op and its backward op with the same flags are each other's gradient (so
-    the backward is differentiable too). cos/sin are tables: no gradient."""
-    def backward(ctx, *grads):
-        return (*_rotate_grads(op_name, ctx, grads), None, None, None, None)
-    return backward
-
-
-for _op, _grad_op in ((_rotary, "rotary_backward"), (_rotary_backward, "rotary"),
-                      (_rotary_qk, "rotary_qk_backward"), (_rotary_qk_backward, "rotary_qk")):
-    _op.register_autograd(_backward_via(_grad_op), setup_context=_setup_context(_op._name))
+# (op, its differentiable inputs, its backward op, where that op's conjugate comes from): the
+# forward ops' gradients are the backward ops with the same flags, a backward op's is itself
+# with conjugate flipped back (the forward's rotation), which takes gradients of any strides
+for _op, _inputs, _grad_op, _conjugate in ((_rotary, ("x",), "rotary_backward", ARG),
+                                           (_rotary_backward, ("grad",), "rotary_backward", NOT_ARG),
+                                           (_rotary_qk, ("q", "k"), "rotary_qk_backward", ARG),
+                                           (_rotary_qk_backward, ("grad_q", "grad_k"), "rotary_qk_backward", NOT_ARG)):
+    register_autograd_spec(_op, Spec(
+        outputs=tuple(range(len(_inputs))),
+        save=("cos", "sin", "seqlen_offsets", "cu_seqlens"),
+        backward=_grad_op,
+        backward_args=(*(Src(GRAD, i) for i in range(len(_inputs))), *(Src(SAVED, i) for i in range(4)),
+                       Src(ARG, "interleaved"), Src(ARG, "seqlen_offset"), Src(_conjugate, "conjugate")),
+        grads=tuple((name, i, None) for i, name in enumerate(_inputs)),
+        python_if_grad=("cos", "sin")), otherwise=_tables_refused(_op._name))
 
 
 def _register_inplace_autograd(opdef, functional: str) -> None:
