@@ -7,7 +7,7 @@ from typing import Iterable
 
 import torch.fx as fx
 
-from .graph import normalize
+from .graph import normalize, subgraph, wrap_name, wrapped_args, wraps_of
 from .patterns import FAMILIES
 from .report import Report, Site
 
@@ -15,7 +15,8 @@ __all__ = ["FAMILIES", "Report", "Site", "rewrite_graph"]
 
 
 def rewrite_graph(gm: fx.GraphModule, families: Iterable[str] | None = None) -> Report:
-    """Rewrite gm in place with the chosen families (all by default); returns the report."""
+    """Rewrite gm in place with the chosen families (all by default), and the subgraphs of its
+    wrapped regions (graph.WRAPS) alike; returns the report, the sites in a region named by it."""
     chosen = list(FAMILIES) if families is None else list(families)
     unknown = set(chosen) - set(FAMILIES)
     if unknown:
@@ -25,6 +26,14 @@ def rewrite_graph(gm: fx.GraphModule, families: Iterable[str] | None = None) -> 
     for fam in chosen:
         for rewrite in FAMILIES[fam]:
             rewrite(gm, report)
+    # a region export keeps under another autocast or grad mode is a subgraph of its own:
+    # rewritten in place, so its flash ops run under the wrap's mode as the model's ops did
+    for wrap in wraps_of(gm):
+        with wrapped_args(wrap):
+            inner = rewrite_graph(subgraph(wrap), chosen)
+        for site in inner.sites:
+            site.reason = f"inside {wrap_name(wrap)}" + (f": {site.reason}" if site.reason else "")
+        report.extend(inner)
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()

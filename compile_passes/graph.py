@@ -96,16 +96,65 @@ def location(node: fx.Node) -> str:
 # export's spelling of a region under another grad or autocast mode (`@torch.no_grad()`,
 # `torch.autocast(enabled=False)`): one node that runs a subgraph, its outputs read by getitem
 WRAPS = (torch.ops.higher_order.wrap_with_set_grad_enabled, torch.ops.higher_order.wrap_with_autocast)
+# Node meta of a WRAPS subgraph's placeholder: the node of the outer graph the wrap passes for it.
+WRAPPED_ARG = "flash_wrapped_arg"
+
+
+def _subgraph_arg(wrap: fx.Node) -> int | None:
+    """The index of the get_attr argument of a WRAPS node that names its subgraph."""
+    return next((i for i, a in enumerate(wrap.args) if isinstance(a, fx.Node) and a.op == "get_attr"), None)
+
+
+def subgraph(wrap: fx.Node) -> fx.GraphModule | None:
+    """The subgraph a WRAPS node runs."""
+    i = _subgraph_arg(wrap)
+    module = operator.attrgetter(wrap.args[i].target)(wrap.graph.owning_module) if i is not None else None
+    return module if isinstance(module, fx.GraphModule) else None
+
+
+def wraps_of(gm: fx.GraphModule) -> list[fx.Node]:
+    """The WRAPS nodes of gm, each with its own subgraph (the first where several share one)."""
+    found, subs = [], set()
+    for n in gm.graph.nodes:
+        sub = subgraph(n) if is_op(n, *WRAPS) else None
+        if sub is not None and id(sub) not in subs:
+            found.append(n)
+            subs.add(id(sub))
+    return found
+
+
+def wrap_name(wrap: fx.Node) -> str:
+    """The wrap as a user reads it: its op and mode arguments, `wrap_with_autocast(cpu, torch.bfloat16,
+    True, False)` (device, dtype, enabled, cache) or `wrap_with_set_grad_enabled(False)`."""
+    mode = ", ".join(str(a) for a in wrap.args[:_subgraph_arg(wrap)])
+    return f"{wrap.target.__name__}({mode})"
+
+
+@contextlib.contextmanager
+def wrapped_args(wrap: fx.Node):
+    """Within it, each placeholder of wrap's subgraph holds under WRAPPED_ARG the node the wrap
+    passes for it (what `learned` follows out of the subgraph), and under LIFTED_VALUE that
+    node's lifted constant where it has one."""
+    outer = wrap.args[_subgraph_arg(wrap) + 1:]
+    inner = list(subgraph(wrap).graph.find_nodes(op="placeholder"))
+    for p, a in zip(inner, outer):
+        p.meta[WRAPPED_ARG] = a
+        if isinstance(a, fx.Node) and LIFTED_VALUE in a.meta:
+            p.meta[LIFTED_VALUE] = a.meta[LIFTED_VALUE]
+    try:
+        yield
+    finally:
+        for p in inner:
+            p.meta.pop(WRAPPED_ARG, None)
+            p.meta.pop(LIFTED_VALUE, None)
 
 
 def wrapped_output(node: Any) -> fx.Node | None:
     """For getitem(wrap, i) of a WRAPS node: the node of its subgraph that computes output i."""
     if not (is_op(node, operator.getitem) and is_op(node.args[0], *WRAPS)):
         return None
-    wrap = node.args[0]
-    sub = next((a for a in wrap.args if isinstance(a, fx.Node) and a.op == "get_attr"), None)
-    module = operator.attrgetter(sub.target)(wrap.graph.owning_module) if sub is not None else None
-    if not isinstance(module, fx.GraphModule):
+    module = subgraph(node.args[0])
+    if module is None:
         return None
     outputs = next(iter(module.graph.find_nodes(op="output"))).args[0]
     out = outputs[node.args[1]] if isinstance(outputs, (tuple, list)) else None

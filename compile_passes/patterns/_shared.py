@@ -13,7 +13,8 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..graph import A, cast_dtype, dtype_of, fake_call, getitem, insert_call, is_op, last_dim, location, same_meta, val
+from ..graph import (WRAPPED_ARG, A, cast_dtype, dtype_of, fake_call, getitem, insert_call, is_op, last_dim, location,
+                     same_meta, val)
 
 
 @dataclass(frozen=True)
@@ -84,20 +85,23 @@ def keeps_rows(n: Any) -> bool:
     return False
 
 
-def learned(gm: fx.GraphModule, t: fx.Node) -> bool:
+def learned(t: fx.Node) -> bool:
     """t depends on an input or attribute that requires grad (the ops give rotary tables and
     ALiBi slopes no gradient). Inputs are read from their fake values, or Dynamo's example
-    values where a retrace kept them."""
+    values where a retrace kept them; a wrapped subgraph's input from what the wrap passes."""
     seen, stack = set(), [t]
     while stack:
         n = stack.pop()
         if n in seen:
             continue
         seen.add(n)
+        if n.op == "placeholder" and isinstance(n.meta.get(WRAPPED_ARG), fx.Node):
+            stack.append(n.meta[WRAPPED_ARG])
+            continue
         if n.op == "placeholder" and any(getattr(n.meta.get(k), "requires_grad", False)
                                          for k in ("val", "example_value")):
             return True
-        if n.op == "get_attr" and getattr(operator.attrgetter(n.target)(gm), "requires_grad", False):
+        if n.op == "get_attr" and getattr(operator.attrgetter(n.target)(n.graph.owning_module), "requires_grad", False):
             return True
         stack.extend(n.all_input_nodes)
     return False

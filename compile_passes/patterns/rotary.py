@@ -262,7 +262,7 @@ def _match_pairs(flat: fx.Node, graph: fx.Graph) -> Match | Unmatched | None:
     return _pairs_match(graph, _pair_source(xs[0]), table, flat)
 
 
-def _layout(gm: fx.GraphModule, m: Match) -> int | Unmatched:
+def _layout(m: Match) -> int | Unmatched:
     """The dim of x holding the heads (1: (B, H, S, D), 2: (B, S, H, D)), which the tables
     broadcast over while giving every position its own row; or why they do not fit."""
     xv, cv, sv = val(m.x), val(m.cos), val(m.sin)
@@ -270,7 +270,7 @@ def _layout(gm: fx.GraphModule, m: Match) -> int | Unmatched:
         return Unmatched(f"x has shape {tuple(xv.shape)}, not (B, H, S, D) or (B, S, H, D)")
     if tuple(cv.shape) != tuple(sv.shape) or cv.dim() > 4:
         return Unmatched(f"cos {tuple(cv.shape)} and sin {tuple(sv.shape)} are not tables of one shape")
-    if learned(gm, m.cos) or learned(gm, m.sin):
+    if learned(m.cos) or learned(m.sin):
         return Unmatched("cos/sin require grad, and flash.rotary gives no gradient for the tables")
     shape = (1,) * (4 - cv.dim()) + tuple(cv.shape)
     for heads, seq in ((1, 2), (2, 1)):
@@ -295,7 +295,7 @@ def _half_table(graph: fx.Graph, before: fx.Node, t: fx.Node, m: Match, heads: i
 
 def _replace(gm: fx.GraphModule, m: Match) -> Unmatched | None:
     """Put flash.rotary in the place of m.out; None when done, else why not."""
-    heads = _layout(gm, m)
+    heads = _layout(m)
     if isinstance(heads, Unmatched):
         return heads
     graph = gm.graph

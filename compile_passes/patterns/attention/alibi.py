@@ -236,7 +236,7 @@ def candidate(part: Part, shape: tuple) -> Candidate | Unmatched | None:
         return None  # constant along the keys: not a position bias
     if any((dtype_of(n) or torch.float32).is_floating_point and dtype_of(n) not in EXACT for n in passed + chain):
         return None  # positions in half precision, rounded
-    if s is not None and learned(s.graph.owning_module, s):
+    if s is not None and learned(s):
         return Unmatched("ALiBi slopes that require grad (flash.attention gives alibi_slopes none): "
                          "left as attn_bias")
     return Candidate(part, slopes, part.mult * factor * sign, q, absolute)
