@@ -91,6 +91,18 @@ def test_export_rewrites_inside_wrap(region, mask):
 
 
 @pytest.mark.parametrize("region", ["autocast", "no_grad"])
+def test_rewritten_program_saves_and_loads(tmp_path, region):
+    """The flash op inside the subgraph survives torch.export's serialization."""
+    torch.manual_seed(0)
+    model, args = WrappedAttention(region, "causal"), _inputs("causal")
+    ep = torch_flash.rewrite(torch.export.export(model, args))
+    torch.export.save(ep, tmp_path / "wrapped.pt2")
+    loaded = torch.export.load(tmp_path / "wrapped.pt2")
+    assert len(_flash_nodes(loaded)) == 1
+    torch.testing.assert_close(loaded.module()(*args), ep.module()(*args))
+
+
+@pytest.mark.parametrize("region", ["autocast", "no_grad"])
 def test_explain_names_the_wrap(region):
     """explain reports the site inside the wrap as rewritten, with the wrap and its mode."""
     ep = torch.export.export(WrappedAttention(region, "causal"), _inputs("causal"))
