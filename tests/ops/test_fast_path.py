@@ -131,8 +131,8 @@ def test_replay_equals_python_path(case):
 
 
 def _forward_cases():
-    """op -> (public function, make inputs, keyword arguments) of the ops whose CUDA kernel alone
-    is on the fast path (calls without a gradient)."""
+    """op -> (public function, make inputs, keyword arguments) of calls without a gradient (the
+    only ones the fast path serves for FORWARD_OPS)."""
     qkv = lambda h: torch.randn(2, h, 256, 64, device=DEV, dtype=torch.bfloat16)  # noqa: E731
     tables = lambda: torch_flash.rotary_cos_sin(256, 64, device=DEV)  # noqa: E731
     return {
@@ -204,6 +204,117 @@ def test_forward_replay_equals_python_path(case):
             assert g.stride() == w.stride() and torch.equal(g, w), f"{case}: call {call}"
     replays, _, recipes = _stats(case)
     assert replays >= 2 and recipes >= 1, f"{case}: {_stats(case)}"
+
+
+def _rotary_cases():
+    """case -> (op, make inputs: (tensors rotated, tables, keyword arguments)), bf16, partial
+    rotary; saved offsets or cu_seqlens, or None for them."""
+    def tables(n):
+        return torch_flash.rotary_cos_sin(n, 32, device=DEV)
+
+    def heads(h):  # the (B, S, H, D) layout
+        return torch.randn(2, 256, h, 64, device=DEV, dtype=torch.bfloat16).transpose(1, 2)
+    return {
+        "rotary": ("rotary", lambda: ((heads(4),), tables(264),
+                                      dict(seqlen_offsets=torch.tensor([0, 8], device=DEV, dtype=torch.int32)))),
+        "rotary_qk": ("rotary_qk", lambda: ((heads(4), heads(2)), tables(260),
+                                            dict(interleaved=True, seqlen_offsets=3))),
+        "rotary_varlen": ("rotary", lambda: ((torch.randn(300, 4, 64, device=DEV, dtype=torch.bfloat16),), tables(300),
+                                             dict(cu_seqlens=torch.tensor([0, 100, 117, 300], device=DEV,
+                                                                          dtype=torch.int32)))),
+    }
+
+
+def _upstream(xs, kind: str):
+    """Gradients of the outputs rotating xs: random, strided views (the last dim too), or None (a
+    sum())."""
+    if kind == "sum":
+        return None
+    if kind == "strided":
+        return [torch.randn(*x.shape[:-1], 2 * x.shape[-1], device=DEV, dtype=x.dtype)[..., ::2] for x in xs]
+    return [torch.randn_like(x) for x in xs]
+
+
+@pytest.mark.parametrize("upstream", ["random", "sum", "strided"])
+@pytest.mark.parametrize("case", list(_rotary_cases()))
+def test_rotary_replay_equals_python_path(case, upstream):
+    """rotary's forward and backward through the C++ node and replays equal the Python path's bit
+    for bit, for gradients of any strides (the expanded one of a sum(), strided views: the backward
+    op copies them)."""
+    op, make = _rotary_cases()[case]
+    fn = getattr(torch_flash, op)
+
+    def step(xs, tables, kwargs, grads):
+        leaves = [x.detach().requires_grad_() for x in xs]
+        out = fn(*leaves, *tables, **kwargs)
+        outs = out if isinstance(out, tuple) else (out,)
+        if grads is None:
+            sum(o.sum() for o in outs).backward()
+        else:
+            torch.autograd.backward(outs, grads)
+        return outs, [x.grad for x in leaves], outs[0].grad_fn.name()
+    for call in range(4):  # compile, record, then replays; fresh values every call
+        xs, tables, kwargs = make()
+        grads = _upstream(xs, upstream)
+        got = step(xs, tables, kwargs, grads)
+        want = _python_path(step, (xs, tables, kwargs, grads), {})
+        assert got[2] == f"flash::{op} backward" and want[2] != got[2]
+        for g, w in zip((*got[0], *got[1]), (*want[0], *want[1])):
+            assert g.stride() == w.stride() and torch.equal(g, w), f"{case}: call {call}"
+    for ran in (op, f"{op}_backward"):
+        replays, _, recipes = _stats(ran)
+        assert replays >= 2 and recipes >= 1, f"{ran}: {_stats(ran)}"
+        assert torch_flash._dispatch.LAST[ran] == "triton"
+
+
+@pytest.mark.parametrize("case", list(_rotary_cases()))
+def test_rotary_double_backward_replays(case):
+    """A backward op's C++ node is differentiable: its gradient is the backward op again with
+    conjugate flipped back (the forward's rotation of the expanded gradient of a sum()), all
+    replays, equal to the Python path's bit for bit."""
+    op, make = _rotary_cases()[case]
+    fn = getattr(torch_flash, op)
+
+    def step(xs, tables, kwargs, grads):
+        leaves = [x.detach().requires_grad_() for x in xs]
+        upstream = [g.detach().requires_grad_() for g in grads]
+        out = fn(*leaves, *tables, **kwargs)
+        dxs = torch.autograd.grad(out, leaves, upstream, create_graph=True)
+        again = torch.autograd.grad(sum(d.sum() for d in dxs), upstream)
+        return (*dxs, *again), dxs[0].grad_fn.name()
+    before = _stats(f"{op}_backward")[0]
+    for call in range(4):
+        xs, tables, kwargs = make()
+        grads = _upstream(xs, "random")
+        got, name = step(xs, tables, kwargs, grads)
+        want, _ = _python_path(step, (xs, tables, kwargs, grads), {})
+        assert name == f"flash::{op}_backward backward"
+        # the layout of the backward op's copy of the expanded gradient
+        rotated = fn(*(torch.ones(x.shape, device=DEV, dtype=x.dtype) for x in xs), *tables, **kwargs)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w), f"{case}: call {call}"
+        for g, w in zip(got[len(xs):], rotated if isinstance(rotated, tuple) else (rotated,)):
+            assert torch.equal(g, w), f"{case}: call {call}"
+    assert _stats(f"{op}_backward")[0] >= before + 4  # backward and double backward, replayed
+
+
+@pytest.mark.parametrize("op", ["rotary", "rotary_backward", "rotary_qk", "rotary_qk_backward"])
+def test_rotary_tables_that_require_grad_are_refused(op):
+    """The C++ autograd kernel sends calls whose cos/sin require a gradient to the Python rule,
+    which refuses them; under no_grad they replay as usual."""
+    xs = [torch.randn(2, h, 64, 64, device=DEV, requires_grad=True) for h in ((4, 2) if "qk" in op else (4,))]
+    cos, sin = torch_flash.rotary_cos_sin(64, 32, device=DEV)
+    fn = getattr(torch.ops.flash, op)
+    with pytest.raises(ValueError, match=f"^flash.{op}: cos/sin require grad"):
+        fn(*xs, cos, sin.requires_grad_())
+    before = _stats(op)[0]
+    with torch.no_grad():
+        want = _python_path(_autograd.call, (op, *xs, cos, sin), {})
+        for _ in range(4):
+            got = fn(*xs, cos, sin)
+    assert _stats(op)[0] > before
+    for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+        assert torch.equal(g, w)
 
 
 def test_sinks_that_need_a_gradient_take_the_python_rule():
