@@ -78,6 +78,8 @@ def test_export_rewrites_inside_wrap(region, mask):
     ep = torch_flash.rewrite(ep)
     nodes = _flash_nodes(ep)
     assert len(nodes) == 1 and nodes[0].graph is not ep.graph
+    # the tril mask built in the region is causal=True; the additive input is attn_bias
+    assert nodes[0].kwargs["causal"] == (mask == "causal") and (nodes[0].args[3] is not None) == (mask == "additive")
     assert not any(n.target is torch.ops.aten.softmax.int for m in ep.graph_module.modules()
                    if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes)
 
