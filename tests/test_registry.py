@@ -80,8 +80,10 @@ def test_spec_matches_the_schemas(op):
         assert s in names if isinstance(s, str) else s < len(forward.returns)
     for name, ret, cast in spec.grads:
         assert name in names and ret < len(backward.returns) and (cast is None or cast in names)
+    for name in spec.python_if_grad:
+        assert name in names
     for s in spec.backward_args:
-        if s.kind in (_autograd.ARG, _autograd.DTYPE_OF, _autograd.REQUIRES_GRAD):
+        if s.kind in (_autograd.ARG, _autograd.NOT_ARG, _autograd.DTYPE_OF, _autograd.REQUIRES_GRAD):
             assert s.ref in names
         elif s.kind == _autograd.SAVED:
             assert s.ref < len(spec.save)

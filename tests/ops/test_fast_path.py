@@ -317,13 +317,23 @@ def test_rotary_tables_that_require_grad_are_refused(op):
         assert torch.equal(g, w)
 
 
-def test_sinks_that_need_a_gradient_take_the_python_rule():
-    q, k, v = (torch.randn(1, 4, 128, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    sinks = torch.randn(4, device=DEV, requires_grad=True)
-    out = torch_flash.attention(q, k, v, causal=True, sinks=sinks)
-    assert "flash::" not in out.grad_fn.name()  # the Python rule computes the sinks' gradient
-    g = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v, sinks), g)
+def test_sinks_gradient_replays():
+    """Sinks that need a gradient take the C++ node, their gradient from the backward op's delta
+    pass: bit for bit the Python path's, and float64's within bf16 rounding."""
+    for call in range(4):
+        q, k, v = (torch.randn(1, 4, 128, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        sinks = torch.randn(4, device=DEV, requires_grad=True)
+        out = torch_flash.attention(q, k, v, causal=True, sinks=sinks)
+        assert out.grad_fn.name() == "flash::attention backward"
+        g = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v, sinks), g)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v, sinks)]
+        want_out = _python_path(lambda *a: torch_flash.attention(*a[:3], causal=True, sinks=a[3]), leaves, {})
+        assert torch.equal(out, want_out)
+        for got, want in zip(grads, torch.autograd.grad(want_out, leaves, g)):
+            assert torch.equal(got, want), f"call {call}"
+    replays, _, recipes = _stats("attention_backward")
+    assert replays >= 2 and recipes >= 1, _stats("attention_backward")
     ref = torch_flash.reference.attention
     q64, k64, v64 = to64(q, k, v)
     s64 = sinks.detach().double().requires_grad_()

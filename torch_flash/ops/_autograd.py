@@ -385,9 +385,7 @@ class Spec:
     returns the op returns. save: what the backward keeps, an argument by name or forward's i-th
     return. backward, backward_args: the backward op and where its arguments come from. grads:
     argument name -> (index of its gradient among backward's returns, name of the argument whose
-    dtype it is cast to, or None); arguments that were None get none. python_grads: argument
-    name -> fn(saved, grads) computing its gradient in Python (grads: zeros for unused outputs);
-    a call where such an argument needs a gradient runs the Python rule. python_if: arguments
+    dtype it is cast to, or None); arguments that were None get none. python_if: arguments
     that, when true (a name) or equal to a value (a (name, value) pair), send the call to the
     rule register_autograd_spec is given beside the Spec (or the op's own Python rule).
     python_if_grad: tensor arguments that send the call to that same rule where they require a
@@ -404,7 +402,6 @@ class Spec:
     save: tuple[str | int, ...]
     forward: str | None = None
     outputs: tuple[int, ...] = (0,)
-    python_grads: tuple[tuple[str, Callable], ...] = ()
     python_if: tuple[str | tuple[str, Any], ...] = ()
     python_if_grad: tuple[str, ...] = ()
     forward_args: tuple[tuple[str, Src], ...] = ()
@@ -460,7 +457,6 @@ def register_autograd_spec(opdef: CustomOpDef, spec: Spec, otherwise: Callable |
         out = out if isinstance(out, tuple) else (out,)
         result = {n: out[i] if cast is None else out[i].to(ctx.dtypes[cast])
                   for n, i, cast in spec.grads if ctx.requires.get(n)}
-        result.update({n: fn(saved, zeros) for n, fn in spec.python_grads if ctx.requires.get(n)})
         return result
 
     rule = autograd_rule(opdef, forward=forward, setup_context=setup_context, backward=backward)

@@ -312,7 +312,7 @@ def _spec_tuple(op: str) -> tuple | None:
     for name, ret, cast in spec.grads:
         grads[names.index(name)] = (ret, -1 if cast is None else names.index(cast))
     # arguments that, requiring a gradient, send the call to the Python rule
-    python_only = [names.index(name) for name in (*(n for n, _ in spec.python_grads), *spec.python_if_grad)]
+    python_only = [names.index(name) for name in spec.python_if_grad]
     python_if = [(names.index(name), value) for name, value in _autograd.python_if_pairs(spec)]
     return (f"flash::{spec.forward}" if spec.forward else "", forward_args, list(spec.outputs), saved,
             f"flash::{spec.backward}", sources, grads, python_only, python_if, list(spec.handout),
