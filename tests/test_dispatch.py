@@ -167,3 +167,33 @@ patched = CppWrapperCpu.codegen_int_array_var is not before
 print(patched == (TorchVersion(torch.__version__) < (2, 15)))
 """
     assert _python(code).split()[-1] == "True"
+
+
+def _calls_in_fp32():
+    """(name, fn(*leaves), leaves): calls whose bodies would run bf16 ATen ops under autocast."""
+    q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
+    x, w = torch.randn(24, 32), torch.randn(50, 32)
+    t = torch.randint(0, 50, (24,))
+    return [
+        ("attention", lambda q, k, v: torch_flash.attention(q, k, v, causal=True), (q, k, v)),
+        ("linear_cross_entropy", lambda x, w: torch_flash.linear_cross_entropy(x, w, t), (x, w)),
+        ("linear_cross_entropy direct", lambda x, w: torch.ops.flash.linear_cross_entropy(x, w, t), (x, w)),
+        ("rms_norm", lambda x, w: torch_flash.rms_norm(x, w[0]), (x, w)),
+    ]
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_autocast_leaves_the_ops_dtypes_alone(index):
+    """Under autocast an op computes in the dtypes it was given, as its kernels do: fp32 inputs
+    give the results and gradients of the same call without autocast, bit for bit (its
+    reference path would otherwise run autocast's bf16 matmuls)."""
+    name, fn, inputs = _calls_in_fp32()[index]
+    results = []
+    for enabled in (False, True):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+            out = fn(*leaves)
+        out.sum().backward()
+        results.append((out, *(t.grad for t in leaves)))
+    for plain, autocast in zip(*results):
+        assert autocast.dtype == plain.dtype and torch.equal(autocast, plain), name

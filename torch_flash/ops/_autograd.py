@@ -123,6 +123,7 @@ def register_body(opdef: CustomOpDef, mutated: tuple[int, ...] = ()) -> None:
     of the arguments it writes."""
     _BODIES[opdef._name] = opdef._init_fn
     _MUTATED[opdef._name] = mutated
+    _register_autocast_off(opdef)
 
 
 def triton_op(name: str, *, mutates_args) -> Callable[[Callable], CustomOpDef]:
@@ -133,6 +134,7 @@ def triton_op(name: str, *, mutates_args) -> Callable[[Callable], CustomOpDef]:
         body = launching_directly(fn)
         for key in ("CPU", "CUDA"):
             opdef._lib.impl(opdef._name, body, key)
+        _register_autocast_off(opdef)
         _BODIES[opdef._name] = body
         schema = opdef._opoverload._schema
         _MUTATED[opdef._name] = tuple(i for i, a in enumerate(schema.arguments)
@@ -140,6 +142,19 @@ def triton_op(name: str, *, mutates_args) -> Callable[[Callable], CustomOpDef]:
         _register_autograd_kernel(opdef, make_autograd_impl(opdef._opoverload, opdef))
         return opdef
     return dec
+
+
+def _register_autocast_off(opdef: CustomOpDef) -> None:
+    """The op's Autocast kernels (dispatched only while autocast is on): the op runs with autocast
+    off, so that its body's ATen calls (the reference paths, linear cross-entropy's matmuls)
+    compute in the dtypes it was given, as its kernels do. call() takes the dispatcher then."""
+    op = opdef._opoverload
+
+    def kernel(*args, **kwargs):
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            return op(*args, **kwargs)
+    for key in ("AutocastCPU", "AutocastCUDA"):
+        opdef._lib.impl(opdef._name, kernel, key)
 
 
 def _fixing_inductor(fn: Callable) -> Callable:
@@ -202,7 +217,8 @@ def call(op: str, *args, **kwargs):
     must be passed positionally for that); with one, the op's autograd rule runs directly
     (_direct_rule). Ops on the compiled fast path take the dispatcher for CUDA tensors: their
     kernels there are C++ (ops/_fast.py; FAST_FORWARD ops without a gradient only)."""
-    if torch.compiler.is_compiling():  # Dynamo traces the op call, nothing else here
+    if torch.compiler.is_compiling() or torch._C._is_any_autocast_enabled():
+        # Dynamo traces the op call, nothing else here; autocast: the op's Autocast kernel
         return getattr(torch.ops.flash, op).default(*args, **kwargs)
     first = args[0] if args else next(iter(kwargs.values()), None)
     cuda = isinstance(first, torch.Tensor) and first.is_cuda
