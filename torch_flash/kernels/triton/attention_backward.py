@@ -18,7 +18,7 @@ from .attention import (_INTERPRET, _LOG2E, _absent, _alibi_shift, _alibi_slope,
                         _block_start, _configs, _dot, _dropout_keep, _flags, _grid, _inputs, _key_ranges,
                         _load_tile, _loop_plan, _lse_strides, _mask_args, _positions, _scale, _scores,
                         _seq_bounds, _shape_args, _store_tile, _tile_class, _tuned)
-from .launch import launch_as
+from .launch import cdiv, launch_as
 from .scalars import fp32
 
 # Autotune configs per tile class (see attention.py): dK/dV keep BLOCK_N key rows resident
@@ -352,7 +352,7 @@ class AttentionBwd:
         self.dbias_shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])  # per (b, h, i, j)
         self.empty = q.numel() == 0 or k.numel() == 0
         self.deterministic = deterministic
-        self.sinks = sinks is not None
+        self.sink_grad = sinks is not None
         # the gradients laid out like q, k and v (ref.layout_strides; packed sequences:
         # contiguous), from meta tensors (the calls allocate alike)
         self.grad_strides = tuple(torch.empty(t.shape, device="meta").stride() if cu_q is not None
@@ -367,8 +367,8 @@ class AttentionBwd:
         self.delta_scalars = dict(
             **_bhm(out, "o", "m"), **_bhm(grad_out, "do", "m"), **lse_strides, H=heads, SEQ_Q=seq_q,
             HEAD_DIM_V=args["HEAD_DIM_V"], BLOCK_DV=args["BLOCK_DV"], HAS_GRAD_LSE=grad_lse is not None,
-            IS_VARLEN=args["IS_VARLEN"], BLOCK_M=_delta_rows(args["BLOCK_DV"]), SINK_GRAD=self.sinks)
-        self.sink_parts = (n_batch, heads, -(-seq_q // self.delta_scalars["BLOCK_M"]))
+            IS_VARLEN=args["IS_VARLEN"], BLOCK_M=_delta_rows(args["BLOCK_DV"]), SINK_GRAD=self.sink_grad)
+        self.sink_parts = (n_batch, heads, cdiv(seq_q, self.delta_scalars["BLOCK_M"]))
         tensors = ("Q", "K", "V", "CuQ", "CuK", "Seed", "Bias")
         common = {name: value for name, value in (
             *_bhm(grad_out, "do", "m").items(), *lse_strides.items(), ("sm_scale", _scale(q, flags["scale"])),
@@ -398,7 +398,8 @@ class AttentionBwd:
         absent, launchers = self.absent, self.launchers
         grad_out, out = _rows(grad_out), _rows(out)
         delta = torch.empty_like(lse)
-        parts = torch.empty(self.sink_parts, dtype=torch.float32, device=q.device) if self.sinks else absent["DBias"]
+        parts = (torch.empty(self.sink_parts, dtype=torch.float32, device=q.device) if self.sink_grad
+                 else absent["DBias"])
         tensors = _inputs(absent, self.dropout, q, k, v, attn_bias, cu_q, cu_k, dropout_seed, alibi_slopes)
         grad_lse = lse if grad_lse is None else grad_lse.to(torch.float32).expand_as(lse).contiguous()
         launchers[0] = launch_as(launchers[0], _attn_bwd_delta, self.delta_grid, (),
@@ -417,7 +418,7 @@ class AttentionBwd:
                                      dict(DQ=dq, **tensors, **self.dq_scalars))
         else:
             dq.copy_(dq_buf)
-        dsinks = parts.sum((0, 2)).to(sinks.dtype) if self.sinks else None
+        dsinks = parts.sum((0, 2)).to(sinks.dtype) if self.sink_grad else None
         return dq, dk, dv, _sum_to_bias(dbias_full, attn_bias), dsinks
 
 
