@@ -387,10 +387,11 @@ class _Sm90BwdPlan:
     def __init__(self, spec: ref.Spec):
         self.scale, self.causal = spec.scale, spec.causal
 
-    def __call__(self, grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, dropout_seed, alibi_slopes):
+    def __call__(self, grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, dropout_seed, alibi_slopes,
+                 sinks):
         grads = torch.ops.flash.attention_bwd_sm90(grad_out, q, k, v, out, lse, self.scale, self.causal)
-        # dq and dk come in q's and k's layout; dv in k's, copied where v's differs
-        return (*(ref.in_layout(g, t) for g, t in zip(grads, (q, k, v))), None)
+        # dq and dk come in q's and k's layout; dv in k's, copied where v's differs; no bias, no sinks
+        return (*(ref.in_layout(g, t) for g, t in zip(grads, (q, k, v))), None, None)
 
 
 class _Cudnn:
