@@ -100,6 +100,8 @@ class _Recording(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if not self.replayable:  # hold nothing: an autotuner's copies would pile up in steps
+            return out
         if func in _ALLOCATIONS:
             self.allocated.add(out.untyped_storage()._cdata)
         elif func in _DTYPE_QUERIES:
@@ -112,18 +114,19 @@ class _Recording(TorchDispatchMode):
         return out
 
     def launched(self, launcher, grid: tuple[int, int, int], params: tuple) -> None:
-        if threading.get_ident() == self.thread:
+        if threading.get_ident() == self.thread and self.replayable:
             self.steps.append(("launch", launcher, grid, params))
 
     def checked(self, summary: torch.Tensor, n_classes: int, ignore_index: int, op: str, wait: bool) -> None:
         """A target check (ops/cross_entropy.py, TargetCheck) made at this point of the body."""
-        if threading.get_ident() == self.thread:
+        if threading.get_ident() == self.thread and self.replayable:
             self.steps.append(("check", summary, n_classes, ignore_index, op, wait))
 
     def compiled(self) -> None:
         """A launch that went through Triton (compiling, autotuning): nothing to replay."""
         if threading.get_ident() == self.thread:
             self.replayable = False
+            self.steps.clear()
 
 
 def _value_bits(ty: str, v) -> int | None:
