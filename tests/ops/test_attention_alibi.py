@@ -60,6 +60,8 @@ CASES = {
     "batch_sq>sk": ((2, 2, 1, 17, 6, 16), dict(), True, None),
     "window_softcap_scale": ((1, 4, 2, 18, 18, 16), dict(window=(5, 2), softcap=2.0, scale=0.3), True, None),
     "with_bias": ((2, 2, 1, 5, 17, 16), dict(causal=True), False, (2, 1, 1, 17)),
+    # tiles wholly left of, right of and across the diagonal, met in every order (_alibi_fold)
+    "long_sq>sk": ((1, 2, 1, 40, 37, 16), dict(), True, None),
 }
 
 

@@ -64,6 +64,7 @@ CASES = {
     "causal_sq>sk": ((1, 4, 1, 19, 6, 16), dict(causal=True)),  # rows with no key: all mass on the sink
     "window_softcap": ((2, 2, 2, 18, 18, 16), dict(window=(5, 2), softcap=2.0)),
     "alibi_bias": ((2, 4, 2, 6, 17, 16), dict(causal=True, alibi=True, bias=True)),
+    "alibi_long": ((1, 2, 1, 40, 37, 16), dict(alibi=True)),  # the sink logit through every ALiBi fold
 }
 
 

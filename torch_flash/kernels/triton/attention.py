@@ -171,27 +171,40 @@ def _positions(start, j0, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _alibi_shift(ai, slope, ALIBI: tl.constexpr, IS_CAUSAL: tl.constexpr):
-    """The row shift of causal ALiBi's scores in the kernels (0 otherwise), log2 units. For a
-    visible pair (j <= i + diag) the bias -slope * (i + diag - j) is scored as slope * aj, aj =
-    j - j0, and row i's lse shifted by slope * ai, ai = i + diag - j0, which its softmax does not
-    see: one FMA a score where the distance takes a subtraction, an absolute value and a
-    multiply. j0 (one per program) near the tile's diagonal keeps the shifted scores small."""
-    if ALIBI and IS_CAUSAL:
-        return slope * ai
+def _alibi_fold(row_lo, col_lo, ROWS: tl.constexpr, COLS: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """How a tile scores ALiBi's bias -slope * |i - j| (rows at key positions row_lo + [0, ROWS),
+    keys col_lo + [0, COLS)): 1.0 where every pair has j <= i (the bias is slope * j - slope *
+    i), -1.0 where every pair has j >= i (slope * i - slope * j), 0.0 across the diagonal (the
+    distance itself). The row term is left out of the scores and put into the row's shift
+    (_alibi_shift): one FMA a score where the distance takes a subtraction, an absolute value
+    and a multiply. Causal tiles fold as 1.0: their visible pairs all have j <= i."""
+    if IS_CAUSAL:
+        return 1.0
+    else:
+        return tl.where(col_lo + (COLS - 1) <= row_lo, 1.0, tl.where(col_lo >= row_lo + (ROWS - 1), -1.0, 0.0))
+
+
+@triton.jit
+def _alibi_shift(ai, slope, fold, ALIBI: tl.constexpr):
+    """The row shift of ALiBi's scores folded as `fold` (_alibi_fold), 0 without ALiBi; log2
+    units. A folded score is the true one plus this shift: the lse, running max and sink logit
+    carry it. ai are the rows' positions from the tile's origin j0 (near the diagonal, so the
+    shifted scores stay small)."""
+    if ALIBI:
+        return fold * slope * ai
     else:
         return 0.0
 
 
 @triton.jit
 def _scores(qk, i, j, seq_q, seq_k, diag, window_left, window_right, bias_base, stride_bm, stride_bn,
-            qk_scale, softcap, slope, ai, aj, BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-            IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr):
+            qk_scale, softcap, slope, fold, ai, aj, BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr,
+            ALIBI: tl.constexpr, IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr):
     """Scores in log2 units for a tile of q.k products; i, j broadcast to the tile (either
     orientation). Returns (scores, tanh of the capped logits; the softcap gradient needs it).
     With SOFTCAP, qk_scale = scale / softcap and softcap is pre-multiplied by log2(e); slope
-    (ALiBi) is in log2 units too, ai and aj the rows' and columns' positions in fp32 (see
-    _alibi_shift: causal ALiBi scores are shifted per row)."""
+    (ALiBi) is in log2 units too, ai and aj the rows' and columns' positions in fp32, fold the
+    tile's (_alibi_fold: the scores are shifted per row by _alibi_shift)."""
     if SOFTCAP:
         t = _tanh(qk * qk_scale)
         s = t * softcap
@@ -201,6 +214,8 @@ def _scores(qk, i, j, seq_q, seq_k, diag, window_left, window_right, bias_base, 
     if ALIBI:
         if IS_CAUSAL:
             s = s + slope * aj
+        elif fold != 0.0:
+            s = s + (fold * slope) * aj
         else:
             s = _alibi(s, slope, ai - aj)
     if BIAS_KIND != 0:
@@ -279,22 +294,26 @@ def _block_start(r, first, n_first, second, BLOCK: tl.constexpr):
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bm,
                stride_bn, seed, bh, offs_m, seq_q, seq_k, diag, window_left, window_right,
-               qk_scale, softcap, slope, ai, j0, dropout_p, first, n_first, second, n_blocks,
+               qk_scale, softcap, slope, fold, ai, j0, dropout_p, first, n_first, second, n_blocks,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, BIAS_KIND: tl.constexpr, SOFTCAP: tl.constexpr,
                ALIBI: tl.constexpr, IS_CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
-               BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
-    """Online softmax over the key blocks of one loop (see _loop_plan); ai, j0: ALiBi's rows
-    (_alibi_shift)."""
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """Online softmax over the key blocks of one loop (see _loop_plan); ai, j0: ALiBi's rows and
+    origin, fold the running state's (_alibi_fold). Returns acc, l_i, m_i, fold."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for r in range(0, n_blocks):
         start = _block_start(r, first, n_first, second, BLOCK_N)
         offs_n = start + tl.arange(0, BLOCK_N)
+        if ALIBI and not IS_CAUSAL:  # a new fold moves the running max (l and acc are relative to it)
+            tile_fold = _alibi_fold(j0, start, BLOCK_M, BLOCK_N, IS_CAUSAL)
+            m_i = m_i + (tile_fold - fold) * slope * ai
+            fold = tile_fold
         k = _load_tile(k_base, offs_n, stride_kn, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
         qk = _dot(q, tl.trans(k), None, DOT_PREC)
         s, _ = _scores(qk, offs_m[:, None], offs_n[None, :], seq_q, seq_k, diag, window_left,
-                       window_right, bias_base, stride_bm, stride_bn, qk_scale, softcap, slope, ai[:, None],
+                       window_right, bias_base, stride_bm, stride_bn, qk_scale, softcap, slope, fold, ai[:, None],
                        _positions(start, j0, BLOCK_N)[None, :], BIAS_KIND, SOFTCAP, ALIBI, IS_CAUSAL, MASKED)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -306,7 +325,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base
         v = _load_tile(v_base, offs_n, stride_vn, seq_k, offs_dv, HEAD_DIM_V, BLOCK_DV, MASKED)
         acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PREC)
         m_i = m_new
-    return acc, l_i, m_i
+    return acc, l_i, m_i, fold
 
 
 @triton.jit
@@ -349,9 +368,10 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias, Seed, CuQ, CuK, Alibi, Sinks,
     diag = seq_k - seq_q
     j0 = m0 + diag
     ai = _positions(m0 + diag, j0, BLOCK_M)
-    shift = _alibi_shift(ai, slope, ALIBI, IS_CAUSAL)
+    fold = slope * 0.0 + 1.0  # the running state's, fp32 with ALiBi
     if SINKS:  # the sink column as seen first: the running max is its logit, of weight 1 (0 at -inf)
-        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(Sinks + h).to(tl.float32) * _LOG2E + shift
+        m_i = (tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(Sinks + h).to(tl.float32) * _LOG2E
+               + _alibi_shift(ai, slope, fold, ALIBI))
         l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
     else:
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -359,17 +379,17 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias, Seed, CuQ, CuK, Alibi, Sinks,
     a, b_, c, hi = _key_ranges(m0, seq_q, seq_k, diag, window_left, window_right, BLOCK_M, BLOCK_N)
     for phase in tl.static_range(2):
         first, n_first, second, n_blocks = _loop_plan(phase == 0, a, b_, c, hi, BLOCK_N)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
-                                   bias_base, stride_bm, stride_bn, seed, bh, offs_m, seq_q, seq_k,
-                                   diag, window_left, window_right, qk_scale, softcap, slope, ai, j0, dropout_p,
-                                   first, n_first, second, n_blocks, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
-                                   BLOCK_DV, BIAS_KIND, SOFTCAP, ALIBI, IS_CAUSAL, DROPOUT, DOT_PREC,
-                                   BLOCK_N, phase == 0)
+        acc, l_i, m_i, fold = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
+                                         bias_base, stride_bm, stride_bn, seed, bh, offs_m, seq_q, seq_k,
+                                         diag, window_left, window_right, qk_scale, softcap, slope, fold, ai,
+                                         j0, dropout_p, first, n_first, second, n_blocks, HEAD_DIM, HEAD_DIM_V,
+                                         BLOCK_D, BLOCK_DV, BIAS_KIND, SOFTCAP, ALIBI, IS_CAUSAL, DROPOUT,
+                                         DOT_PREC, BLOCK_M, BLOCK_N, phase == 0)
     seen = l_i > 0.0
     acc = acc / tl.where(seen, l_i, 1.0)[:, None]
     if DROPOUT:
         acc = acc * (1.0 / (1.0 - dropout_p))
-    lse = tl.where(seen, (m_i - shift + tl.math.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
+    lse = tl.where(seen, (m_i - _alibi_shift(ai, slope, fold, ALIBI) + tl.math.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
     tl.store(lse_base + offs_m, lse, mask=offs_m < seq_q)
     _store_tile(o_base, offs_m, stride_om, seq_q, tl.arange(0, BLOCK_DV), HEAD_DIM_V,
                 acc.to(Out.dtype.element_ty))

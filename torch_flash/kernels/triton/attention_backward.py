@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ...reference import attention as ref
-from .attention import (_INTERPRET, _LOG2E, _absent, _alibi_shift, _alibi_slope, _bhm, _bias_args, _block_ranges,
+from .attention import (_INTERPRET, _LOG2E, _absent, _alibi_fold, _alibi_shift, _alibi_slope, _bhm, _bias_args, _block_ranges,
                         _block_start, _configs, _dot, _dropout_keep, _flags, _grid, _inputs, _key_ranges,
                         _load_tile, _loop_plan, _lse_strides, _mask_args, _positions, _scale, _scores,
                         _seq_bounds, _shape_args, _store_tile, _tile_class, _tuned)
@@ -115,7 +115,7 @@ def _bwd_kv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, 
     of each of the `group` q heads sharing it (bases point at the group's first head). Heads
     and blocks run as one flat loop: a nested head loop made the compiler spill registers.
     Works on transposed tiles (keys x queries) so that no operand of dK/dV needs a transpose.
-    j0: ALiBi's column origin (_alibi_shift)."""
+    j0: ALiBi's column origin (_alibi_fold)."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     aj = (offs_n - j0).to(tl.float32)  # once: the key rows stay
@@ -139,10 +139,11 @@ def _bwd_kv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, 
             delta = tl.load(delta_base + rows)
         qk_t = _dot(k, tl.trans(q), None, DOT_PREC)
         slope = _alibi_slope(alibi_base + g * stride_ah, ALIBI)
+        fold = _alibi_fold(start + diag, j0, BLOCK_M, offs_n.shape[0], IS_CAUSAL)
         s_t, t_t = _scores(qk_t, offs_m[None, :], offs_n[:, None], seq_q, seq_k, diag, window_left,
-                           window_right, bias_base + g * stride_bh, stride_bm, stride_bn, qk_scale,
-                           softcap, slope, ai[None, :], aj[:, None], BIAS_KIND, SOFTCAP, ALIBI, IS_CAUSAL, MASKED)
-        lse2 = _lse_log2(lse) + _alibi_shift(ai, slope, ALIBI, IS_CAUSAL)
+                           window_right, bias_base + g * stride_bh, stride_bm, stride_bn, qk_scale, softcap,
+                           slope, fold, ai[None, :], aj[:, None], BIAS_KIND, SOFTCAP, ALIBI, IS_CAUSAL, MASKED)
+        lse2 = _lse_log2(lse) + _alibi_shift(ai, slope, fold, ALIBI)
         p_t = tl.math.exp2(s_t - lse2[None, :])
         dp_t = _dot(v, tl.trans(do), None, DOT_PREC)
         if DROPOUT:
@@ -243,7 +244,7 @@ def _bwd_q_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, b
                  ALIBI: tl.constexpr, IS_CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
     """Accumulates dQ (unscaled) of one query block over the key blocks of one loop; lse2 in
-    log2 units, shifted by _alibi_shift for ALiBi's rows ai and origin j0."""
+    log2 units, shifted per key block by _alibi_shift for ALiBi's rows ai and origin j0."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for r in range(0, n_blocks):
@@ -252,10 +253,11 @@ def _bwd_q_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, b
         k = _load_tile(k_base, offs_n, stride_kn, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
         v = _load_tile(v_base, offs_n, stride_vn, seq_k, offs_dv, HEAD_DIM_V, BLOCK_DV, MASKED)
         qk = _dot(q, tl.trans(k), None, DOT_PREC)
+        fold = _alibi_fold(j0, start, ai.shape[0], BLOCK_N, IS_CAUSAL)
         s, t = _scores(qk, offs_m[:, None], offs_n[None, :], seq_q, seq_k, diag, window_left,
-                       window_right, bias_base, stride_bm, stride_bn, qk_scale, softcap, slope, ai[:, None],
+                       window_right, bias_base, stride_bm, stride_bn, qk_scale, softcap, slope, fold, ai[:, None],
                        _positions(start, j0, BLOCK_N)[None, :], BIAS_KIND, SOFTCAP, ALIBI, IS_CAUSAL, MASKED)
-        p = tl.math.exp2(s - lse2[:, None])
+        p = tl.math.exp2(s - (lse2 + _alibi_shift(ai, slope, fold, ALIBI))[:, None])
         dp = _dot(do, tl.trans(v), None, DOT_PREC)
         if DROPOUT:
             keep = _dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], dropout_p)
@@ -312,7 +314,6 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Bias, Seed, CuQ, CuK, Alibi,
     diag = seq_k - seq_q
     j0 = m0 + diag
     ai = _positions(m0 + diag, j0, BLOCK_M)
-    lse2 += _alibi_shift(ai, slope, ALIBI, IS_CAUSAL)
     a, b_, c, hi = _key_ranges(m0, seq_q, seq_k, diag, window_left, window_right, BLOCK_M, BLOCK_N)
     for phase in tl.static_range(2):
         first, n_first, second, n_blocks = _loop_plan(phase == 0, a, b_, c, hi, BLOCK_N)
