@@ -13,7 +13,7 @@ import torch_flash
 from torch_flash.ops.attention import attention, attention_with_lse
 from torch_flash.ops.attention_decode import attention_decode
 from torch_flash.ops.attention_varlen import attention_varlen
-from _utils import TOL, assert_rel_close, force_triton_kernels, hopper_dispatch_check
+from _utils import TOL, assert_rel_close, force_triton_kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -68,9 +68,9 @@ CASES = {
 }
 
 
-def check_dense(case, dtype, device="cpu", sinks_dtype=torch.float32, with_attention=True):
-    """attention_with_lse (out, lse and gradients of q, k, v, sinks, with an lse gradient), and
-    attention (no lse) where with_attention, against `exact`."""
+def check_dense(case, dtype, device="cpu", sinks_dtype=torch.float32, with_attention=True, with_lse=True):
+    """attention_with_lse (out, lse and gradients of q, k, v, sinks, with an lse gradient) where
+    with_lse, and attention (no lse) where with_attention, against `exact`."""
     (b, hq, hkv, sq, sk, d), kw = CASES[case] if isinstance(case, str) else case
     kw = dict(kw)
     qkv = (torch.randn(b, hq, sq, d, dtype=dtype, device=device),
@@ -86,7 +86,7 @@ def check_dense(case, dtype, device="cpu", sinks_dtype=torch.float32, with_atten
     if kw.pop("bias", False):
         attn_bias = torch.randn(b, 1, 1, sk, dtype=dtype, device=device)
         bias = attn_bias.double() if bias is None else bias + attn_bias.double()
-    for fn in (attention_with_lse, attention) if with_attention else (attention_with_lse,):
+    for fn in (attention_with_lse,) * with_lse + (attention,) * with_attention:
         mine = _leaves((*qkv, sinks))
         result = fn(*mine[:3], attn_bias, sinks=mine[3], **kw, **extra)
         ins = _leaves((*qkv, sinks), torch.float64)
@@ -282,6 +282,36 @@ def test_triton_expanded_grad(causal, force_backend):
         assert_rel_close(a.grad, e.grad, 3 * TOL[torch.float32], what=name)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sinks_around_sink_free_kernels(causal, dtype, force_backend):
+    """What the Hopper forward and cuDNN's and the Hopper backward rely on: a sink-free forward's
+    (out, lse) with the sinks added (add_sinks_), and a sink-free backward given that lse plus
+    the delta pass's sink gradient (sink_grad), equal attention with sinks. Sinks of -inf (none)
+    and of any size; on the Triton kernels (interpreted on CPU)."""
+    from torch_flash.kernels.triton.attention_backward import attention_bwd
+    from torch_flash.kernels.triton.attention_sinks import add_sinks_, sink_grad
+    from torch_flash.reference import attention as ref
+    force_triton_kernels(force_backend)
+    q, k, v = (torch.randn(2, 4, 24, 16, device=DEVICE).to(dtype) for _ in range(3))
+    sinks = torch.tensor([-math.inf, -3.0, 0.5, 4.0], device=DEVICE)
+    out, lse = ref.attention_with_lse(q, k, v, causal=causal)
+    lse = lse.float()
+    add_sinks_(out, lse, sinks)
+    ins = _leaves((q, k, v, sinks), torch.float64)
+    o64, lse64 = exact(*ins, causal=causal)
+    assert_rel_close(out, o64, TOL[dtype], what="out")
+    assert_rel_close(lse, lse64, 10 * TOL[torch.float32], what="lse")
+    g = torch.randn_like(o64)
+    o64.backward(g)
+    grads = (*attention_bwd(g.to(dtype), None, q, k, v, None, out, lse, scale=16 ** -0.5, causal=causal,
+                            window_left=-1, window_right=-1, softcap=0.0, dropout_p=0.0, dropout_seed=None,
+                            bias_requires_grad=False)[:3],
+             sink_grad(g.to(dtype), out, lse, sinks))
+    for a, e, name in zip(grads, ins, ("dq", "dk", "dv", "dsinks")):
+        assert_rel_close(a, e.grad, 3 * TOL[dtype], what=name)
+
+
 @pytest.mark.parametrize("case", list(DECODE_CASES))
 def test_triton_decode(case, force_backend):
     force_triton_kernels(force_backend)
@@ -322,18 +352,26 @@ def test_bad_sinks(sinks, match):
     ((1, 8, 2, 1536, 512, 64), dict(causal=True, alibi=True)),
 ])
 def test_gpu_dense(shape, kw, dtype):
-    """Realistic sizes on the default dispatch: the Triton kernels, never cuDNN's backward or the
-    CUDA extension (they have no sinks)."""
+    """Realistic sizes on the default dispatch (the first case's forward is the Hopper kernel's
+    where it is built, with the sinks added to its results)."""
     check_dense((shape, kw), dtype, "cuda", with_attention=False)
-    assert torch_flash._dispatch.LAST["attention_with_lse"] == "triton"
-    assert torch_flash._dispatch.LAST["attention_backward"] == "triton"
 
 
 @pytest.mark.cuda
-def test_gpu_dispatch(force_backend, monkeypatch):
-    """With sinks, neither the Hopper forward nor cuDNN's backward runs (they have none)."""
-    hopper_dispatch_check(force_backend, monkeypatch,
-                          sinks=torch.randn(4, device="cuda", requires_grad=True))
+@pytest.mark.parametrize("forced,backward", [(None, "cudnn"), ("cuda", "cuda")])
+def test_gpu_hopper_paths(forced, backward, force_backend, monkeypatch):
+    """Sinks on the Hopper forward (its out and lse rescaled: add_sinks_) and on cuDNN's or the
+    Hopper backward (given the sinks' lse; the sinks' gradient from the delta pass)."""
+    info = torch_flash._extension.build_info()
+    if torch.cuda.get_device_capability() != (9, 0) or not info or 128 not in info.get("backward_hdims", ()):
+        pytest.skip("needs the Hopper kernels of torch_flash._C at head dim 128 on an sm_90 GPU")
+    monkeypatch.setenv("TORCH_FLASH_CUDNN_BACKWARD", "1")
+    if forced:
+        force_backend(forced)
+    for causal, sq in ((False, 1024), (True, 2048)):  # cuDNN's backward serves causal from 2048
+        check_dense(((2, 4, 2, sq, sq, 128), dict(causal=causal)), torch.bfloat16, "cuda", with_lse=False)
+        assert torch_flash._dispatch.LAST["attention_with_lse"] == "cuda"
+        assert torch_flash._dispatch.LAST["attention_backward"] == backward
 
 
 @pytest.mark.cuda

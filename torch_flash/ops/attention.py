@@ -174,15 +174,15 @@ def check_sm90_args(op: str, q, k, v, causal: bool) -> None:
 
 def _sm90_serves(q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: ref.Spec) -> bool:
     """Whether the Hopper kernel of csrc/attention (flash.attention_fwd_sm90) serves this call:
-    built for this head dim, an sm_90 GPU, within the op's contract, no bias/ALiBi/sinks/window/
+    built for this head dim, an sm_90 GPU, within the op's contract, no bias/ALiBi/window/
     softcap/dropout, and the layout its TMA descriptors need (16-byte aligned, strides within 32
-    bits)."""
+    bits). Sinks are added to its results (kernels/triton/attention_sinks.py)."""
     info = _extension.build_info()
     if (info is None or "flash::attention_fwd_sm90" not in info["ops"] or q.device.type != "cuda"
             or torch.cuda.get_device_capability(q.device) != (9, 0)):
         return False
     if (q.shape[-1] not in info["hdims"] or sm90_unsupported(q, k, v, spec.causal) is not None
-            or attn_bias is not None or spec.alibi_slopes is not None or spec.sinks is not None
+            or attn_bias is not None or spec.alibi_slopes is not None
             or spec.dropout_p > 0 or spec.softcap > 0 or spec.window_left >= 0 or spec.window_right >= 0):
         return False
     group = q.shape[1] // k.shape[1]
@@ -234,7 +234,11 @@ class _Sm90Plan:
         self.scale, self.causal = spec.scale, spec.causal
 
     def __call__(self, q, k, v, attn_bias, cu_q, cu_k, dropout_seed, alibi_slopes, sinks):
-        return torch.ops.flash.attention_fwd_sm90(q, k, v, self.scale, self.causal)
+        out, lse = torch.ops.flash.attention_fwd_sm90(q, k, v, self.scale, self.causal)
+        if sinks is not None:  # its own outputs, rescaled in place
+            from ..kernels.triton.attention_sinks import add_sinks_
+            add_sinks_(out, lse, sinks)
+        return out, lse
 
 
 # signature -> _Sm90Plan, the Triton kernels' AttentionFwd, or None (the reference path)
@@ -302,8 +306,10 @@ def cudnn_backward_serves(grad_lse, q: Tensor, k: Tensor, v: Tensor, attn_bias, 
     backend, cuDNN's SDPA enabled, an sm_90
     GPU, fp16/bf16, one head dim <= 128 (a multiple of 8), Sq == Sk (cuDNN aligns the causal
     diagonal top-left, ours bottom-right), causal only from CUDNN_CAUSAL_MIN_SEQLEN keys, no
-    bias, ALiBi, sinks, dropout, softcap, window or lse gradient, and k and v laid out as cuDNN reads them
-    (strides and, where real, addresses 16-byte aligned; q is copied anyway), and fewer than 2^31
+    bias, ALiBi, dropout, softcap, window or lse gradient (sinks serve: cuDNN recomputes the
+    probabilities from our lse, which has them; their gradient comes from _sinks_grad), and k and
+    v laid out as cuDNN reads them (strides and, where real, addresses 16-byte aligned; q is
+    copied anyway), and fewer than 2^31
     elements in q's copy and in k: at (4104, 32, 128, 128) bf16 (q past 2^31) the call through it
     failed tests/test_large_index.py with a relative error of 0.25, where the same forward with
     the Triton backward passed (H200, torch 2.11)."""
@@ -315,7 +321,7 @@ def cudnn_backward_serves(grad_lse, q: Tensor, k: Tensor, v: Tensor, attn_bias, 
             and q.dtype in (torch.float16, torch.bfloat16) and v.shape[-1] == d and d <= 128 and d % 8 == 0
             and k.shape[2] == s and q.numel() > 0 and k.numel() > 0 and grad_lse is None
             and (not spec.causal or s >= CUDNN_CAUSAL_MIN_SEQLEN)
-            and attn_bias is None and spec.alibi_slopes is None and spec.sinks is None
+            and attn_bias is None and spec.alibi_slopes is None
             and spec.dropout_p == 0 and spec.softcap == 0
             and spec.window_left < 0 and spec.window_right < 0
             and _cudnn_q_copy_numel(q) < 2**31 and k.numel() < 2**31
@@ -390,8 +396,17 @@ class _Sm90BwdPlan:
     def __call__(self, grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, dropout_seed, alibi_slopes,
                  sinks):
         grads = torch.ops.flash.attention_bwd_sm90(grad_out, q, k, v, out, lse, self.scale, self.causal)
-        # dq and dk come in q's and k's layout; dv in k's, copied where v's differs; no bias, no sinks
-        return (*(ref.in_layout(g, t) for g, t in zip(grads, (q, k, v))), None, None)
+        # dq and dk come in q's and k's layout; dv in k's, copied where v's differs; no bias
+        return (*(ref.in_layout(g, t) for g, t in zip(grads, (q, k, v))), None, _sinks_grad(grad_out, out, lse, sinks))
+
+
+def _sinks_grad(grad_out, out, lse, sinks):
+    """The sinks' gradient beside a sink-free backward, which gets dq, dk and dv right from the
+    sinks' lse (kernels/triton/attention_sinks.py); None without sinks."""
+    if sinks is None:
+        return None
+    from ..kernels.triton.attention_sinks import sink_grad
+    return sink_grad(grad_out, out, lse, sinks)
 
 
 class _Cudnn:
@@ -452,7 +467,8 @@ def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
     spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed, alibi_slopes,
                    sinks)
     if plan is _CUDNN:
-        return (*_cudnn_backward(grad_out, q, k, v, out, lse, spec), grad_or_empty(None, q), grad_or_empty(None, q))
+        return (*_cudnn_backward(grad_out, q, k, v, out, lse, spec), grad_or_empty(None, q),
+                grad_or_empty(_sinks_grad(grad_out, out, lse, sinks), q))
     dq, dk, dv, dbias = ref.backward(grad_out, grad_lse, q, k, v, attn_bias, out, lse, spec, bias_requires_grad)
     return dq, dk, dv, grad_or_empty(dbias, q), ref_sinks_grad(sinks, out, grad_out, lse, grad_lse, q)
 

@@ -16,7 +16,7 @@ import triton.language as tl
 from ...reference import attention as ref
 from .attention import (_INTERPRET, _LOG2E, _absent, _alibi_fold, _alibi_shift, _alibi_slope, _bhm, _bias_args, _block_ranges,
                         _block_start, _configs, _dot, _dropout_keep, _flags, _grid, _inputs, _key_ranges,
-                        _load_tile, _loop_plan, _lse_strides, _mask_args, _positions, _scale, _scores,
+                        _load_tile, _loop_plan, _lse_strides, _mask_args, _positions, _pow2, _scale, _scores,
                         _seq_bounds, _shape_args, _store_tile, _tile_class, _tuned)
 from .launch import cdiv, launch_as
 from .scalars import fp32
@@ -361,15 +361,11 @@ class AttentionBwd:
         if self.empty:
             return
         args = _shape_args(q, k, v, cu_q, cu_k, seq_q, seq_k)
-        heads = q.shape[1]
         grad_out, out = _rows(grad_out), _rows(out)
         lse_strides = _lse_strides(lse)
-        self.delta_grid = _grid(seq_q, heads, n_batch)  # the dQ pass's too
-        self.delta_scalars = dict(
-            **_bhm(out, "o", "m"), **_bhm(grad_out, "do", "m"), **lse_strides, H=heads, SEQ_Q=seq_q,
-            HEAD_DIM_V=args["HEAD_DIM_V"], BLOCK_DV=args["BLOCK_DV"], HAS_GRAD_LSE=grad_lse is not None,
-            IS_VARLEN=args["IS_VARLEN"], BLOCK_M=_delta_rows(args["BLOCK_DV"]), SINK_GRAD=self.sink_grad)
-        self.sink_parts = (n_batch, heads, cdiv(seq_q, self.delta_scalars["BLOCK_M"]))
+        self.delta_grid = _grid(seq_q, q.shape[1], n_batch)  # the dQ pass's too
+        self.delta_scalars, self.sink_parts = delta_args(out, grad_out, lse, grad_lse is not None, n_batch,
+                                                         seq_q, self.sink_grad)
         tensors = ("Q", "K", "V", "CuQ", "CuK", "Seed", "Bias")
         common = {name: value for name, value in (
             *_bhm(grad_out, "do", "m").items(), *lse_strides.items(), ("sm_scale", _scale(q, flags["scale"])),
@@ -423,9 +419,16 @@ class AttentionBwd:
         return dq, dk, dv, _sum_to_bias(dbias_full, attn_bias), dsinks
 
 
-def _delta_rows(block_dv: int) -> int:
-    """Rows of one _attn_bwd_delta program."""
-    return max(16, _DELTA_TILE // block_dv)
+def delta_args(out, grad_out, lse, has_grad_lse: bool, n_batch: int, seq_q: int, sink_grad: bool):
+    """(_attn_bwd_delta's scalar arguments, the shape of its sink-gradient parts (B, Hq, row
+    blocks)) for out and grad_out (last dims contiguous: _rows), dense or packed, and their lse;
+    its grid is _grid(seq_q, Hq, n_batch)."""
+    heads, dv = out.shape[1], out.shape[-1]  # (B, Hq, Sq, Dv) or (T, Hq, Dv)
+    block_dv = _pow2(dv)
+    scalars = dict(**_bhm(out, "o", "m"), **_bhm(grad_out, "do", "m"), **_lse_strides(lse), H=heads, SEQ_Q=seq_q,
+                   HEAD_DIM_V=dv, BLOCK_DV=block_dv, HAS_GRAD_LSE=has_grad_lse, IS_VARLEN=out.dim() == 3,
+                   BLOCK_M=max(16, _DELTA_TILE // block_dv), SINK_GRAD=sink_grad)
+    return scalars, (n_batch, heads, cdiv(seq_q, scalars["BLOCK_M"]))
 
 
 def _backward(grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, n_batch, seq_q, seq_k,
