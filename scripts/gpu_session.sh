@@ -29,7 +29,8 @@ fi
 [ "${DEMO:-1}" = 0 ] || TORCH_FLASH_AUTOTUNE=0 python3 -m torch_flash demo 2>&1 | tee "$OUT/demo.txt"
 if [ -n "${GPU_TESTS:-1}" ] && [ "${GPU_TESTS:-1}" != 0 ]; then
   # the whole log (tracebacks) in tests_full.txt, its summary in tests.txt
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q ${PYTEST_ARGS--x} -m cuda ${TESTS:-tests} 2>&1 |
+  # loadgroup: tests of one xdist_group share a worker (the large-index cases, memory-bound)
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q --dist loadgroup ${PYTEST_ARGS--x} -m cuda ${TESTS:-tests} 2>&1 |
     tee "$OUT/tests_full.txt" | tail -40 | tee "$OUT/tests.txt"
 fi
 for spec in "$@"; do

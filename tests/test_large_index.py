@@ -33,8 +33,9 @@ SMALL = [pytest.param(None, torch.float32, id="reference-fp32"), pytest.param(No
 
 
 def large(fn):
-    """A GPU case: marked cuda (skipped without a GPU) and slow."""
-    return pytest.mark.cuda(pytest.mark.slow(fn))
+    """A GPU case: marked cuda (skipped without a GPU) and slow, in one xdist group: the free
+    memory each case checks for (_gpu) holds only while no other case runs beside it."""
+    return pytest.mark.xdist_group("large_index")(pytest.mark.cuda(pytest.mark.slow(fn)))
 
 
 @pytest.fixture(autouse=True)
