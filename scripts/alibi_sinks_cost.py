@@ -7,13 +7,12 @@ writes OUT/alibi_sinks.json.
 from __future__ import annotations
 
 import json
-import sys
 
 import torch
 import triton.testing
 
 import torch_flash
-from torch_flash.bench._common import env_info
+from torch_flash.bench._common import env_info, out_dir
 
 
 def main(out_dir: str) -> None:
@@ -45,4 +44,4 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(out_dir(__doc__))

@@ -10,13 +10,12 @@ H100, 2026-11-22 (docs/perf/attention_causal_prefill.json): CUDA 1.13x-1.25x the
 """
 import json
 import statistics
-import sys
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 import torch_flash
-from torch_flash.bench._common import env_info, median_ratio, time_rounds
+from torch_flash.bench._common import env_info, median_ratio, time_rounds, out_dir
 
 # (batch, q heads, kv heads, Sq, Sk, D)
 SHAPES = [(4, 32, 8, 2048, 8192, 128), (1, 32, 8, 4096, 16384, 128), (8, 32, 32, 1024, 4096, 64)]
@@ -56,4 +55,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(out_dir(__doc__))

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import triton.testing
 
 import torch_flash
-from torch_flash.bench._common import env_info
+from torch_flash.bench._common import env_info, out_dir
 from torch_flash.kernels.triton import launch as launch_mod
 from torch_flash.ops import _autograd
 from torch_flash.ops import cross_entropy as ce_ops
@@ -493,8 +493,8 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--plot":  # --plot RESULTS.json OUT.png, from a committed run
+    if sys.argv[1:2] == ["--plot"]:  # --plot RESULTS.json OUT.png, from a committed run
         with open(sys.argv[2]) as f:
             plot(json.load(f), sys.argv[3])
     else:
-        main(sys.argv[1])
+        main(out_dir(__doc__))

@@ -11,14 +11,13 @@ import json
 import os
 import statistics as st
 import subprocess
-import sys
 import time
 from datetime import datetime
 
 import torch
 import torch.nn.functional as F
 
-from torch_flash.bench._common import env_info
+from torch_flash.bench._common import env_info, out_dir
 from torch_flash.ops.linear_cross_entropy import linear_cross_entropy
 
 QUERY = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
@@ -110,4 +109,4 @@ def main(out_dir, rounds=2):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(out_dir(__doc__))

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_flash
-from torch_flash.bench._common import median_or_none, median_ratio, time_rounds
+from torch_flash.bench._common import median_or_none, median_ratio, time_rounds, out_dir
 
 sys.path.insert(0, "tests/compile_passes")
 from models import apply_rope_pairs, apply_rotary_emb  # noqa: E402
@@ -83,4 +83,4 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(out_dir(__doc__))

@@ -4,12 +4,11 @@ so that auto_num_splits and the autotune key of torch_flash/kernels/triton/atten
 chosen from measurements. Usage: python scripts/sweep_decode.py OUT.json
 """
 import json
-import sys
 
 import torch
 from torch._library.triton import set_wrap_triton_enabled
 
-from torch_flash.bench._common import copy_bandwidth, env_info, median_ms
+from torch_flash.bench._common import copy_bandwidth, env_info, median_ms, out_dir
 from torch_flash.kernels.triton import attention_decode as K
 
 POINTS = [(1, 131072), (2, 65536), (8, 32768), (32, 32768)]
@@ -46,4 +45,4 @@ def main(path):
 
 if __name__ == "__main__":
     with set_wrap_triton_enabled(False):  # launchers called outside their op
-        main(sys.argv[1])
+        main(out_dir(__doc__))

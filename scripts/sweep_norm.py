@@ -6,13 +6,12 @@ Usage: python scripts/sweep_norm.py OUT.json
 """
 import itertools
 import json
-import sys
 
 import torch
 
 from torch._library.triton import set_wrap_triton_enabled
 
-from torch_flash.bench._common import copy_bandwidth, env_info, median_ms
+from torch_flash.bench._common import copy_bandwidth, env_info, median_ms, out_dir
 from torch_flash.kernels.triton import norm
 
 SHAPES = [(32768, 4096), (65536, 1024), (4096, 8192)]
@@ -55,4 +54,4 @@ if __name__ == "__main__":
     # the launchers are called outside their ops: skip wrap_triton's per-launch tracing hook,
     # which costs more CPU time than these kernels take (see torch_flash/bench/__main__.py)
     with set_wrap_triton_enabled(False):
-        main(sys.argv[1])
+        main(out_dir(__doc__))

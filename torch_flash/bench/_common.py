@@ -1,6 +1,7 @@
 """Timing, environment and output helpers shared by the benchmark suites."""
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import platform
@@ -157,3 +158,11 @@ def write_json(path: str, suite: str, rows: list[dict], extra: dict | None = Non
     with open(path, "w") as f:
         json.dump({"suite": suite, "env": env_info(), **(extra or {}), "rows": rows}, f, indent=1)
     print(f"wrote {path}")
+
+
+def out_dir(doc: str | None) -> str:
+    """The results folder of a script run as `python scripts/NAME.py OUT` (argparse: an unknown
+    option is an error, not a folder name)."""
+    parser = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
+    parser.add_argument("out", help="folder the JSON results are written to")
+    return parser.parse_args().out
