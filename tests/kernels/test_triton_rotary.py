@@ -138,9 +138,11 @@ def test_conjugate_inverts(interleaved):
     assert_rel_close(back, x, TOL[torch.float32])
 
 
-def test_positions_outside_table_left_unrotated():
-    """A tensor offset past the table (caught by the op in eager calls) never reads out
-    of bounds: those tokens are copied unrotated."""
+def test_positions_outside_table_are_nan():
+    """A tensor offset past the table, or cu_seqlens that do not start at 0 (refused by the op's
+    checks of CPU tensors; GPU ones are not read on the host), never read out of bounds nor pass
+    silently: those tokens rotate to NaN, the others are right. Tokens past the last sequence are
+    copied (padding)."""
     x = _bshd(2, 2, 4, 8, torch.float32)
     cos, sin = _tables(6, 8)
     out = _apply(x, cos, sin, seqlen_offsets=torch.tensor([0, 4], device=DEV))
@@ -148,7 +150,13 @@ def test_positions_outside_table_left_unrotated():
     assert_rel_close(out[0], _dense_expected(x, cos, sin, pos, False)[0], TOL[torch.float32])
     shifted = _dense_expected(x, cos, sin, (pos + 4).clamp(max=5), False)
     assert_rel_close(out[1, :, :2], shifted[1, :, :2], TOL[torch.float32])
-    assert torch.equal(out[1, :, 2:], x[1, :, 2:])
+    assert out[1, :, 2:].isnan().all()
+    packed = torch.randn(7, 2, 8, device=DEV)
+    cu = torch.tensor([1, 4, 6], dtype=torch.int32, device=DEV)  # token 0 before the first sequence
+    out = _apply(packed, cos, sin, cu_seqlens=cu)
+    assert out[0].isnan().all() and torch.equal(out[6], packed[6])
+    want = torch.cat([_rotate64(packed[a:b], cos[:b - a, None], sin[:b - a, None], False) for a, b in ((1, 4), (4, 6))])
+    assert_rel_close(out[1:6], want, TOL[torch.float32])
 
 
 def _apply_qk(q, k, cos, sin, interleaved=False, seqlen_offset=0, seqlen_offsets=None, cu_seqlens=None,

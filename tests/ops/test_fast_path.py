@@ -208,8 +208,7 @@ def test_forward_replay_equals_python_path(case):
 
 def _rotary_cases():
     """case -> (op, make inputs: (tensors rotated, tables, keyword arguments)), bf16, partial
-    rotary; saved offsets or cu_seqlens, or None for them. Calls with offsets or cu_seqlens
-    tensors run the Python body every time (check_data reads their values: REPLAYS_NOT)."""
+    rotary; saved offsets or cu_seqlens, or None for them."""
     def tables(n):
         return torch_flash.rotary_cos_sin(n, 32, device=DEV)
 
@@ -224,10 +223,6 @@ def _rotary_cases():
                                              dict(cu_seqlens=torch.tensor([0, 100, 117, 300], device=DEV,
                                                                           dtype=torch.int32)))),
     }
-
-
-# cases whose index tensors' values are checked on every call, so the fast path runs Python
-REPLAYS_NOT = {"rotary", "rotary_varlen"}
 
 
 def _upstream(xs, kind: str):
@@ -268,7 +263,7 @@ def test_rotary_replay_equals_python_path(case, upstream):
             assert g.stride() == w.stride() and torch.equal(g, w), f"{case}: call {call}"
     for ran in (op, f"{op}_backward"):
         replays, _, recipes = _stats(ran)
-        assert case in REPLAYS_NOT or (replays >= 2 and recipes >= 1), f"{ran}: {_stats(ran)}"
+        assert replays >= 2 and recipes >= 1, f"{ran}: {_stats(ran)}"
         assert torch_flash._dispatch.LAST[ran] == "triton"
 
 
@@ -300,8 +295,7 @@ def test_rotary_double_backward_replays(case):
             assert torch.equal(g, w), f"{case}: call {call}"
         for g, w in zip(got[len(xs):], rotated if isinstance(rotated, tuple) else (rotated,)):
             assert torch.equal(g, w), f"{case}: call {call}"
-    if case not in REPLAYS_NOT:
-        assert _stats(f"{op}_backward")[0] >= before + 4  # backward and double backward, replayed
+    assert _stats(f"{op}_backward")[0] >= before + 4  # backward and double backward, replayed
 
 
 @pytest.mark.parametrize("op", ["rotary", "rotary_backward", "rotary_qk", "rotary_qk_backward"])

@@ -491,3 +491,29 @@ def test_cuda_compiled_triton_path():
     want, = torch.autograd.grad(_attention_block(w, c8, s8, inplace=False), w)
     got, = torch.autograd.grad(torch.compile(_attention_block, fullgraph=True)(w, c8, s8, inplace=True), w)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.cuda
+def test_cuda_index_tensors_no_host_sync():
+    """Offsets and cu_seqlens on the GPU are not read on the host (as attention_varlen's): eager
+    calls never synchronise, and an offset past the table rotates its tokens to NaN instead of
+    raising (the same call on CPU tensors raises)."""
+    c, s = (t.cuda() for t in make_tables(16, 32))
+    x = torch.randn(2, 4, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    packed = torch.randn(12, 4, 64, device="cuda", dtype=torch.bfloat16)
+    offsets = torch.tensor([0, 12], device="cuda")
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32, device="cuda")
+    for _ in range(2):  # the first call compiles
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = rotary(x, c, s, seqlen_offsets=offsets)
+            out.backward(torch.ones_like(out))
+            rotary(packed, c, s, cu_seqlens=cu)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    # rotary dims 32 of 64: positions 16-19 of the second sequence miss the 16-row table
+    assert not out[0].isnan().any() and not out[1, :, :4].isnan().any() and out[1, :, 4:, :32].isnan().all()
+    assert torch.equal(out[1, :, :, 32:], x[1, :, :, 32:])
+    with pytest.raises(ValueError, match="a token sits at position 19"):
+        rotary(x.detach().cpu(), c.cpu(), s.cpu(), seqlen_offsets=offsets.cpu())

@@ -96,9 +96,10 @@ def values_known(t) -> bool:
 
 
 def check_data(op: str, x, cos, seqlen_offset, seqlen_offsets, cu_seqlens) -> None:
-    """The checks that read index values: eager calls on every path (a trace has no values,
-    and the kernels trust their callers)."""
-    if not values_known(x):
+    """The checks that read index values: eager calls with the index tensors on the CPU, as
+    attention_varlen's and attention_decode's (a trace has no values; reading GPU ones would
+    stall the host; the kernel rotates a token whose position misses the table to NaN)."""
+    if not values_known(x) or x.device.type != "cpu":
         return
     if cu_seqlens is not None:
         cu = cu_seqlens.long()

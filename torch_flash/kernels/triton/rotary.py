@@ -73,7 +73,9 @@ def _tables(COS, SIN, CU_SEQLENS, OFFSETS, pid_b, s, seqlen, seqlen_ro, seqlen_o
             stride_cb, stride_cs, RD2: tl.constexpr, CONJUGATE: tl.constexpr, IS_VARLEN: tl.constexpr,
             HAS_OFFSETS: tl.constexpr, PER_TOKEN: tl.constexpr, BLOCK_K: tl.constexpr):
     """(cos, sin, in_range): fp32 cos/sin (1, BLOCK_S, BLOCK_K) of tokens s (BLOCK_S,) of
-    sequence pid_b (of the packed tokens s when IS_VARLEN), and which tokens exist."""
+    sequence pid_b (of the packed tokens s when IS_VARLEN), and which tokens exist. A token of a
+    sequence whose position misses the table (offsets or cu_seqlens that the op's checks of CPU
+    tensors refuse; GPU ones are not read on the host) rotates to NaN, never out of bounds."""
     in_range = s < seqlen
     if IS_VARLEN:
         # s indexes the packed tokens; sequence b holds [cu[b], cu[b + 1])
@@ -86,21 +88,23 @@ def _tables(COS, SIN, CU_SEQLENS, OFFSETS, pid_b, s, seqlen, seqlen_ro, seqlen_o
             hi = tl.where(right, hi, mid)
         b = lo
         pos = s - tl.load(CU_SEQLENS + b)
-        valid = in_range & (s < tl.load(CU_SEQLENS + nseq))
+        in_seq = in_range & (s < tl.load(CU_SEQLENS + nseq))
     else:
         b = pid_b
         pos = s
-        valid = in_range
+        in_seq = in_range
     if not PER_TOKEN:  # per-token tables are indexed by (sequence, token) instead
         pos += seqlen_offset
         if HAS_OFFSETS:
             pos += tl.load(OFFSETS + b, mask=b < nseq, other=0).to(tl.int64)
-    valid &= (pos >= 0) & (pos < seqlen_ro)
+    inside = (pos >= 0) & (pos < seqlen_ro)
+    valid = in_seq & inside
     cs = b * stride_cb + pos * stride_cs
     k = tl.arange(0, BLOCK_K)
     cs_mask = valid[:, None] & (k < RD2)[None, :]
     # masked lanes get the identity rotation: tokens past the sequences are copied unchanged
-    cos = tl.load(COS + cs[:, None] + k[None, :], mask=cs_mask, other=1.0).to(tl.float32)[None, :, :]
+    cos = tl.load(COS + cs[:, None] + k[None, :], mask=cs_mask, other=1.0).to(tl.float32)
+    cos = tl.where((in_seq & ~inside)[:, None], float("nan"), cos)[None, :, :]
     sin = tl.load(SIN + cs[:, None] + k[None, :], mask=cs_mask, other=0.0).to(tl.float32)[None, :, :]
     if CONJUGATE:
         sin = -sin
