@@ -389,7 +389,8 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias, Seed, CuQ, CuK, Alibi, Sinks,
     acc = acc / tl.where(seen, l_i, 1.0)[:, None]
     if DROPOUT:
         acc = acc * (1.0 / (1.0 - dropout_p))
-    lse = tl.where(seen, (m_i - _alibi_shift(ai, slope, fold, ALIBI) + tl.math.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
+    m_true = m_i - _alibi_shift(ai, slope, fold, ALIBI)
+    lse = tl.where(seen, (m_true + tl.math.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
     tl.store(lse_base + offs_m, lse, mask=offs_m < seq_q)
     _store_tile(o_base, offs_m, stride_om, seq_q, tl.arange(0, BLOCK_DV), HEAD_DIM_V,
                 acc.to(Out.dtype.element_ty))

@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 
 from ...reference import attention as ref
-from .attention import (_INTERPRET, _LOG2E, _absent, _alibi_fold, _alibi_shift, _alibi_slope, _bhm, _bias_args, _block_ranges,
-                        _block_start, _configs, _dot, _dropout_keep, _flags, _grid, _inputs, _key_ranges,
+from .attention import (_INTERPRET, _LOG2E, _absent, _alibi_fold, _alibi_shift, _alibi_slope, _bhm, _bias_args,
+                        _block_ranges, _block_start, _configs, _dot, _dropout_keep, _flags, _grid, _inputs, _key_ranges,
                         _load_tile, _loop_plan, _lse_strides, _mask_args, _positions, _pow2, _scale, _scores,
                         _seq_bounds, _shape_args, _store_tile, _tile_class, _tuned)
 from .launch import cdiv, launch_as
