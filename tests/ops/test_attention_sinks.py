@@ -312,6 +312,48 @@ def test_sinks_around_sink_free_kernels(causal, dtype, force_backend):
         assert_rel_close(a, e.grad, 3 * TOL[dtype], what=name)
 
 
+@pytest.mark.parametrize("path", ["sm90", "cudnn"])
+def test_hopper_plans_on_stand_ins(path, force_backend, monkeypatch):
+    """flash.attention's Hopper plans with sinks, the CUDA kernels replaced by sink-free stand-ins
+    (the reference forward, the Triton backward) so that the op's own glue runs on CPU: the
+    forward's results get the sinks added, the backward is given their lse and adds dsinks."""
+    from torch_flash.kernels.triton.attention_backward import attention_bwd
+    from torch_flash.ops import attention as ops
+    from torch_flash.reference import attention as ref
+    force_triton_kernels(force_backend)  # skips without the interpreter
+
+    def bwd(grad_out, q, k, v, out, lse, scale, causal):
+        return attention_bwd(grad_out, None, q, k, v, None, out, lse, scale=scale, causal=causal, window_left=-1,
+                             window_right=-1, softcap=0.0, dropout_p=0.0, dropout_seed=None,
+                             bias_requires_grad=False)[:3]
+    monkeypatch.setattr(torch.ops.flash, "attention_fwd_sm90", lambda q, k, v, scale, causal: tuple(
+        t.float() if t.dim() == 3 else t for t in ref.attention_with_lse(q, k, v, scale=scale, causal=causal)))
+    monkeypatch.setattr(torch.ops.flash, "attention_bwd_sm90", bwd)
+    monkeypatch.setattr(torch_flash._dispatch, "available", lambda device_type: frozenset(
+        {"reference", "triton", "cuda"}))
+    monkeypatch.setattr(ops, "_sm90_serves", lambda *args: True)
+    monkeypatch.setattr(ops, "_sm90_bwd_serves", lambda *args: path == "sm90")
+    monkeypatch.setattr(ops, "cudnn_backward_serves", lambda *args: path == "cudnn")
+    monkeypatch.setattr(ops, "_cudnn_backward", lambda grad_out, q, k, v, out, lse, spec: bwd(
+        grad_out, q, k, v, out, lse, spec.scale, spec.causal))
+    q, k, v = (torch.randn(2, 4, 24, 16) for _ in range(3))
+    sinks = torch.tensor([-math.inf, -3.0, 0.5, 4.0])
+    for causal in (False, True):
+        mine, ins = _leaves((q, k, v, sinks)), _leaves((q, k, v, sinks), torch.float64)
+        with torch_flash.use_backend("cuda"):  # on CPU tensors: unforced, the reference would run
+            out = attention(*mine[:3], sinks=mine[3], causal=causal)
+        assert torch_flash._dispatch.LAST["attention_with_lse"] == "cuda"
+        o64 = exact(*ins, causal=causal)[0]
+        g = torch.randn_like(o64)
+        with torch_flash.use_backend("cuda" if path == "sm90" else None):  # cuDNN's is never forced
+            out.backward(g.float())
+        o64.backward(g)
+        assert torch_flash._dispatch.LAST["attention_backward"] == ("cuda" if path == "sm90" else path)
+        assert_rel_close(out, o64, TOL[torch.float32], what="out")
+        for a, e, name in zip(mine, ins, ("dq", "dk", "dv", "dsinks")):
+            assert_rel_close(a.grad, e.grad, 3 * TOL[torch.float32], what=name)
+
+
 @pytest.mark.parametrize("case", list(DECODE_CASES))
 def test_triton_decode(case, force_backend):
     force_triton_kernels(force_backend)
