@@ -168,6 +168,18 @@ def test_bad_indices_poison_instead_of_reading_outside():
     assert torch.isnan(out[0]).all() and not torch.isnan(out[1:]).any()
 
 
+def test_positions_past_the_rotary_table_poison():
+    """Rotary tables shorter than a sequence's positions (refused by the op's checks of CPU
+    tensors): that sequence's rows rotate to NaN, the others are exact, nothing read outside."""
+    inputs = make(2, 4, 2, 1, 1, 16, 16, 32, rotary_dim=16, seqlens=[3, 20])
+    q, kc, vc, cs, kn, vn, table, cos, sin = inputs
+    short = (cos[:8].clone(), sin[:8].clone())  # positions 0-7: sequence 0's new token sits at 3
+    want = reference(clone((q[:1], kc[:1], vc[:1], cs[:1], kn[:1], vn[:1], table, *short)), FLAGS)[0]
+    out, _ = K.decode_fwd(q, kc, vc, cs, kn, vn, table, *short, num_splits=2, **FLAGS)
+    assert torch.isnan(out[1]).all()
+    assert_rel_close(out[0], want[0], TOL[q.dtype], what="out")
+
+
 def test_auto_num_splits():
     """Few programs on a long cache split; many programs or short caches do not."""
     dev = torch.device(DEVICE)

@@ -91,7 +91,8 @@ def _load_rows(rows, row_ok, d, pos, COS, SIN, stride_c, seq_ro, HEAD_DIM: tl.co
     """[R, BLOCK_D] tile whose row r starts at pointer rows[r]; pad rows/columns read 0. With
     ROTARY, rotated by the angles of positions pos (R,) in fp32 and rounded back to the
     element dtype (as flash.rotary): pairs (d, d + RD2) (GPT-NeoX) or (2i, 2i + 1) (GPT-J)
-    over the first 2 * RD2 dims. A position outside the table leaves its row unrotated."""
+    over the first 2 * RD2 dims. A row whose position misses the table (cache_seqlens that the
+    op's checks of CPU tensors refuse) rotates to NaN, never read out of bounds."""
     mask = row_ok[:, None] & (d < HEAD_DIM)[None, :]
     x = tl.load(rows[:, None] + d[None, :], mask=mask, other=0.0)
     if ROTARY:
@@ -110,6 +111,7 @@ def _load_rows(rows, row_ok, d, pos, COS, SIN, stride_c, seq_ro, HEAD_DIM: tl.co
         table = pos.to(tl.int64)[:, None] * stride_c + freq[None, :]
         cmask = in_table[:, None] & rot[None, :]
         c = tl.load(COS + table, mask=cmask, other=1.0).to(tl.float32)
+        c = tl.where((row_ok & ~in_table)[:, None] & rot[None, :], float("nan"), c)
         s = tl.load(SIN + table, mask=cmask, other=0.0).to(tl.float32)
         # first of a pair: x1 cos - x2 sin; second: x2 cos + x1 sin
         x = (x.to(tl.float32) * c + xp * tl.where(first[None, :], -s, s)).to(x.dtype)
