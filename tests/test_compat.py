@@ -48,6 +48,31 @@ def test_varlen_matches_per_sequence():
         assert_rel_close(out[s:e], ref, 1e-5)
 
 
+def test_s_aux_sinks():
+    """s_aux (FlashAttention 3's name, by which transformers passes gpt-oss's sinks) is the ops'
+    sinks: a softmax column per head of logit s_aux[h] and no value; dense and varlen, with its
+    gradient. With return_attn_probs and dropout it is refused (S_dmask cannot show it)."""
+    q, k, v = (torch.randn(2, 7, h, 16) for h in (4, 2, 2))
+    sinks = torch.tensor([-1.0, 0.5, 2.0, -float("inf")], requires_grad=True)
+    out = compat.flash_attn_func(q, k, v, causal=True, s_aux=sinks)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(2, 2)) * 16 ** -0.5
+    scores = scores.masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), -float("inf"))
+    s64 = sinks.detach().double().requires_grad_()
+    full = torch.cat((scores.double(), s64.reshape(1, 4, 1, 1).expand(2, 4, 7, 1)), -1)
+    want = torch.einsum("bhqk,bkhd->bqhd", full.softmax(-1)[..., :-1], v.double().repeat_interleave(2, 2))
+    assert_rel_close(out, want, 1e-5)
+    g = torch.randn_like(want)
+    out.backward(g.float())
+    want.backward(g)
+    assert_rel_close(sinks.grad, s64.grad, 1e-5)
+    cu = torch.tensor([0, 7, 14], dtype=torch.int32)
+    packed = compat.flash_attn_varlen_func(*(t.flatten(0, 1) for t in (q, k, v)), cu, cu, 7, 7, causal=True,
+                                           s_aux=sinks)
+    assert_rel_close(packed, want.flatten(0, 1), 1e-5)
+    with pytest.raises(ValueError, match="flash_attn_func: return_attn_probs=True with dropout and s_aux"):
+        compat.flash_attn_func(q, k, v, dropout_p=0.1, return_attn_probs=True, s_aux=sinks)
+
+
 def _alibi_bias(slopes, sq, sk):
     """FlashAttention 2's ALiBi as a dense (B or 1, H, Sq, Sk) bias: -slope * |i + Sk - Sq - j|."""
     dist = (torch.arange(sq)[:, None] + sk - sq - torch.arange(sk)).abs()

@@ -19,7 +19,8 @@ SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
              initializer_range=0.2)  # large enough that scores are far from uniform
 # decoder families and what each adds: GQA (all), sliding window on every layer (Mistral),
-# mixed sliding/full layers (Qwen2), softcap + non-default scale + sliding layers (Gemma2)
+# mixed sliding/full layers (Qwen2), softcap + non-default scale + sliding layers (Gemma2),
+# attention sinks (s_aux) + mixed layers + mixture of experts (gpt-oss)
 DECODERS = {
     "llama": lambda: transformers.LlamaConfig(**SMALL),
     "mistral": lambda: transformers.MistralConfig(**SMALL, sliding_window=4),
@@ -27,6 +28,9 @@ DECODERS = {
                                               layer_types=["sliding_attention", "full_attention"]),
     "gemma2": lambda: transformers.Gemma2Config(**SMALL, sliding_window=4, attn_logit_softcapping=2.0,
                                                 query_pre_attn_scalar=9, final_logit_softcapping=None),
+    "gpt_oss": lambda: transformers.GptOssConfig(**SMALL, sliding_window=4, num_local_experts=4, num_experts_per_tok=2,
+                                                 layer_types=["sliding_attention", "full_attention"],
+                                                 rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
 }
 
 
@@ -99,7 +103,7 @@ def test_decoder_forward_loss_grads(family, padding):
     _compare(model, mask, dict(input_ids=ids, labels=labels), lambda o: o.loss, lambda o: o.logits)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "gpt_oss"])
 def test_generate_with_kv_cache(family):
     """Greedy decoding of a left-padded batch past the sliding window (4): same tokens and
     logits at every step as eager."""

@@ -12,7 +12,9 @@ torch_flash/reference/attention.py). window_size takes ints or one-element integ
 backward under torch.use_deterministic_algorithms(True) (no cuDNN backward, whose dq is summed
 with atomics). return_attn_probs=True returns (out, softmax_lse, S_dmask) as FlashAttention:
 S_dmask empty without dropout, else the probabilities with the call's dropout pattern
-(torch_flash/compat/_attn_probs.py; a test-only output of O(S^2) memory).
+(torch_flash/compat/_attn_probs.py; a test-only output of O(S^2) memory). s_aux (Hq,) (the
+name of FlashAttention 3's vLLM build, by which transformers passes gpt-oss's sinks) is the
+ops' `sinks`: one softmax column per head that carries no value.
 """
 from __future__ import annotations
 
@@ -80,6 +82,12 @@ def _deterministic(fn: str, deterministic: bool, out: Tensor) -> None:
     out.grad_fn.register_hook(after)
 
 
+def _no_probs_with_sinks(fn: str, return_attn_probs: bool, dropout_p: float, s_aux) -> None:
+    if return_attn_probs and dropout_p > 0 and s_aux is not None:
+        _fail(fn, "return_attn_probs=True with dropout and s_aux (sinks) is not supported: S_dmask "
+                  "has no encoding for the sink column")
+
+
 def _attn_probs_result(out, lse, return_attn_probs, dropout_p, probs):
     """out, or FlashAttention's (out, softmax_lse, S_dmask): S_dmask empty without dropout."""
     if not return_attn_probs:
@@ -90,16 +98,18 @@ def _attn_probs_result(out, lse, return_attn_probs, dropout_p, probs):
 def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
                     softmax_scale: Optional[float] = None, causal: bool = False,
                     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                    alibi_slopes=None, deterministic: bool = False, return_attn_probs: bool = False):
+                    alibi_slopes=None, deterministic: bool = False, return_attn_probs: bool = False,
+                    s_aux: Optional[Tensor] = None):
     """q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) -> out (B, Sq, Hq, Dv); with
     return_attn_probs, (out, softmax_lse (B, Hq, Sq), S_dmask (B, Hq, Sq_128, Sk_128), empty
-    without dropout)."""
+    without dropout). s_aux: sinks (Hq,)."""
     fn = "flash_attn_func"
     window = _window(fn, window_size)
+    _no_probs_with_sinks(fn, return_attn_probs, dropout_p, s_aux)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     kw = op_kwargs(fn, softmax_scale, causal, window, softcap, dropout_p)
     seed = kw.pop("dropout_seed")
-    out, lse = call("attention_with_lse", q, k, v, None, seed, alibi_slopes, None, **kw)
+    out, lse = call("attention_with_lse", q, k, v, None, seed, alibi_slopes, s_aux, **kw)
     _deterministic(fn, deterministic, out)
 
     def probs():
@@ -134,15 +144,18 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                            softmax_scale: Optional[float] = None, causal: bool = False,
                            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                            alibi_slopes=None, deterministic: bool = False,
-                           return_attn_probs: bool = False, block_table: Optional[Tensor] = None):
+                           return_attn_probs: bool = False, block_table: Optional[Tensor] = None,
+                           s_aux: Optional[Tensor] = None):
     """Packed q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv) with int32
     cu_seqlens (batch + 1,) -> out (total_q, Hq, Dv); with return_attn_probs, (out, softmax_lse
     (Hq, total_q), S_dmask (batch, Hq, max_seqlen_q_128, max_seqlen_k_128), empty without dropout).
     block_table (batch, max_blocks) int32: k/v are paged pools (num_blocks, page_block_size, Hkv,
     D|Dv) and sequence b's key s is in block block_table[b, s // page_block_size] (paged prefill;
-    the keys are gathered into a packed copy, see torch_flash/compat/_paged.py)."""
+    the keys are gathered into a packed copy, see torch_flash/compat/_paged.py). s_aux: sinks
+    (Hq,)."""
     fn = "flash_attn_varlen_func"
     window = _window(fn, window_size)
+    _no_probs_with_sinks(fn, return_attn_probs, dropout_p, s_aux)
     batch_cu_q, batch_cu_k, slopes = cu_seqlens_q, cu_seqlens_k, alibi_slopes
     if block_table is not None:
         _paged.check(fn, k, v, block_table, cu_seqlens_k, max_seqlen_k)
@@ -151,7 +164,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     kw = op_kwargs(fn, softmax_scale, causal, window, softcap, dropout_p)
     seed = kw.pop("dropout_seed")
     out, lse = call("attention_varlen", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seed,
-                    slopes, None, **kw)
+                    slopes, s_aux, **kw)
     _deterministic(fn, deterministic, out)
 
     def probs():

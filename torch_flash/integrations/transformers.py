@@ -19,12 +19,18 @@ So rather than fight that, we join it, the way a Hub kernel joins
    FlashAttention forward (behind a check of the mask it is given) and
    `AttentionMaskInterface.register(NAME, ...)` with its FlashAttention mask function (a 2D
    padding mask, or None when nothing is padded);
-2. one private hook: `modeling_flash_attention_utils._lazy_imports` (the function that maps
+2. a private hook: `modeling_flash_attention_utils._lazy_imports` (the function that maps
    a flash implementation name to its functions; same signature in transformers 5.17 and
    5.23) is wrapped to answer NAME with `torch_flash.compat`'s FlashAttention-2 functions
-   (`flash_attn_func`, `flash_attn_varlen_func`) and transformers' own pad/unpad helpers.
-   Every other name goes to the original. `register()` checks the hook took effect and
-   raises a clear error on a transformers release where it does not.
+   (`flash_attn_func`, `flash_attn_varlen_func`, which also take FlashAttention 3's `s_aux`:
+   attention sinks) and transformers' own pad/unpad helpers. Every other name goes to the
+   original. `register()` checks the hook took effect and raises a clear error on a
+   transformers release where it does not;
+3. models with attention sinks (gpt-oss, granite_swa, mimo_v2_flash, ...) list the flash
+   kernels that take them in `_compatible_flash_implementations`, and transformers swaps any
+   other flash name for one of those. `PreTrainedModel._check_and_adjust_attn_implementation`
+   is wrapped so that such a model admits NAME too (an instance attribute, the class
+   untouched).
 
 transformers' own code then does the rest, as for FlashAttention 2: it reads which features
 our functions take from their signatures (dropout_p, window_size, softcap, deterministic,
@@ -33,10 +39,9 @@ cache decoding with a padding mask), passes causal/scale/softcap/sliding window/
 the model's config, and uses the dense op when nothing is padded.
 
 Not covered: paged attention / continuous batching (the kvcache slot stays empty: not wired to
-`compat.flash_attn_with_kvcache` nor tested through transformers), attention
-sinks (`s_aux`), models that list their own `_compatible_flash_implementations` (transformers
-swaps any flash name for theirs), and models that build 4D masks themselves instead of using
-the mask interface (a clear error, never silently wrong results).
+`compat.flash_attn_with_kvcache` nor tested through transformers), and models that build 4D
+masks themselves instead of using the mask interface (a clear error, never silently wrong
+results).
 
 `use_linear_cross_entropy(model)`: Liger-Kernel's fused linear cross-entropy for HF models,
 without a copy of each model's forward. In training (`model.training`) with `labels`, the
@@ -96,6 +101,18 @@ def _wrap_lazy_imports(original):
     return lazy_imports
 
 
+def _wrap_attn_check(original):
+    @functools.wraps(original)
+    def check(self, attn_implementation, *args, **kwargs):
+        listed = getattr(self, "_compatible_flash_implementations", None)
+        if attn_implementation == NAME and listed is not None and NAME not in listed:
+            self._compatible_flash_implementations = [*listed, NAME]
+        return original(self, attn_implementation, *args, **kwargs)
+
+    check._torch_flash_original = original
+    return check
+
+
 def register() -> str:
     """Make `attn_implementation="torch_flash"` available in transformers; returns the name.
     Idempotent; needs transformers >= 5 (checked with 5.17 and 5.23)."""
@@ -108,6 +125,13 @@ def register() -> str:
             f"register() hooks into (checked with 5.17 and 5.23); transformers {transformers.__version__} is installed")
     if not hasattr(hook, "_torch_flash_original"):
         fa_utils._lazy_imports = _wrap_lazy_imports(hook)
+    attn_check = getattr(PreTrainedModel, "_check_and_adjust_attn_implementation", None)
+    if attn_check is None:
+        raise RuntimeError("torch_flash.integrations.transformers: this transformers release has no "
+                           "PreTrainedModel._check_and_adjust_attn_implementation, which register() hooks into; "
+                           f"transformers {transformers.__version__} is installed")
+    if not hasattr(attn_check, "_torch_flash_original"):
+        PreTrainedModel._check_and_adjust_attn_implementation = _wrap_attn_check(attn_check)
     AttentionInterface.register(NAME, _attention_forward)
     AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
     (fns, _) = fa_utils.lazy_import_flash_attention(NAME)
