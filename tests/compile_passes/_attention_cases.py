@@ -27,13 +27,14 @@ def _compile(fn, **compile_kwargs):
 
 def _calls(graphs) -> list[dict]:
     """The flash.attention calls of the graphs: their keyword arguments, plus `bias` (whether
-    there is an attn_bias), `seed`, `alibi` (whether there are alibi_slopes) and `kv_heads`."""
+    there is an attn_bias), `seed`, `alibi` (whether there are alibi_slopes), `sinks` and
+    `kv_heads`."""
     calls = []
     for g in graphs:
         for n in g.graph.find_nodes(op="call_function", target=torch.ops.flash.attention.default):
-            q, k, v, bias, seed, slopes = (list(n.args) + [None] * 6)[:6]
+            q, k, v, bias, seed, slopes, sinks = (list(n.args) + [None] * 7)[:7]
             calls.append(dict(n.kwargs, bias=bias is not None, seed=seed is not None, alibi=slopes is not None,
-                              kv_heads=k.meta["val"].shape[1]))
+                              sinks=sinks is not None, kv_heads=k.meta["val"].shape[1]))
     return calls
 
 

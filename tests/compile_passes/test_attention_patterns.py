@@ -182,6 +182,26 @@ def exp_softmax(q, k, v):  # softmax as core ATen decomposes it: exp(s - amax) /
     return (e / e.sum(-1, keepdim=True)) @ v
 
 
+def max_shifted(q, k, v):  # the row max subtracted by hand (softmax does not see it)
+    s = _scores(q, k)
+    return _attend(s - s.max(-1, keepdim=True).values, v)
+
+
+def sinks_column(q, k, v, sinks):  # gpt-oss: a sink logit per head, one more column sliced off
+    s = _scores(q, k)
+    col = sinks.reshape(1, -1, 1, 1).expand(s.shape[0], -1, s.shape[2], -1)
+    p = torch.softmax(torch.cat([s, col], -1), dim=-1)[..., :-1]
+    return p @ v
+
+
+def sinks_shifted_amax(q, k, v, sinks):  # with the row max subtracted, by amax
+    s = torch.cat([_scores(q, k), sinks.view(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], 1)], dim=-1)
+    p = torch.softmax(s - s.amax(-1, keepdim=True), dim=-1)
+    return p[..., : k.shape[2]] @ v
+
+
+SINKS = lambda: torch.randn(H, requires_grad=True)  # noqa: E731
+
 SPELLINGS = [
     # (fn, inputs, expected flash.attention arguments)
     (mul_scale, _args(), dict(scale=D ** -0.5, causal=False, bias=False)),
@@ -215,6 +235,9 @@ SPELLINGS = [
     (sdpa_math_op, _args(), dict(causal=True, bias=False, scale=None)),
     (sdpa_math_op_mask, _args(ADDITIVE, hkv=KV), dict(causal=False, bias=True, scale=0.3, kv_heads=KV)),
     (exp_softmax, _args(), dict(scale=D ** -0.5, causal=False, bias=False)),
+    (max_shifted, _args(), dict(scale=D ** -0.5, bias=False, sinks=False)),
+    (sinks_column, _args(SINKS), dict(scale=D ** -0.5, bias=False, sinks=True)),
+    (sinks_shifted_amax, _args(SINKS), dict(sinks=True)),
 ]
 
 
@@ -301,6 +324,21 @@ def classifier_softmax(q, k, v):
     return torch.softmax(q.flatten(1), dim=-1)
 
 
+def sinks_kept(q, k, v, sinks):  # the sink column's probability kept (and multiplied by a value)
+    s = torch.cat([_scores(q, k), sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], -1)], -1)
+    return torch.softmax(s, dim=-1) @ torch.cat([v, v[:, :, :1]], 2)
+
+
+def sinks_first(q, k, v, sinks):  # the column joined first
+    s = torch.cat([sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], -1), _scores(q, k)], -1)
+    return torch.softmax(s, dim=-1)[..., 1:] @ v
+
+
+def sinks_per_row(q, k, v, sinks):  # a column that is not one value per head
+    col = sinks.reshape(1, -1, 1, 1) * torch.arange(q.shape[2], dtype=q.dtype).reshape(1, 1, -1, 1)
+    return torch.softmax(torch.cat([_scores(q, k), col.expand(q.shape[0], -1, -1, -1)], -1), dim=-1)[..., :-1] @ v
+
+
 NEAR_MISSES = [
     (probabilities_returned, _args(), "used more than once (e.g. also returned as attention weights)"),
     (softmax_over_queries, _args(), "softmax is not over the last dimension"),
@@ -314,6 +352,9 @@ NEAR_MISSES = [
     (sdpa_math_op_bool, _args(PADDING), "adds it as 0 / 1"),
     (sdpa_causal_fewer_queries, _args(sq=3), "fewer queries than keys"),
     (classifier_softmax, _args(), "scores are 2-D"),
+    (sinks_kept, _args(SINKS), "keep the sink column"),
+    (sinks_first, _args(SINKS), "is not one column (a sink) last"),
+    (sinks_per_row, _args(SINKS), "is not one value per head"),
 ]
 
 

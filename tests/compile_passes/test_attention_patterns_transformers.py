@@ -93,6 +93,49 @@ def test_transformers(name, causal, window_left, impl):
         assert all(c["causal"] == causal and c["window_left"] == window_left for c in calls), calls
 
 
+@pytest.mark.parametrize("padding", ["none", "right", "left"])
+def test_gpt_oss_sinks(padding):
+    """gpt-oss's eager attention joins a sink column per head to the scores, subtracts the row
+    max and slices the column off the softmax: it becomes flash.attention's sinks, with the
+    model's loss and every gradient (the sinks' included), padded or not; the router's softmax
+    is left with its reason."""
+    import transformers as T
+    torch.manual_seed(0)
+    cfg = T.GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                         num_experts_per_tok=2, sliding_window=3, layer_types=["sliding_attention", "full_attention"],
+                         rope_parameters=dict(rope_type="default", rope_theta=10000.0), initializer_range=0.2)
+    model = T.GptOssForCausalLM(cfg).train()
+    model.set_attn_implementation("eager")
+    ids = torch.randint(1, 64, (2, 7))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    if padding == "right":
+        mask[1, -2:] = 0
+    elif padding == "left":
+        mask[1, :2] = 0
+    inputs = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    report = torch_flash.explain(model, **inputs)
+    sites = [s for s in report.sites if s.family == "attention"]
+    assert sum(s.rewritten for s in sites) == 2 and all("2-D" in s.reason for s in sites if not s.rewritten), \
+        str(report)
+    compiled, graphs = _compile(model)
+
+    def step(fn):
+        model.zero_grad()
+        loss = fn(**inputs).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    (ref, ref_grads), (loss, grads) = step(model), step(compiled)
+    assert_rel_close(loss, ref, tol=1e-5)
+    assert grads.keys() == ref_grads.keys() and any("sinks" in n for n in grads)
+    scale = max(g.norm() for g in ref_grads.values())
+    for n, g in ref_grads.items():
+        assert (grads[n] - g).norm() <= 1e-4 * g.norm() + 1e-6 * scale, n
+    calls = _calls(graphs)
+    assert len(calls) == 2 and all(c["sinks"] for c in calls), calls
+
+
 class RuntimeScale(torch.nn.Module):
     """Scores scaled by a one-value tensor the model reads at run time, as PyTorch Inductor's
     _sfdp patterns spell it: divided by an inverse scale or multiplied by a scale factor,

@@ -20,6 +20,7 @@ from .._shared import Unmatched, arg, known_equal, same_value
 from .masks import fold_masks
 from .nodes import MASKED, VIEWS, concrete, constant, copies, merges, op_kind, same_shape, shape_of, target_name
 from .operands import Match, Operand, Part, fill_operands, scale_operand, transposed, unmerged, unviewed
+from .sinks import row_max_shift, sink_column, sliced_off
 
 
 # _safe_softmax (math SDPA's) gives 0 on a row of -inf only, as flash.attention does
@@ -369,8 +370,16 @@ def match_softmax(softmax: fx.Node, order: dict) -> Match | Unmatched:
     if ndim not in (3, 4):
         return Unmatched(f"the scores are {ndim}-D, not (batch, heads, queries, keys) or "
                          "(batch*heads, queries, keys)")
+    x, around = row_max_shift(x)
+    joined = sink_column(x)
+    if isinstance(joined, Unmatched):
+        return joined
+    sinks = None
+    if joined is not None:
+        x, sinks, joins = joined
+        around += joins
     steps: list = []
-    product = _walk(x, shape_of(softmax), steps)
+    product = _walk(x, shape_of(x), steps)
     if isinstance(product, Unmatched):
         return product
     qk = _qk(product)
@@ -381,9 +390,15 @@ def match_softmax(softmax: fx.Node, order: dict) -> Match | Unmatched:
     views = [st.value for st in steps if st.kind in ("heads", "merge")]
     if views and isinstance(q, Operand):
         return Unmatched("an einsum over merged batch*heads is viewed back into (batch, heads)")
-    m = Match(None, None, None, None, merged=ndim == 3 and not views)
-    # down: casts, copies, dropout, the probabilities viewed as (B*H, Sq, Sk), @ v
-    cur, chain = softmax, nodes
+    m = Match(None, None, None, None, merged=ndim == 3 and not views, sinks=sinks)
+    # down: the sink column sliced off, casts, copies, dropout, the probabilities viewed as
+    # (B*H, Sq, Sk), @ v
+    cur, chain = softmax, nodes + around
+    if sinks is not None:
+        cur = sliced_off(softmax, shape_of(x)[-1])
+        if isinstance(cur, Unmatched):
+            return cur
+        chain.append(cur)
     nxt = only_user(cur)
     while (is_op(nxt, A.dropout.default) or (nxt is not None and cast_dtype(nxt) is not None) or copies(nxt)
            or (is_op(nxt, *VIEWS) and merges(cur, nxt))):
@@ -424,5 +439,7 @@ def match_softmax(softmax: fx.Node, order: dict) -> Match | Unmatched:
     m.chain += chain + [product]
     m = fill_operands(m, q, kt, v)
     if isinstance(m, Match):
-        fold_masks(m, tuple(views[0]) + shape_of(softmax)[-2:] if views else shape_of(softmax))
+        fold_masks(m, tuple(views[0]) + shape_of(x)[-2:] if views else shape_of(x))
+        if sinks is not None:  # rows the masks hide entirely give the sink all their weight: out 0, as the op's
+            m.uniform_rows = m.zero_rows = False
     return m

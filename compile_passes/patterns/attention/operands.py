@@ -63,6 +63,7 @@ class Match:
     uniform_rows: bool = False  # rows the parts (finite overwrites) hide entirely average v (masks.py)
     zero_rows: bool = False  # the model's scores less q @ k^T as attn_bias, q = 0 where they are all (rewrite.py)
     alibi: Any = None  # alibi.Alibi: the op's alibi_slopes, proven from a term of the scores
+    sinks: Any = None  # Operand of the op's sinks (H,): a column joined to the scores (sinks.py)
     notes: list = field(default_factory=list)  # why a term that looks like ALiBi stayed attn_bias
     chain: list = field(default_factory=list)  # nodes the op makes dead (in-place ones included)
 

@@ -180,8 +180,9 @@ def _replace(gm: fx.GraphModule, m: Match) -> Unmatched | None:
             bias = _emit(g, at, A.unsqueeze.default, bias, 0)
     seed = _seed(g, at, q) if m.dropout_p > 0 else None
     slopes = _slopes(g, at, m, q)
+    sinks = None if m.sinks is None else _build(g, at, m.sinks)
     w = m.window
-    node = call_checked(g, at, FLASH.attention.default, (q, k, v, bias, seed, slopes),
+    node = call_checked(g, at, FLASH.attention.default, (q, k, v, bias, seed, slopes, sinks),
                         {"scale": m.scale, "causal": w.right == 0, "window_left": w.left,
                          "window_right": w.right if w.right > 0 else -1,
                          "softcap": m.softcap, "dropout_p": m.dropout_p})
