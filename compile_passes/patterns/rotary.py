@@ -12,6 +12,9 @@ reads each table's first half, `cos[..., :rd/2]` (every other column for GPT-J),
 per-token (B or 1, S, rd/2) or (S, rd/2) table. x is (B, H, S, D) with tables broadcast
 over the heads, or (B, S, H, D) (GPT-J), which the op reads through a transposed view.
 
+The halves written out (gpt-oss): `cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)` with x1, x2
+the halves of x (chunk or slices) and c, s tables of one column per pair, read as they are.
+
 The complex spelling of Meta's LLaMA (also torchtitan, Llama 4): anchor `view_as_real(xc * f)`
 with xc = view_as_complex(x.float().reshape(..., D/2, 2)) and f a complex table, then
 flattened back to x's shape (and cast to x's dtype). Multiplying by a + ib turns each
@@ -173,6 +176,49 @@ def _match(rot: fx.Node) -> Match | Unmatched | None:
             return Unmatched(f"{name} is not proven to repeat its halves ({how} computed in the graph); "
                              f"a table whose halves differ is not a rotation of pairs")
     return Match(x, cos, sin, interleaved, out)
+
+
+def _half_part(n: Any) -> tuple[fx.Node, int] | None:
+    """(x, which) when n is x's first (0) or second (1) half along the last dim."""
+    for which in (0, 1):
+        x = _half(n, which)
+        if x is not None:
+            return x, which
+    return None
+
+
+def _match_half_products(cat: fx.Node) -> Match | Unmatched | None:
+    """cat((x1 * c - x2 * s, x2 * c + x1 * s), -1), x1 and x2 the halves of x, c and s tables
+    of rd/2 columns (gpt-oss's _apply_rotary_emb); None when cat is not two such terms."""
+    if not (last_dim(arg(cat, "dim", 0), val(cat).dim()) and len(cat.args[0]) == 2):
+        return None
+    first, second = cat.args[0]
+    if (not (is_op(first, A.sub.Tensor) and is_op(second, A.add.Tensor))
+            or any(n.kwargs.get("alpha", 1) != 1 for n in (first, second))):
+        return None
+    products = []  # (x, which half, the table) of x1 * c, x2 * s, then the second term's two
+    for term in (first, second):
+        for p in term.args[:2]:
+            if not is_op(p, A.mul.Tensor):
+                return None
+            a, b = p.args[:2]
+            half = _half_part(a) if isinstance(a, fx.Node) else None
+            half, table = (half, b) if half is not None else (_half_part(b) if isinstance(b, fx.Node) else None, a)
+            if half is None or not isinstance(table, fx.Node):
+                return None
+            products.append((*half, table))
+    x = products[0][0]
+    if not all(same_value(p[0], x) for p in products):
+        return Unmatched("the products take halves of different tensors")
+    (_, w0, c), (_, w1, s) = products[:2]
+    second_term = {(w, t) for _, w, t in products[2:]}
+    ok = (w0, w1) == (0, 1) and any(w == 1 and same_value(t, c) for w, t in second_term) and any(
+        w == 0 and same_value(t, s) for w, t in second_term)
+    if not ok:
+        return Unmatched("the half products are not the rotation (x1 * c - x2 * s, x2 * c + x1 * s)")
+    if not (known_equal(2 * val(c).shape[-1], val(x).shape[-1]) and known_equal(2 * val(s).shape[-1], val(x).shape[-1])):
+        return Unmatched("cos/sin do not have one column per pair of x's halves")
+    return Match(x, c, s, False, cat, halves=False)
 
 
 def _pair_source(pairs: Any) -> fx.Node | None:
@@ -360,6 +406,8 @@ def rewrite(gm: fx.GraphModule, report: Report) -> None:
         m = _match_complex(n, gm.graph) if anchor == "view_as_real" else _match(n)
         if m is None and anchor == "rotate_every_two":
             m, anchor = _match_pairs(n, gm.graph), "stack of pair products"
+        if m is None and anchor == "rotate_half":
+            m, anchor = _match_half_products(n), "cat of half products"
         if m is None:
             continue
         # where x * cos + rotate(x) * sin is written, which tells q from k

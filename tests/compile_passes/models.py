@@ -187,13 +187,14 @@ class RotaryQK(nn.Module):
     rotate x[..., :rd], pass the rest; an (S, rd) table), "gptj" (sin/cos table gathered by
     position, repeat_interleave, rotate_every_two on (B, S, H, D)); as Meta's LLaMA does,
     "meta" (a complex freqs_cis buffer, complex products on (B, S, H, D)); and as torchtune
-    does, "torchtune" (the same products in real arithmetic, a (S, D/2, 2) cos/sin cache).
+    does, "torchtune" (the same products in real arithmetic, a (S, D/2, 2) cos/sin cache); as
+    gpt-oss does, "gptoss" (the halves' products written out, (1, 1, S, D/2) tables).
     Returns q and k as (B, H, S, D)."""
 
     def __init__(self, d=32, heads=4, style="llama", partial=0.5):
         super().__init__()
         self.h, self.hd, self.style = heads, d // heads, style
-        self.rd = self.hd if style in ("llama", "meta", "torchtune") else int(self.hd * partial)
+        self.rd = self.hd if style in ("llama", "meta", "torchtune", "gptoss") else int(self.hd * partial)
         self.q, self.k = nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False)
         inv_freq = 1.0 / (10000 ** (torch.arange(0, self.rd, 2, dtype=torch.int64).float() / self.rd))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -224,6 +225,14 @@ class RotaryQK(nn.Module):
                 return torch.cat([t_rot * cos + rotate_every_two(t_rot) * sin, t_pass], dim=-1)
             return rope(q).transpose(1, 2), rope(k).transpose(1, 2)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
+        if self.style == "gptoss":
+            freqs = torch.outer(torch.arange(s, dtype=torch.float), self.inv_freq)
+            cos, sin = (t[None, None].to(x.dtype) for t in (freqs.cos(), freqs.sin()))
+
+            def halves(t):
+                t1, t2 = torch.chunk(t, 2, dim=-1)
+                return torch.cat((t1 * cos - t2 * sin, t2 * cos + t1 * sin), dim=-1)
+            return halves(q), halves(k)
         if self.style == "llama":
             cos, sin = (t.unsqueeze(1) for t in self._cos_sin(x, position_ids))
             return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

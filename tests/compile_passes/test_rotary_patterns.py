@@ -14,7 +14,7 @@ def _inputs(b=2, s=5, dtype=torch.float32):
     return torch.randn(b, s, 32, dtype=dtype), torch.arange(s)[None].expand(b, s)
 
 
-@pytest.mark.parametrize("style", ["llama", "neox", "gptj", "meta", "torchtune"])
+@pytest.mark.parametrize("style", ["llama", "neox", "gptj", "meta", "torchtune", "gptoss"])
 def test_train(style):
     torch.manual_seed(0)
     check_training(RotaryQK(style=style), *_inputs())
@@ -159,6 +159,22 @@ def test_explain_reasons():
     # learned tables: visible from the exported program's parameter placeholders
     ep = torch_flash.rewrite(torch.export.export(TableVariants(), args))
     assert not any(str(n.target).startswith("flash.") for n in ep.graph.nodes)
+
+
+def test_half_products_near_miss():
+    """The halves' products with the signs the other way round (a rotation by -angle spelled
+    with the wrong pairing) are no rotation of pairs: left, with the reason."""
+    def wrong(x, c, s):
+        x1, x2 = x.chunk(2, -1)
+        return torch.cat((x1 * c + x2 * s, x2 * s - x1 * c), -1)
+
+    def right_but_tables_swapped(x, c, s):
+        x1, x2 = x.chunk(2, -1)
+        return torch.cat((x1 * c - x2 * s, x2 * s + x1 * c), -1)
+    args = torch.randn(2, 3, 5, 8), torch.randn(5, 4), torch.randn(5, 4)
+    assert not torch_flash.explain(wrong, *args).sites  # no sub-then-add cat: not a candidate
+    (site,) = torch_flash.explain(right_but_tables_swapped, *args).sites
+    assert not site.rewritten and "not the rotation (x1 * c - x2 * s, x2 * c + x1 * s)" in site.reason
 
 
 @pytest.mark.parametrize("style", ["gptj", "meta", "torchtune"])
