@@ -205,6 +205,11 @@ MODELS = {
     "qwen2_moe": Spec("Qwen2MoeConfig", dict(DECODER, num_key_value_heads=2, num_experts=2, num_experts_per_tok=1,
                                              moe_intermediate_size=32, shared_expert_intermediate_size=32),
                       "Qwen2MoeForCausalLM", "causal", lambda c: _pre_norm(c, routers=True)),
+    # attention sinks, MoE with a router softmax, sliding window, the halves' rotary products
+    "gpt_oss": Spec("GptOssConfig", dict(DECODER, num_key_value_heads=2, head_dim=8, num_local_experts=2,
+                                         num_experts_per_tok=1, sliding_window=4,
+                                         rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+                    "GptOssForCausalLM", "causal", lambda c: _pre_norm(c, routers=True)),
     # fused qkv and gate-up projections
     "phi3": Spec("Phi3Config", dict(DECODER, num_key_value_heads=2, pad_token_id=0), "Phi3ForCausalLM", "causal",
                  _pre_norm),
