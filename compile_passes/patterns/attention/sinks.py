@@ -36,24 +36,25 @@ def row_max_shift(x: Any) -> tuple[Any, list[fx.Node]]:
     return (y, nodes) if ok else (x, [])
 
 
+def _uncast(n: Any, nodes: list) -> Any:
+    """n's input before any casts, the casts appended to nodes."""
+    while cast_dtype(n) is not None:
+        nodes.append(n)
+        n = n.args[0]
+    return n
+
+
 def _per_head(col: Any, shape: tuple) -> tuple[Operand, list[fx.Node]] | Unmatched:
     """The (H,) tensor a (B, H, Sq, 1) column repeats: expand(view(t, [1, H, 1, 1])), casts
     allowed around the view."""
-    nodes = []
     if not is_op(col, A.expand.default):
         return Unmatched("the column joined to the scores is not a per-head value expanded over the rows")
-    nodes.append(col)
-    cur = col.args[0]
-    while cast_dtype(cur) is not None:
-        nodes.append(cur)
-        cur = cur.args[0]
+    nodes = [col]
+    cur = _uncast(col.args[0], nodes)
     if not (is_op(cur, *VIEWS, A.unsqueeze.default) and same_shape(shape_of(cur), (1, shape[1], 1, 1))):
         return Unmatched("the column joined to the scores is not one value per head")
     nodes.append(cur)
-    src = cur.args[0]
-    while cast_dtype(src) is not None:
-        nodes.append(src)
-        src = src.args[0]
+    src = _uncast(cur.args[0], nodes)
     if not (isinstance(src, fx.Node) and val(src).dim() == 1 and same_shape(shape_of(src), (shape[1],))):
         return Unmatched("the column joined to the scores does not come from a (heads,) tensor")
     return Operand(src), nodes
