@@ -244,7 +244,8 @@ def _bwd_q_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, b
                  ALIBI: tl.constexpr, IS_CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
     """Accumulates dQ (unscaled) of one query block over the key blocks of one loop; lse2 in
-    log2 units, shifted per key block by _alibi_shift for ALiBi's rows ai and origin j0."""
+    log2 units, shifted by _alibi_shift for ALiBi's rows ai and origin j0: once by the caller
+    where the fold is fixed (causal), per key block here where it is not."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for r in range(0, n_blocks):
@@ -253,11 +254,15 @@ def _bwd_q_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, b
         k = _load_tile(k_base, offs_n, stride_kn, seq_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
         v = _load_tile(v_base, offs_n, stride_vn, seq_k, offs_dv, HEAD_DIM_V, BLOCK_DV, MASKED)
         qk = _dot(q, tl.trans(k), None, DOT_PREC)
-        fold = _alibi_fold(j0, start, ai.shape[0], BLOCK_N, IS_CAUSAL)
+        if ALIBI and not IS_CAUSAL:
+            fold = _alibi_fold(j0, start, ai.shape[0], BLOCK_N, IS_CAUSAL)
+            lse_tile = lse2 + _alibi_shift(ai, slope, fold, ALIBI)
+        else:
+            fold, lse_tile = 1.0, lse2
         s, t = _scores(qk, offs_m[:, None], offs_n[None, :], seq_q, seq_k, diag, window_left,
                        window_right, bias_base, stride_bm, stride_bn, qk_scale, softcap, slope, fold, ai[:, None],
                        _positions(start, j0, BLOCK_N)[None, :], BIAS_KIND, SOFTCAP, ALIBI, IS_CAUSAL, MASKED)
-        p = tl.math.exp2(s - (lse2 + _alibi_shift(ai, slope, fold, ALIBI))[:, None])
+        p = tl.math.exp2(s - lse_tile[:, None])
         dp = _dot(do, tl.trans(v), None, DOT_PREC)
         if DROPOUT:
             keep = _dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], dropout_p)
@@ -314,6 +319,8 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Bias, Seed, CuQ, CuK, Alibi,
     diag = seq_k - seq_q
     j0 = m0 + diag
     ai = _positions(m0 + diag, j0, BLOCK_M)
+    if ALIBI and IS_CAUSAL:
+        lse2 += _alibi_shift(ai, slope, 1.0, ALIBI)
     a, b_, c, hi = _key_ranges(m0, seq_q, seq_k, diag, window_left, window_right, BLOCK_M, BLOCK_N)
     for phase in tl.static_range(2):
         first, n_first, second, n_blocks = _loop_plan(phase == 0, a, b_, c, hi, BLOCK_N)
