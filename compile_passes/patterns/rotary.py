@@ -178,12 +178,16 @@ def _match(rot: fx.Node) -> Match | Unmatched | None:
     return Match(x, cos, sin, interleaved, out)
 
 
-def _half_part(n: Any) -> tuple[fx.Node, int] | None:
-    """(x, which) when n is x's first (0) or second (1) half along the last dim."""
-    for which in (0, 1):
-        x = _half(n, which)
-        if x is not None:
-            return x, which
+def _half_times_table(p: Any) -> tuple[fx.Node, int, fx.Node] | None:
+    """(x, which half, table) when p is x's first (0) or second (1) half along the last dim
+    times a table, in either order."""
+    if not is_op(p, A.mul.Tensor):
+        return None
+    for h, table in (p.args[:2], p.args[1::-1]):
+        for which in (0, 1):
+            x = _half(h, which) if isinstance(h, fx.Node) else None
+            if x is not None and isinstance(table, fx.Node):
+                return x, which, table
     return None
 
 
@@ -196,25 +200,18 @@ def _match_half_products(cat: fx.Node) -> Match | Unmatched | None:
     if (not (is_op(first, A.sub.Tensor) and is_op(second, A.add.Tensor))
             or any(n.kwargs.get("alpha", 1) != 1 for n in (first, second))):
         return None
-    products = []  # (x, which half, the table) of x1 * c, x2 * s, then the second term's two
-    for term in (first, second):
-        for p in term.args[:2]:
-            if not is_op(p, A.mul.Tensor):
-                return None
-            a, b = p.args[:2]
-            half = _half_part(a) if isinstance(a, fx.Node) else None
-            half, table = (half, b) if half is not None else (_half_part(b) if isinstance(b, fx.Node) else None, a)
-            if half is None or not isinstance(table, fx.Node):
-                return None
-            products.append((*half, table))
+    # (x, which half, the table) of x1 * c, x2 * s, then the second term's two in either order
+    products = [_half_times_table(p) for term in (first, second) for p in term.args[:2]]
+    if None in products:
+        return None
     x = products[0][0]
     if not all(same_value(p[0], x) for p in products):
         return Unmatched("the products take halves of different tensors")
     (_, w0, c), (_, w1, s) = products[:2]
-    second_term = {(w, t) for _, w, t in products[2:]}
-    ok = (w0, w1) == (0, 1) and any(w == 1 and same_value(t, c) for w, t in second_term) and any(
-        w == 0 and same_value(t, s) for w, t in second_term)
-    if not ok:
+
+    def in_second(which, table):
+        return any(w == which and same_value(t, table) for _, w, t in products[2:])
+    if (w0, w1) != (0, 1) or not (in_second(1, c) and in_second(0, s)):
         return Unmatched("the half products are not the rotation (x1 * c - x2 * s, x2 * c + x1 * s)")
     if not (known_equal(2 * val(c).shape[-1], val(x).shape[-1]) and known_equal(2 * val(s).shape[-1], val(x).shape[-1])):
         return Unmatched("cos/sin do not have one column per pair of x's halves")
