@@ -16,8 +16,6 @@ Writes host_overhead.json; `python scripts/host_overhead.py --plot RESULTS.json 
 from __future__ import annotations
 
 import cProfile
-import importlib
-import importlib.metadata
 import io
 import json
 import pstats
@@ -30,21 +28,13 @@ import torch.nn.functional as F
 import triton.testing
 
 import torch_flash
-from torch_flash.bench._common import env_info, out_dir
+from torch_flash.bench._common import env_info, optional_peer, out_dir
 from torch_flash.kernels.triton import launch as launch_mod
 from torch_flash.ops import _autograd
 from torch_flash.ops import cross_entropy as ce_ops
 
 CALLS, ROUNDS = 300, 7
 dev, bf16 = "cuda", torch.bfloat16
-
-
-def _optional(module: str, name: str):
-    try:
-        return getattr(importlib.import_module(module), name)
-    except Exception as e:  # not installed, or broken on this machine (quack's LCE on torch 2.11)
-        print(f"{module}.{name}: unavailable ({type(e).__name__}: {str(e)[:120]})", flush=True)
-        return None
 
 
 def _grad(f, *leaves):
@@ -85,18 +75,18 @@ def cases() -> dict[str, dict]:
     kc, vc = (torch.randn(1, 2, 256, 64, device=dev, dtype=bf16) for _ in range(2))
     seqlens = torch.full((1,), 200, device=dev, dtype=torch.int32)
 
-    liger = {name: _optional(f"liger_kernel.ops.{mod}", name) for mod, name in (
+    liger = {name: optional_peer(f"liger_kernel.ops.{mod}", name) for mod, name in (
         ("rms_norm", "LigerRMSNormFunction"), ("layer_norm", "LigerLayerNormFunction"),
         ("cross_entropy", "LigerCrossEntropyFunction"), ("rope", "LigerRopeFunction"),
         ("fused_linear_cross_entropy", "LigerFusedLinearCrossEntropyFunction"))}
-    quack_rms = _optional("quack", "rmsnorm")
-    quack_ce = _optional("quack", "cross_entropy")
-    quack_ln = _optional("quack.rmsnorm", "layernorm_fwd")
-    quack_rot = _optional("quack.rotary", "apply_rotary_emb")
-    quack_lce = _optional("quack.linear_cross_entropy", "linear_cross_entropy_func")
-    fa4 = _optional("flash_attn.cute", "flash_attn_func")
-    fa4_varlen = _optional("flash_attn.cute", "flash_attn_varlen_func")
-    fa4_kv = _optional("flash_attn.cute", "flash_attn_with_kvcache")
+    quack_rms = optional_peer("quack", "rmsnorm")
+    quack_ce = optional_peer("quack", "cross_entropy")
+    quack_ln = optional_peer("quack.rmsnorm", "layernorm_fwd")
+    quack_rot = optional_peer("quack.rotary", "apply_rotary_emb")
+    quack_lce = optional_peer("quack.linear_cross_entropy", "linear_cross_entropy_func")
+    fa4 = optional_peer("flash_attn.cute", "flash_attn_func")
+    fa4_varlen = optional_peer("flash_attn.cute", "flash_attn_varlen_func")
+    fa4_kv = optional_peer("flash_attn.cute", "flash_attn_with_kvcache")
     k_rot = k[:, :2]
 
     def half_rot(t):
@@ -482,13 +472,7 @@ def main(out_dir: str) -> None:
     with open(f"{out_dir}/host_overhead_profile.txt", "w") as f:
         f.write(text.getvalue())
     with open(f"{out_dir}/host_overhead.json", "w") as f:
-        env = env_info()
-        for dist in ("quack-kernels", "flash-attn-4"):
-            try:
-                env[dist.replace("-", "_")] = importlib.metadata.version(dist)
-            except importlib.metadata.PackageNotFoundError:
-                pass
-        json.dump({"suite": "host_overhead", "env": env, "calls": CALLS, "rounds": ROUNDS, "layers": layer_times,
+        json.dump({"suite": "host_overhead", "env": env_info(), "calls": CALLS, "rounds": ROUNDS, "layers": layer_times,
                    "parts": part_times, "bound": bounds, "rows": rows}, f, indent=1)
 
 

@@ -71,13 +71,69 @@ def test_no_alternatives_no_rounds():
 # --------------------------------------------------------------------------------------
 # The suites themselves, on their CPU shapes under the Triton interpreter
 # --------------------------------------------------------------------------------------
+def _quack_stand_in(monkeypatch):
+    """A module `quack` with the functions the suites call, in torch, checking the calling
+    conventions of quack 0.6.5 (its kernels need a GPU and the CuTe DSL runtime)."""
+    import torch.nn.functional as F
+
+    def rmsnorm(x, weight=None, bias=None, residual=None, out_dtype=None, residual_dtype=None, eps=1e-6,
+                prenorm=False, weight_offset=0.0):
+        h = x if residual is None else x + residual
+        y = F.rms_norm(h, h.shape[-1:], weight, eps)
+        return (y, h) if prenorm else y
+
+    def layernorm_fwd(x, weight, bias=None, eps=1e-6, return_rstd=False, return_mean=False):
+        assert x.dim() == 2 and weight.dtype == torch.float32 and bias.dtype == torch.float32
+        h = x.float()
+        mean, rstd = h.mean(-1), torch.rsqrt(h.var(-1, unbiased=False) + eps)
+        y = ((h - mean[:, None]) * rstd[:, None] * weight + bias).to(x.dtype)
+        return (y, rstd, mean)[:1 + return_rstd + return_mean] if return_rstd or return_mean else y
+
+    def layernorm_bwd(x, weight, dout, rstd, mean, has_bias=True):
+        xhat = (x.float() - mean[:, None]) * rstd[:, None]
+        g = dout.float() * weight
+        dx = rstd[:, None] * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
+        return dx.to(x.dtype), (dout.float() * xhat).sum(0), dout.float().sum(0)
+
+    def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=None, cu_seqlens=None,
+                         max_seqlen=None):
+        b, s, h, d = x.shape  # (batch, seqlen, heads, head_dim), tables (seqlen, head_dim / 2)
+        assert cos.shape == sin.shape == (s, d // 2)
+        x1, x2 = x.float().chunk(2, -1)
+        c, n = cos[:, None], sin[:, None]
+        return torch.cat((x1 * c - x2 * n, x2 * c + x1 * n), -1).to(x.dtype)
+
+    def cross_entropy(x, target, lse_partial=None, weight=None, ignore_index=-100, reduction="mean",
+                      inplace_backward=False):
+        return F.cross_entropy(x.float(), target, ignore_index=ignore_index, reduction=reduction)
+
+    def chunked_linear_cross_entropy(x, weight, target, chunk_size=4096, ignore_index=-100, reduction="mean",
+                                     tuned=True, use_scaled_exp=None):
+        return cross_entropy(F.linear(x, weight), target, ignore_index=ignore_index, reduction=reduction)
+
+    modules = {"quack": dict(rmsnorm=rmsnorm, cross_entropy=cross_entropy),
+               "quack.rmsnorm": dict(layernorm_fwd=layernorm_fwd, layernorm_bwd=layernorm_bwd),
+               "quack.rotary": dict(apply_rotary_emb=apply_rotary_emb),
+               "quack.linear_cross_entropy": dict(chunked_linear_cross_entropy=chunked_linear_cross_entropy)}
+    for name, attrs in modules.items():
+        module = type(sys)(name)
+        module.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+# the suites with quack columns, and the impls that must be timed in them
+QUACK_SUITES = {"norm", "cross_entropy", "linear_cross_entropy", "rotary"}
+
+
 @pytest.mark.parametrize("suite", ["norm", "cross_entropy", "linear_cross_entropy", "rotary", "decode"])
 def test_suite_smoke_run_on_cpu(suite, tmp_path, monkeypatch):
     """`python -m torch_flash.bench SUITE` runs end to end where there is no GPU, on the Triton
     kernels (main() forces that backend there, not the reference path), and writes rows in
-    which every variant of ours has a time."""
+    which every variant of ours has a time; quack (a stand-in of its functions) is timed beside
+    them wherever the suite has it."""
     if torch.cuda.is_available():
         pytest.skip("with a GPU the suites run their full shapes")
+    _quack_stand_in(monkeypatch)
     mod = importlib.import_module(f"torch_flash.bench.{suite}")
     run, forced = mod.run, []
     monkeypatch.setattr(mod, "run", lambda args: forced.append(_dispatch.forced_backend()) or run(args))
@@ -88,6 +144,11 @@ def test_suite_smoke_run_on_cpu(suite, tmp_path, monkeypatch):
     rows = json.loads((tmp_path / f"{suite}.json").read_text())["rows"]
     ours = [r for r in rows if r["impl"].startswith("ours")]
     assert ours and all(r["ms"] is not None and r["ms"] > 0 for r in ours), rows
+    quack = [r for r in rows if r["impl"] == "quack" and r["ms"] is not None]
+    if suite in QUACK_SUITES:  # every op of the suite but add_layer_norm (quack has none), every pass
+        expected = {(r["op"], r["pass"]) for r in rows if r["op"] != "add_layer_norm"}
+        assert {(r["op"], r["pass"]) for r in quack} == expected, rows
+        assert all(r["ms"] > 0 for r in quack), quack
 
 
 def test_suites_refuse_cpu_without_the_interpreter(monkeypatch, capsys):

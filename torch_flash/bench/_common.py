@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
+import importlib.metadata
 import json
 import platform
 import statistics
@@ -10,6 +12,9 @@ import sys
 from typing import Callable
 
 import torch
+
+# the peer libraries whose versions every result records (None: not installed)
+PEERS = ("liger-kernel", "quack-kernels", "flash-attn-4")
 
 
 def over_retained_graphs(run: Callable) -> Callable:
@@ -44,13 +49,23 @@ def env_info() -> dict:
         info["triton"] = triton.__version__
     except ImportError:
         info["triton"] = None
-    try:
-        import liger_kernel  # noqa: F401
-        from importlib.metadata import version
-        info["liger_kernel"] = version("liger_kernel")
-    except Exception:
-        info["liger_kernel"] = None
+    for dist in PEERS:  # versions from the installed metadata: no import (quack's loads CuTe DSL)
+        try:
+            info[dist.replace("-", "_")] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            info[dist.replace("-", "_")] = None
     return info
+
+
+def optional_peer(module: str, name: str):
+    """module.name of a peer library, or None (said once, with why) where it is not installed
+    or fails to import here (quack needs its CuTe DSL runtime and a GPU it supports)."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except Exception as e:
+        print(f"{module}.{name}: unavailable ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})",
+              file=sys.stderr, flush=True)
+        return None
 
 
 MIN_SAMPLES = 20

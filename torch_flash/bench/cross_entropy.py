@@ -5,12 +5,14 @@ is ce_fwd then ce_bwd from the saved lse into a new dlogits, "ours-inplace" is c
 the gradient over the logits (Liger-style), "ours-inplace_backward" is the public
 torch_flash.cross_entropy(..., inplace_backward=True) through autograd (the backward writes the
 gradient over the logits: its peak_mb shows no logits-sized buffer); eager F.cross_entropy on logits upcast to fp32 (as
-HF models do), torch.compile of it, and Liger-Kernel's LigerCrossEntropyFunction where installed.
+HF models do), torch.compile of it, and Liger-Kernel's LigerCrossEntropyFunction and quack's
+cross_entropy where installed. On a GPU each pass is timed eagerly and as CUDA graph replay
+(timing "graph": the kernels alone, norm.TIMINGS); peak_mb comes with the eager rows.
 Bytes counted: the logits read once (forward), read twice and the gradient written once
 (forward+backward), whatever an implementation really moves; TB/s is set against a device copy
 timed in the same run. The backward is for an upstream gradient of 1 (loss.backward()).
 peak_mb: peak allocation beyond what existed before the call, outputs included.
-Rows: {op, shape, pass, impl, ms, tbps, peak_mb}.
+Rows: {op, shape, pass, timing, impl, ms, tbps, peak_mb}.
 """
 from __future__ import annotations
 
@@ -19,9 +21,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ._common import compile_fresh, copy_bandwidth, median_or_none, peak_memory, time_rounds
+from ._common import compile_fresh, copy_bandwidth, median_or_none, optional_peer, peak_memory, time_rounds
+from .norm import TIMINGS
 
-SHAPES = [(8192, 128256), (4096, 256000)]  # (tokens, vocabulary)
+SHAPES = [(8192, 128256), (4096, 256000), (32768, 32000)]  # (tokens, vocabulary)
 QUICK = [(2048, 32000)]
 CPU_SHAPES = [(4, 256)]  # smoke run under TRITON_INTERPRET=1
 # Vocabulary blocks tried for ours (fwd+bwd) on the first shape, to check the launch rule.
@@ -30,15 +33,15 @@ OPTIONS = dict(ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=0.0, 
 
 
 def measure(rows: list[dict], impls: dict[str, Callable[[], object] | None], nbytes: int | None,
-            **labels) -> None:
-    """Time each impl (None: not available; interleaved rounds, median ms) and its peak memory;
-    append one row per impl."""
+            graph: bool = False, **labels) -> None:
+    """Time each impl (None: not available; interleaved rounds, median ms; graph: CUDA graph
+    replay) and, timed eagerly, its peak memory; append one row per impl."""
     where = " ".join(str(v) for v in labels.values())
     print(where)
-    times = time_rounds({impl: fn for impl, fn in impls.items() if fn is not None})
+    times = time_rounds({impl: fn for impl, fn in impls.items() if fn is not None}, graph=graph)
     for impl, fn in impls.items():
         ms = median_or_none(times.get(impl))
-        peak = peak_memory(fn) / 2**20 if ms is not None and torch.cuda.is_available() else None
+        peak = peak_memory(fn) / 2**20 if ms is not None and torch.cuda.is_available() and not graph else None
         tbps = None if ms is None or nbytes is None else nbytes / (ms * 1e-3) / 1e12
         rows.append({**labels, "impl": impl, "ms": ms, "tbps": tbps, "peak_mb": peak})
         if ms is not None:
@@ -76,13 +79,14 @@ def no_grad(f: Callable, *inputs: torch.Tensor) -> Callable[[], object]:
 
 
 def plot_rows(data: dict, path: str, value: str, ylabel: str) -> None:
-    """Grouped bars of `value`: one panel per pass, shapes on the x axis, one bar per impl
-    (the block sweep, impl "ours[...]", is left out)."""
+    """Grouped bars of `value`: one panel per pass (and timing), shapes on the x axis, one bar
+    per impl (the block sweep, impl "ours[...]", is left out)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = [r for r in data["rows"] if "[" not in r["impl"] and r[value] is not None]
+    rows = [{**r, "pass": " ".join(filter(None, (r["pass"], r.get("timing"))))} for r in rows]
     passes = list(dict.fromkeys(r["pass"] for r in rows))
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     fig, axes = plt.subplots(1, len(passes), figsize=(5 * len(passes), 4), squeeze=False)
@@ -116,6 +120,11 @@ def _liger():
     return lambda x, t: LigerCrossEntropyFunction.apply(x, t, None)[0]
 
 
+def _quack():
+    ce = optional_peer("quack", "cross_entropy")
+    return None if ce is None else (lambda x, t: ce(x, t))
+
+
 def run(args) -> list[dict]:
     from ..kernels.triton.cross_entropy import ce_bwd, ce_fwd
     from ..ops.cross_entropy import cross_entropy
@@ -123,6 +132,7 @@ def run(args) -> list[dict]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = CPU_SHAPES if device == "cpu" else (QUICK if args.quick else SHAPES)
     liger = _liger()
+    quack = _quack()
     rows: list[dict] = []
     for n, v in shapes:
         compiled = compile_fresh(_eager)
@@ -154,16 +164,21 @@ def run(args) -> list[dict]:
         print(f"{n}x{v}: loss ours {got:.6f}, eager fp32 {ref:.6f}")
         nbytes = x.numel() * x.element_size()
         fwd = {"ours": lambda: ce_fwd(x, t, **OPTIONS), "eager": no_grad(_eager, x, t),
-               "compile": no_grad(compiled, x, t), "liger": None if liger is None else no_grad(liger, x_liger, t)}
-        measure(rows, fwd, nbytes, **labels, **{"pass": "fwd"})
+               "compile": no_grad(compiled, x, t), "liger": None if liger is None else no_grad(liger, x_liger, t),
+               "quack": None if quack is None else no_grad(quack, x, t)}
+        for timing in TIMINGS[device]:
+            measure(rows, fwd, nbytes, graph=timing == "graph", **labels, **{"pass": "fwd"}, timing=timing)
         copy_row(rows, nbytes, device, **labels, **{"pass": "fwd"})
         both = {"ours": ours, "ours-inplace": ours_inplace, "ours-inplace_backward": ours_inplace_backward,
                 "eager": with_grad(_eager, x, t),
                 "compile": with_grad(compiled, x, t),
-                "liger": None if liger is None else with_grad(liger, x_liger, t)}
-        if device == "cuda" and not args.quick and (n, v) == shapes[0]:
-            both.update({f"ours[block={b}]": (lambda b=b: ours(b)) for b in BLOCK_SWEEP})
-        measure(rows, both, 3 * nbytes, **labels, **{"pass": "fwd+bwd"})
+                "liger": None if liger is None else with_grad(liger, x_liger, t),
+                "quack": None if quack is None else with_grad(quack, x, t)}
+        sweep = ({f"ours[block={b}]": (lambda b=b: ours(b)) for b in BLOCK_SWEEP}
+                 if device == "cuda" and not args.quick and (n, v) == shapes[0] else {})
+        for timing in TIMINGS[device]:
+            measure(rows, {**both, **(sweep if timing == "eager" else {})}, 3 * nbytes, graph=timing == "graph",
+                    **labels, **{"pass": "fwd+bwd"}, timing=timing)
         copy_row(rows, 3 * nbytes, device, **labels, **{"pass": "fwd+bwd"})
         del x, x_ours, x_liger, source, logits_ib
     return rows

@@ -5,14 +5,15 @@ computes the gradients too and the backward hands them out, so fwd+bwd is timed 
 the forward with a graph then torch.autograd.grad; "fwd" runs the op without grad, which skips
 the gradients), ours compiled by torch.compile(backend="flash") (GPU only), eager
 F.linear then F.cross_entropy on the logits upcast to fp32 (HF), torch.compile of it, and
-Liger-Kernel's LigerFusedLinearCrossEntropyFunction where installed.
+Liger-Kernel's LigerFusedLinearCrossEntropyFunction and quack's chunked_linear_cross_entropy
+where installed. Timed eagerly only: calls of milliseconds, whose host cost is noise.
 "fwd+bwd, frozen lm-head" differentiates for the hidden states alone, as LoRA training does.
 No bias, mean reduction, upstream gradient 1. Compute-bound: ms and peak memory only (peak_mb:
 beyond what existed before the call, the gradients included). Rows: {op, shape, pass, impl, ms,
 tbps (None), peak_mb}.
 --targets: the target point (TARGET_SHAPE) alone, forward + backward in TARGET_ROUNDS rounds, each
 round's ratio to torch.compile kept (rows add vs_compile, round_ratios, rounds_faster and the
-targets' verdicts); ours also with chunk_size set to Liger's chunk ("ours, Liger's chunk"), the
+targets' verdicts, and quack's speed and memory where it ran); ours also with chunk_size set to Liger's chunk ("ours, Liger's chunk"), the
 same memory as Liger's.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch._library.triton import set_wrap_triton_enabled
 
-from ._common import compile_fresh, median_or_none, peak_memory, time_rounds
+from ._common import compile_fresh, median_or_none, optional_peer, peak_memory, time_rounds
 from .cross_entropy import measure, no_grad, plot_rows, with_grad
 
 # (tokens, hidden, vocabulary): LLaMA-3 8B's lm-head, then 70B's, whose 8192 tokens all fit
@@ -50,6 +51,12 @@ def _liger():
     except ImportError:
         return None
     return lambda h, w, t: LigerFusedLinearCrossEntropyFunction.apply(h, w, t)[0]
+
+
+def _quack():
+    """quack's fused (chunked) linear cross-entropy as f(h, w, t) where importable."""
+    lce = optional_peer("quack.linear_cross_entropy", "chunked_linear_cross_entropy")
+    return None if lce is None else (lambda h, w, t: lce(h, w, t))
 
 
 def _flash_compiled(op):
@@ -101,7 +108,7 @@ def run_targets(device: str) -> list[dict]:
     compiled = compile_fresh(_eager)
     ours = _ours(device)
     ours["ours, Liger's chunk"] = functools.partial(ours["ours"], chunk_size=_liger_chunk(n, hid, v))
-    impls = {**ours, "compile": compiled, "liger": _liger()}
+    impls = {**ours, "compile": compiled, "liger": _liger(), "quack": _quack()}
     fns = {k: with_grad(f, h, w, t) for k, f in impls.items() if f is not None}
     times = time_rounds(fns, rounds=TARGET_ROUNDS if device == "cuda" else 3)
     peaks = {k: peak_memory(fn) if device == "cuda" and times[k] else None for k, fn in fns.items()}
@@ -124,6 +131,10 @@ def run_targets(device: str) -> list[dict]:
     if peaks["ours"] is not None:
         ours["met_memory"] = peaks["ours"] <= TARGET_PEAK_BYTES
         ours["vs_liger_peak"] = None if not peaks.get("liger") else peaks["ours"] / peaks["liger"]
+    quack = next((r for r in rows if r["impl"] == "quack" and r["ms"] is not None), None)
+    if quack is not None and ours["ms"] is not None:
+        ours["vs_quack"] = quack["ms"] / ours["ms"]
+        ours["met_quack"] = ours["vs_quack"] >= 1.0 and (peaks["ours"] is None or peaks["ours"] <= peaks["quack"])
     return rows
 
 
@@ -135,7 +146,7 @@ def run(args) -> list[dict]:
     if getattr(args, "targets", False):
         return run_targets(device)
     shapes = CPU_SHAPES if device == "cpu" else (QUICK if args.quick else SHAPES)
-    liger = _liger()
+    liger, quack = _liger(), _quack()
     rows: list[dict] = []
     for n, hid, v in shapes:
         compiled = compile_fresh(_eager)
@@ -150,10 +161,11 @@ def run(args) -> list[dict]:
               f"loss ours {got:.6f}, eager {ref:.6f}")
         fwd = {**{k: no_grad(f, h, w, t) for k, f in ours.items()},
                "eager": no_grad(_eager, h, w, t), "compile": no_grad(compiled, h, w, t),
-               "liger": None if liger is None else no_grad(liger, h, w, t)}
+               "liger": None if liger is None else no_grad(liger, h, w, t),
+               "quack": None if quack is None else no_grad(quack, h, w, t)}
         measure(rows, fwd, None, **labels, **{"pass": "fwd"})
         for pass_, frozen in (("fwd+bwd", ()), ("fwd+bwd, frozen lm-head", (1,))):
-            impls = {**ours, "eager": _eager, "compile": compiled, "liger": liger}
+            impls = {**ours, "eager": _eager, "compile": compiled, "liger": liger, "quack": quack}
             measure(rows, {k: None if f is None else with_grad(f, h, w, t, frozen=frozen) for k, f in impls.items()},
                     None, **labels, **{"pass": pass_})
     return rows

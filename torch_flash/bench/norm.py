@@ -3,10 +3,13 @@
 
 Implementations: ours (the Triton launchers of torch_flash/kernels/triton/norm.py), eager
 (F.rms_norm / F.layer_norm after the add), torch.compile of the naive model code (on CPU, a
-smoke run, with backend="aot_eager"), and Liger-Kernel where it is installed (no fused-residual
-LayerNorm there). Bytes moved = each input read once + each output written once; GB/s is set
-against a device copy of the same byte count timed in the same run (the ceiling).
-Rows: {op, shape, pass, impl, ms, gbps, frac_of_copy}.
+smoke run, with backend="aot_eager"), Liger-Kernel and quack where installed (neither has a
+fused-residual LayerNorm; quack's LayerNorm has no autograd: its forward and backward functions
+are timed). Widths 64 to 65536 at 2^27 elements (2^26 at 16384). Bytes moved = each input read
+once + each output written once; GB/s is set against a device copy of the same byte count timed
+in the same run (the ceiling). On a GPU every pass is timed twice: "eager" (calls back to back,
+the host's launch cost included) and "graph" (CUDA graph replay: the kernels alone).
+Rows: {op, shape, pass, timing, impl, ms, gbps, frac_of_copy}.
 """
 from __future__ import annotations
 
@@ -16,12 +19,16 @@ import torch
 import torch.nn.functional as F
 
 from ..testing.llama import rms_norm as _naive_rms  # HF LlamaRMSNorm
-from ._common import compile_fresh, copy_bandwidth, median_or_none, over_retained_graphs, time_rounds
+from ._common import (compile_fresh, copy_bandwidth, median_or_none, optional_peer, over_retained_graphs,
+                      report_unavailable, time_rounds)
 
-SHAPES = [(32768, 4096), (65536, 1024), (4096, 8192)]
+SHAPES = [(1 << 21, 64), (1 << 19, 256), (65536, 1024), (32768, 4096), (16384, 8192), (4096, 16384),
+          (2048, 65536)]
 QUICK = [(4096, 1024)]
 CPU_SHAPES = [(8, 256)]  # smoke run under TRITON_INTERPRET=1
 EPS = 1e-6
+# eager: calls back to back (host cost included); graph: CUDA graph replay (the kernels alone)
+TIMINGS = {"cuda": ("eager", "graph"), "cpu": ("eager",)}
 
 
 def time_impls(rows: list[dict], impls: dict[str, Callable[[], object] | None], nbytes: int, device: str,
@@ -50,6 +57,7 @@ def plot_bars(data: dict, path: str, panel_keys: tuple[str, ...]) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in data["rows"] if r["impl"] != "copy"]
+    panel_keys = tuple(k for k in panel_keys if any(k in r for r in rows))  # older runs: no timing
     panels = list(dict.fromkeys(tuple(r[k] for k in panel_keys) for r in rows))  # in run order
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     cols = min(len(panels), 4)
@@ -120,6 +128,28 @@ def _liger(is_rms: bool, residual: bool):
     return None
 
 
+def _quack(is_rms: bool, residual: bool, inputs: list, grads):
+    """quack's (forward, backward) for this norm, None where it has none (fused-residual
+    LayerNorm) or is not importable. Its LayerNorm is two functions without autograd (fp32
+    weight and bias), timed as such; its RMSNorm an autograd function, as autograd_pair times it."""
+    if is_rms:
+        rmsnorm = optional_peer("quack", "rmsnorm")
+        if rmsnorm is None:
+            return None
+        return autograd_pair(lambda x, r, w, b: rmsnorm(x, w, residual=r, eps=EPS, prenorm=residual), inputs, grads)
+    fwd, bwd = optional_peer("quack.rmsnorm", "layernorm_fwd"), optional_peer("quack.rmsnorm", "layernorm_bwd")
+    if residual or fwd is None or bwd is None:
+        return None
+    x, _, w, b = inputs
+    w32, b32 = w.float(), b.float()
+    try:  # the statistics its backward reads
+        _, rstd, mean = fwd(x, w32, b32, EPS, return_rstd=True, return_mean=True)
+    except Exception as e:  # e.g. no GPU it supports
+        report_unavailable("quack", e)
+        return None
+    return (lambda: fwd(x, w32, b32, EPS), lambda: bwd(x, w32, grads, rstd, mean))
+
+
 def autograd_pair(f, inputs: list, grads):
     """(forward without a graph, backward through one recorded forward) of a differentiable f
     of `inputs` (None entries pass through); grads matches f's output(s)."""
@@ -175,7 +205,8 @@ def run(args) -> list[dict]:
             inputs = [x, r, w, b]
             pairs = {"eager": autograd_pair(_eager(is_rms), inputs, grads),
                      "compile": autograd_pair(compiled, inputs, grads),
-                     "liger": None if liger is None else autograd_pair(liger, inputs, grads)}
+                     "liger": None if liger is None else autograd_pair(liger, inputs, grads),
+                     "quack": _quack(is_rms, residual, inputs, grads)}
             # the backward as autograd runs it: on the normalised tensor (x + r with a residual),
             # LayerNorm's reading the forward's saved mean/rstd
             _, h, *stats = norm_fwd(x, w, b, r, residual_in_fp32=False, stats=True, **kw)
@@ -191,9 +222,11 @@ def run(args) -> list[dict]:
             bwd_bytes = (3 + residual) * m * n * e + (1 + params) * n * e  # dy (, dresidual), x: in; dx: out
             for pass_, i, nbytes in (("forward", 0, fwd_bytes), ("backward", 1, bwd_bytes)):
                 impls = {"ours": ours[i], **{k: None if p is None else p[i] for k, p in pairs.items()}}
-                time_impls(rows, impls, nbytes, device, op=op, shape=list(shape), **{"pass": pass_})
+                for timing in TIMINGS[device]:
+                    time_impls(rows, impls, nbytes, device, graph=timing == "graph", op=op, shape=list(shape),
+                               timing=timing, **{"pass": pass_})
     return rows
 
 
 def plot(data: dict, path: str) -> None:
-    plot_bars(data, path, ("op", "pass"))
+    plot_bars(data, path, ("op", "pass", "timing"))

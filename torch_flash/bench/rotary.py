@@ -5,17 +5,19 @@ LLaMA-7B-like heads (32 q and 32 k heads of 128), q and k as the (B, H, S, D) vi
 torch_flash/kernels/triton/rotary.py, once per tensor ("ours", as flash.rotary twice) or q and
 k in one launch ("ours_qk", as flash.rotary_qk), each out of place and in place ("_inplace",
 as flash.rotary_ / flash.rotary_qk_); eager HF `q * cos + rotate_half(q) * sin`,
-torch.compile of it, Liger-Kernel's liger_rotary_pos_emb where installed. The backward of
-ours is the conjugate rotation of the gradients. Bytes moved = q and k read and written once,
-plus the (S, rd/2) fp32 cos/sin tables.
+torch.compile of it, Liger-Kernel's liger_rotary_pos_emb and quack's apply_rotary_emb (on the
+(B, S, H, D) tensors, once each for q and k) where installed. The backward of ours is the
+conjugate rotation of the gradients. Bytes moved = q and k read and written once, plus the
+(S, rd/2) fp32 cos/sin tables. On a GPU each pass is timed eagerly and as CUDA graph replay
+(norm.TIMINGS).
 """
 from __future__ import annotations
 
 import torch
 
 from ..testing.llama import rotate_half
-from ._common import compile_fresh
-from .norm import autograd_pair, plot_bars, time_impls
+from ._common import compile_fresh, optional_peer
+from .norm import TIMINGS, autograd_pair, plot_bars, time_impls
 
 HEADS, HEAD_DIM = 32, 128
 SHAPES = [(1, 4096), (4, 4096), (1, 16384)]  # (batch, seqlen)
@@ -36,6 +38,15 @@ def _liger():
     return lambda q, k, cos, sin: liger_rotary_pos_emb(q, k, cos[None], sin[None])
 
 
+def _quack():
+    """quack's rotary as f(q, k, cos, sin) on (B, H, S, D) views of (B, S, H, D) tensors and
+    (S, D/2) tables, returning (B, S, H, D) results; None where not importable."""
+    rotary = optional_peer("quack.rotary", "apply_rotary_emb")
+    if rotary is None:
+        return None
+    return lambda q, k, cos, sin: (rotary(q.transpose(1, 2), cos, sin), rotary(k.transpose(1, 2), cos, sin))
+
+
 def run(args) -> list[dict]:
     from ..kernels.triton.rotary import rotary_apply, rotary_apply_qk
 
@@ -43,6 +54,7 @@ def run(args) -> list[dict]:
     shapes = CPU_SHAPES if device == "cpu" else (QUICK if args.quick else SHAPES)
     heads = 2 if device == "cpu" else HEADS
     liger = _liger()
+    quack = _quack()
     rows: list[dict] = []
     for batch, seqlen in shapes:
         compiled = compile_fresh(_hf_rope)
@@ -66,6 +78,8 @@ def run(args) -> list[dict]:
         pairs = {name: None if f is None else autograd_pair(
                      lambda a, b, f=f: f(a, b, cos_full, sin_full), [q, k], (gq, gk))
                  for name, f in (("eager", _hf_rope), ("compile", compiled), ("liger", liger))}
+        pairs["quack"] = None if quack is None else autograd_pair(
+            lambda a, b: quack(a, b, cos, sin), [q, k], (gq.transpose(1, 2), gk.transpose(1, 2)))
         # in place rotates the same buffers again on every call: fine for timing
         qi, ki, gqi, gki = (t.clone() for t in (q, k, gq, gk))
         impls: dict[str, dict] = {"forward": {}, "backward": {}}
@@ -77,10 +91,11 @@ def run(args) -> list[dict]:
         nbytes = 2 * (q.numel() + k.numel()) * q.element_size() + 2 * cos.numel() * cos.element_size()
         for pass_, i in (("forward", 0), ("backward", 1)):
             timed = {**impls[pass_], **{name: None if p is None else p[i] for name, p in pairs.items()}}
-            time_impls(rows, timed, nbytes, device, op="rotary", shape=[batch, heads, seqlen, HEAD_DIM],
-                       **{"pass": pass_})
+            for timing in TIMINGS[device]:
+                time_impls(rows, timed, nbytes, device, graph=timing == "graph", op="rotary",
+                           shape=[batch, heads, seqlen, HEAD_DIM], timing=timing, **{"pass": pass_})
     return rows
 
 
 def plot(data: dict, path: str) -> None:
-    plot_bars(data, path, ("op", "pass"))
+    plot_bars(data, path, ("op", "pass", "timing"))
