@@ -63,6 +63,10 @@ class _Retracer(fx.Interpreter):
             with self._set_current_node(n):
                 args, kwargs = self.fetch_args_kwargs_from_env(n)
                 return _record_whole(n, args, kwargs)
+        if n.op == "call_function" and n.target is _CHECKPOINT:
+            with self._set_current_node(n):
+                args, kwargs = self.fetch_args_kwargs_from_env(n)
+                return _record_checkpoint(args, kwargs)
         return super().run_node(n)
 
 
@@ -112,6 +116,37 @@ def _record_whole(n: fx.Node, args: tuple, kwargs: dict):
             tracer.root.register_module(name, arg)
     proxy_args, proxy_kwargs = tree_map(tracer.unwrap_proxy, (args, kwargs))
     proxy = tracer.create_proxy(n.op, n.target, proxy_args, proxy_kwargs)
+    return track_tensor_tree(out, proxy, constant=None, tracer=tracer)
+
+
+# torch.utils.checkpoint under Dynamo: one node running its region's subgraph (graph.WRAPS)
+_CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
+
+
+def _record_checkpoint(args: tuple, kwargs: dict):
+    """A checkpointed region recorded as one node whose subgraph is retraced to pre-dispatch
+    ATen (rewrite_graph then rewrites inside it, and AOTAutograd recomputes its flash ops in
+    the backward as it did the model's). torch's own pre-dispatch rule for the op fails on a
+    region without a context_fn (KeyError '_checkpoint_context_fn', torch 2.13)."""
+    from torch._higher_order_ops.utils import reenter_make_fx
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, track_tensor_tree
+    from torch.utils._pytree import tree_map
+
+    body, operands = args[0], args[1:]
+    mode = get_proxy_mode()
+    if mode is None:
+        return _CHECKPOINT(*args, **kwargs)
+    with disable_proxy_modes_tracing(), torch._C.DisableTorchFunction():
+        out = fx.Interpreter(body).run(*operands)  # the values, on the fake inputs
+    body_aten = reenter_make_fx(_Retracer(body).run)(*operands)
+    if "_checkpoint_context_fn" in body.meta:  # selective checkpointing's policy
+        body_aten.meta["_checkpoint_context_fn"] = body.meta["_checkpoint_context_fn"]
+    tracer = mode.tracer
+    name = tracer.get_fresh_qualname("wrap_body")
+    tracer.root.register_module(name, body_aten)
+    proxy_args, proxy_kwargs = tree_map(tracer.unwrap_proxy, (operands, kwargs))
+    proxy = tracer.create_proxy("call_function", _CHECKPOINT, (tracer.unwrap_proxy(body_aten), *proxy_args),
+                                proxy_kwargs)
     return track_tensor_tree(out, proxy, constant=None, tracer=tracer)
 
 

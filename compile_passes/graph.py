@@ -94,8 +94,10 @@ def location(node: fx.Node) -> str:
 
 
 # export's spelling of a region under another grad or autocast mode (`@torch.no_grad()`,
-# `torch.autocast(enabled=False)`): one node that runs a subgraph, its outputs read by getitem
-WRAPS = (torch.ops.higher_order.wrap_with_set_grad_enabled, torch.ops.higher_order.wrap_with_autocast)
+# `torch.autocast(enabled=False)`), and a region of torch.utils.checkpoint: one node that runs
+# a subgraph, its outputs read by getitem
+WRAPS = (torch.ops.higher_order.wrap_with_set_grad_enabled, torch.ops.higher_order.wrap_with_autocast,
+         torch.ops.higher_order.tag_activation_checkpoint)
 # Node meta of a WRAPS subgraph's placeholder: the node of the outer graph the wrap passes for it.
 WRAPPED_ARG = "flash_wrapped_arg"
 
@@ -126,6 +128,8 @@ def wraps_of(gm: fx.GraphModule) -> list[fx.Node]:
 def wrap_name(wrap: fx.Node) -> str:
     """The wrap as a user reads it: its op and mode arguments, `wrap_with_autocast(cpu, torch.bfloat16,
     True, False)` (device, dtype, enabled, cache) or `wrap_with_set_grad_enabled(False)`."""
+    if wrap.target is torch.ops.higher_order.tag_activation_checkpoint:
+        return "a torch.utils.checkpoint region"
     mode = ", ".join(str(a) for a in wrap.args[:_subgraph_arg(wrap)])
     return f"{wrap.target.__name__}({mode})"
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..graph import (A, cast_dtype, dtype_of, getitem, insert_call, is_op, last_dim, location, only_user,
+from ..graph import (WRAPPED_ARG, A, cast_dtype, dtype_of, getitem, insert_call, is_op, last_dim, location, only_user,
                      other_operand, split_const, val, wrapped_output)
 from ..report import Report, Site
 from ._shared import (HALF, RESHAPES, Unmatched, arg, call_checked, conclude, keeps_rows, known_equal, learned,
@@ -124,7 +124,10 @@ def _rotated(rot: fx.Node) -> tuple[fx.Node, bool] | None:
 def _table_source(n: fx.Node) -> fx.Node | None:
     """The input of an op that maps each row of it to a row of its output, the same function
     applied to every element (casts, cos/sin, scaling by a constant) or moving rows whole; for
-    an output of a region export wraps (tables made under no_grad), where it is computed."""
+    an output of a region export wraps (tables made under no_grad), where it is computed; for
+    an input of a wrapped region (a checkpointed layer), what the wrap passes."""
+    if n.op == "placeholder" and isinstance(n.meta.get(WRAPPED_ARG), fx.Node):
+        return n.meta[WRAPPED_ARG]
     if keeps_rows(n) or cast_dtype(n) is not None or is_op(n, *UNARY):
         return n.args[0]
     if is_op(n, A.mul.Tensor, A.div.Tensor):
