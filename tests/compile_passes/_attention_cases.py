@@ -12,16 +12,18 @@ B, H, KV, S, D = 2, 4, 2, 6, 8
 INF = float("-inf")
 
 
-def _compile(fn, **compile_kwargs):
+def _compile(fn, report=None, **compile_kwargs):
     """fn compiled with the attention rewrite only; the rewritten graphs run eagerly (no
-    Inductor: fast on CPU, and autograd runs the flash op's own backward)."""
+    Inductor: fast on CPU, and autograd runs the flash op's own backward). report: a
+    compile_passes.Report the attention sites are added to as the first call compiles (what
+    explain reports of that family, without a second trace)."""
     graphs = []
 
     def inner(gm, example_inputs):
         graphs.append(gm)
         return gm.forward
 
-    backend = torch_flash.backend(ops=["attention"], inner=inner)
+    backend = torch_flash.backend(ops=["attention"], inner=inner, report=report)
     return torch.compile(fn, backend=backend, **compile_kwargs), graphs
 
 
