@@ -7,7 +7,7 @@ from typing import Iterable
 
 import torch.fx as fx
 
-from .graph import normalize, subgraph, wrap_name, wrapped_args, wraps_of
+from .graph import normalize, regions_of, wrapped_args
 from .patterns import FAMILIES
 from .report import Report, Site
 
@@ -16,7 +16,7 @@ __all__ = ["FAMILIES", "Report", "Site", "rewrite_graph"]
 
 def rewrite_graph(gm: fx.GraphModule, families: Iterable[str] | None = None) -> Report:
     """Rewrite gm in place with the chosen families (all by default), and the subgraphs of its
-    wrapped regions (graph.WRAPS) alike; returns the report, the sites in a region named by it."""
+    regions (graph.regions) alike; returns the report, the sites in a region named by it."""
     chosen = list(FAMILIES) if families is None else list(families)
     unknown = set(chosen) - set(FAMILIES)
     if unknown:
@@ -26,13 +26,13 @@ def rewrite_graph(gm: fx.GraphModule, families: Iterable[str] | None = None) -> 
     for fam in chosen:
         for rewrite in FAMILIES[fam]:
             rewrite(gm, report)
-    # a region export keeps under another autocast or grad mode is a subgraph of its own:
-    # rewritten in place, so its flash ops run under the wrap's mode as the model's ops did
-    for wrap in wraps_of(gm):
-        with wrapped_args(wrap):
-            inner = rewrite_graph(subgraph(wrap), chosen)
+    # a region (under another autocast or grad mode, checkpointed, a branch of torch.cond) is a
+    # subgraph of its own: rewritten in place, so its flash ops run as the model's ops did there
+    for name, sub, outer in regions_of(gm):
+        with wrapped_args(sub, outer):
+            inner = rewrite_graph(sub, chosen)
         for site in inner.sites:
-            site.reason = f"inside {wrap_name(wrap)}" + (f": {site.reason}" if site.reason else "")
+            site.reason = f"inside {name}" + (f": {site.reason}" if site.reason else "")
         report.extend(inner)
     gm.graph.eliminate_dead_code()
     gm.graph.lint()

@@ -67,6 +67,12 @@ class _Retracer(fx.Interpreter):
             with self._set_current_node(n):
                 args, kwargs = self.fetch_args_kwargs_from_env(n)
                 return _record_checkpoint(args, kwargs)
+        if n.op == "call_function" and n.target is _NESTED_REGION:
+            # (subgraph, identifier, *operands): its ops recorded inline, where the patterns see
+            # them (the region's one-compile saving is lost; its results are the same)
+            with self._set_current_node(n):
+                args, _ = self.fetch_args_kwargs_from_env(n)
+                return _Retracer(args[0]).run(*args[2:])
         return super().run_node(n)
 
 
@@ -121,6 +127,9 @@ def _record_whole(n: fx.Node, args: tuple, kwargs: dict):
 
 # torch.utils.checkpoint under Dynamo: one node running its region's subgraph (graph.WRAPS)
 _CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
+# torch.compiler.nested_compile_region: a subgraph compiled once for its calls; retraced whole,
+# Inductor failed on the pre-dispatch subgraph ("both a fallback and a decomp", torch 2.13)
+_NESTED_REGION = torch.ops.higher_order.invoke_subgraph
 
 
 def _record_checkpoint(args: tuple, kwargs: dict):

@@ -98,7 +98,9 @@ def location(node: fx.Node) -> str:
 # a subgraph, its outputs read by getitem
 WRAPS = (torch.ops.higher_order.wrap_with_set_grad_enabled, torch.ops.higher_order.wrap_with_autocast,
          torch.ops.higher_order.tag_activation_checkpoint)
-# Node meta of a WRAPS subgraph's placeholder: the node of the outer graph the wrap passes for it.
+# torch.cond(pred, true_fn, false_fn, operands): a subgraph a branch, both given the operands
+COND = torch.ops.higher_order.cond
+# Node meta of a region's placeholder: the node of the outer graph passed for it.
 WRAPPED_ARG = "flash_wrapped_arg"
 
 
@@ -107,22 +109,18 @@ def _subgraph_arg(wrap: fx.Node) -> int | None:
     return next((i for i, a in enumerate(wrap.args) if isinstance(a, fx.Node) and a.op == "get_attr"), None)
 
 
-def subgraph(wrap: fx.Node) -> fx.GraphModule | None:
-    """The subgraph a WRAPS node runs."""
-    i = _subgraph_arg(wrap)
-    module = operator.attrgetter(wrap.args[i].target)(wrap.graph.owning_module) if i is not None else None
+def _module(node: Any) -> fx.GraphModule | None:
+    """The graph module a get_attr node names."""
+    if not (isinstance(node, fx.Node) and node.op == "get_attr"):
+        return None
+    module = operator.attrgetter(node.target)(node.graph.owning_module)
     return module if isinstance(module, fx.GraphModule) else None
 
 
-def wraps_of(gm: fx.GraphModule) -> list[fx.Node]:
-    """The WRAPS nodes of gm, each with its own subgraph (the first where several share one)."""
-    found, subs = [], set()
-    for n in gm.graph.nodes:
-        sub = subgraph(n) if is_op(n, *WRAPS) else None
-        if sub is not None and id(sub) not in subs:
-            found.append(n)
-            subs.add(id(sub))
-    return found
+def subgraph(wrap: fx.Node) -> fx.GraphModule | None:
+    """The subgraph a WRAPS node runs."""
+    i = _subgraph_arg(wrap)
+    return None if i is None else _module(wrap.args[i])
 
 
 def wrap_name(wrap: fx.Node) -> str:
@@ -134,13 +132,35 @@ def wrap_name(wrap: fx.Node) -> str:
     return f"{wrap.target.__name__}({mode})"
 
 
+def regions(node: fx.Node) -> list[tuple[str, fx.GraphModule, tuple]]:
+    """The subgraphs node runs, each as (name a user reads, subgraph, the outer nodes passed
+    for its placeholders): a WRAPS node's one, torch.cond's two branches; [] for other nodes."""
+    if is_op(node, *WRAPS) and subgraph(node) is not None:
+        return [(wrap_name(node), subgraph(node), tuple(node.args[_subgraph_arg(node) + 1:]))]
+    if is_op(node, COND):
+        _, true_fn, false_fn, operands = node.args[:4]
+        return [(f"torch.cond's {which} branch", _module(fn), tuple(operands))
+                for which, fn in (("true", true_fn), ("false", false_fn)) if _module(fn) is not None]
+    return []
+
+
+def regions_of(gm: fx.GraphModule) -> list[tuple[str, fx.GraphModule, tuple]]:
+    """regions() of gm's nodes, each subgraph once (the first node's where several share one)."""
+    found, subs = [], set()
+    for n in gm.graph.nodes:
+        for name, sub, outer in regions(n):
+            if id(sub) not in subs:
+                found.append((name, sub, outer))
+                subs.add(id(sub))
+    return found
+
+
 @contextlib.contextmanager
-def wrapped_args(wrap: fx.Node):
-    """Within it, each placeholder of wrap's subgraph holds under WRAPPED_ARG the node the wrap
-    passes for it (what `learned` follows out of the subgraph), and under LIFTED_VALUE that
-    node's lifted constant where it has one."""
-    outer = wrap.args[_subgraph_arg(wrap) + 1:]
-    inner = list(subgraph(wrap).graph.find_nodes(op="placeholder"))
+def wrapped_args(sub: fx.GraphModule, outer: tuple):
+    """Within it, each placeholder of a region's subgraph holds under WRAPPED_ARG the node the
+    outer graph passes for it (what `learned` follows out of the subgraph), and under
+    LIFTED_VALUE that node's lifted constant where it has one."""
+    inner = list(sub.graph.find_nodes(op="placeholder"))
     for p, a in zip(inner, outer):
         p.meta[WRAPPED_ARG] = a
         if isinstance(a, fx.Node) and LIFTED_VALUE in a.meta:

@@ -1,9 +1,11 @@
-"""Layers under torch.utils.checkpoint (activation checkpointing, HF's
-gradient_checkpointing_enable) through the flash backend. Dynamo records each checkpointed call
-as one tag_activation_checkpoint node running the layer's subgraph: the pass rewrites inside
-that subgraph, so the flash ops are recomputed in the backward as the model's own ops were,
-and results match the model's."""
+"""Regions of Dynamo's and export's graphs through the pass: a higher-order op running a subgraph.
+Layers under torch.utils.checkpoint (activation checkpointing, HF's gradient checkpointing)
+become one tag_activation_checkpoint node each: the pass rewrites inside that subgraph, so the
+flash ops are recomputed in the backward as the model's own ops were. A branch of torch.cond is
+rewritten inside its subgraph too; a torch.compiler.nested_compile_region is inlined. Results
+match the model's, forward and backward."""
 import functools
+import math
 
 import pytest
 import torch
@@ -129,3 +131,66 @@ def test_hf_llama_with_gradient_checkpointing():
     assert_rel_close(loss, ref, tol=1e-5, what="loss")
     for name, g in ref_grads.items():
         assert_rel_close(grads[name], g, tol=1e-4, what=name)
+
+
+def _attention(q, k, v):
+    return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1) @ v
+
+
+class CondAttention(nn.Module):
+    """Attention in torch.cond's true branch (on the data: the sign of a sum), a projection
+    before it so that parameters get gradients through the branch."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x):
+        q = self.proj(x)
+        return torch.cond(q.sum() > 0, lambda t: _attention(t, t, t), lambda t: t.cos(), (q,))
+
+
+class NestedAttention(nn.Module):
+    """One nested_compile_region called twice (a region compiled once for both calls)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x):
+        @torch.compiler.nested_compile_region
+        def block(t):
+            return _attention(t, t, t)
+        q = self.proj(x)
+        return block(q) + block(q * 2)
+
+
+@pytest.mark.parametrize("model, sites, reason", [
+    (CondAttention, 1, "inside torch.cond's true branch"), (NestedAttention, 2, None)])
+def test_cond_and_nested_regions(model, sites, reason):
+    torch.manual_seed(0)
+    model, x = model(), torch.randn(2, 2, 8, 16)
+    if isinstance(model, CondAttention):  # the branch with the attention is the one that runs
+        with torch.no_grad():
+            model.proj.bias.fill_(1.0)
+    report = torch_flash.explain(model, x)
+    assert [s.op for s in report.sites] == ["attention"] * sites and all(s.rewritten for s in report.sites)
+    if reason:
+        assert all(s.reason.startswith(reason) for s in report.sites)
+    torch_flash.counters.clear()
+    check_training(model, x)
+    assert torch_flash.counters["flash.attention"] == sites
+
+
+def test_exported_cond_rewritten_inside_the_branch():
+    """torch.export keeps torch.cond with its branches as subgraphs: rewrite() replaces the
+    attention in the branch, with the model's output."""
+    torch.manual_seed(0)
+    model, x = CondAttention(), torch.randn(2, 2, 8, 16)
+    with torch.no_grad():
+        model.proj.bias.fill_(1.0)
+    ep = torch_flash.rewrite(torch.export.export(model, (x,)))
+    nodes = [n for m in ep.graph_module.modules() if isinstance(m, torch.fx.GraphModule)
+             for n in m.graph.find_nodes(op="call_function", target=torch.ops.flash.attention.default)]
+    assert len(nodes) == 1 and nodes[0].graph is not ep.graph
+    assert_rel_close(ep.module()(x), model(x), tol=1e-5)
