@@ -22,8 +22,9 @@ transformers = pytest.importorskip("transformers")
 
 from _utils import assert_rel_close  # noqa: E402
 
-# the backend falls back to the unrewritten graph with a warning: here that is a failure
-pytestmark = pytest.mark.filterwarnings("error:torch_flash")
+# the backend falls back to the unrewritten graph with a warning: here that is a failure; one
+# xdist worker runs the module, so that the `runs` fixture (two Inductor compiles) runs once
+pytestmark = [pytest.mark.filterwarnings("error:torch_flash"), pytest.mark.xdist_group("eager_sdpa_parity")]
 
 B, S, VOCAB = 2, 16, 128
 # two layers: the second reuses the mask the model built once; GQA (4 query heads, 2 kv heads)
