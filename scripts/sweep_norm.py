@@ -1,7 +1,8 @@
 """Sweep the norm kernels' launch heuristics on the GPU: rows per program tile (TILE) and, for
-the backward, programs per SM. Prints and writes JSON of the fraction of a device copy that
-each setting reaches, with the autotuned num_warps, so the defaults in
-torch_flash/kernels/triton/norm.py can be chosen from measurements.
+the backward, programs per SM, and for rows wider than BWD_MAX_BLOCK the backward's column
+block (the whole row in registers, or the column loop's blocks). Prints and writes JSON of
+the fraction of a device copy that each setting reaches, with the autotuned num_warps, so the
+defaults in torch_flash/kernels/triton/norm.py can be chosen from measurements.
 Usage: python scripts/sweep_norm.py OUT.json
 """
 import itertools
@@ -15,10 +16,14 @@ from torch_flash.bench._common import copy_bandwidth, env_info, median_ms, out_d
 from torch_flash.kernels.triton import norm
 
 SHAPES = [(32768, 4096), (65536, 1024), (4096, 8192)]
+# rows past BWD_MAX_BLOCK (the weak spot against quack): their backward's column block
+WIDE_SHAPES = [(16384, 8192), (4096, 16384), (2048, 65536)]
+WIDE_BLOCKS = (1024, 4096, 8192, 16384, 32768, 65536)
 
 
 def main(path):
     rows = []
+    defaults = norm.TILE, norm._bwd_programs
     for (m, n), is_rms in itertools.product(SHAPES, (True, False)):
         x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
         g = torch.randn_like(x)
@@ -46,6 +51,25 @@ def main(path):
                                  per_sm=per_sm, ms=ms, frac=frac,
                                  warps=norm._norm_bwd_kernel.best_config.num_warps))
                 print(rows[-1], flush=True)
+    norm.TILE, norm._bwd_programs = defaults  # the wide rows' sweep varies the column block alone
+    for (m, n), is_rms in itertools.product(WIDE_SHAPES, (True, False)):
+        x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        g = torch.randn_like(x)
+        w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        b = None if is_rms else torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        kw = dict(eps=1e-6, is_rms=is_rms, weight_offset=0.0, cast_before_weight=False)
+        bwd_ceiling = copy_bandwidth(3 * x.numel() * 2)
+        for block in (blk for blk in WIDE_BLOCKS if blk <= n):
+            norm._norm_bwd_kernel.cache.clear()
+            try:
+                ms = median_ms(lambda: norm.norm_bwd(g, None, x, w, b, out_dtype=x.dtype, block_n=block, **kw))
+            except Exception as e:  # a whole row too wide for the registers
+                print(f"{m}x{n} block {block}: {type(e).__name__}", flush=True)
+                continue
+            rows.append(dict(op="rms" if is_rms else "ln", shape=[m, n], pass_="bwd", block_n=block, ms=ms,
+                             frac=3 * x.numel() * 2 / (ms * 1e-3) / bwd_ceiling,
+                             warps=norm._norm_bwd_kernel.best_config.num_warps))
+            print(rows[-1], flush=True)
     with open(path, "w") as f:
         json.dump({"env": env_info(), "rows": rows}, f, indent=1)
 
