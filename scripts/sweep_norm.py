@@ -21,15 +21,19 @@ WIDE_SHAPES = [(16384, 8192), (4096, 16384), (2048, 65536)]
 WIDE_BLOCKS = (1024, 4096, 8192, 16384, 32768, 65536)
 
 
+def _inputs(m, n, is_rms):
+    """x, dy (m, n) bf16, the weight (and LayerNorm's bias), and the launchers' flags."""
+    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    b = None if is_rms else torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    return x, torch.randn_like(x), w, b, dict(eps=1e-6, is_rms=is_rms, weight_offset=0.0, cast_before_weight=False)
+
+
 def main(path):
     rows = []
     defaults = norm.TILE, norm._bwd_programs
     for (m, n), is_rms in itertools.product(SHAPES, (True, False)):
-        x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-        g = torch.randn_like(x)
-        w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-        b = None if is_rms else torch.randn(n, device="cuda", dtype=torch.bfloat16)
-        kw = dict(eps=1e-6, is_rms=is_rms, weight_offset=0.0, cast_before_weight=False)
+        x, g, w, b, kw = _inputs(m, n, is_rms)
         fwd_ceiling = copy_bandwidth(2 * x.numel() * 2)
         bwd_ceiling = copy_bandwidth(3 * x.numel() * 2)
         for tile in (2048, 4096, 8192, 16384):
@@ -53,11 +57,7 @@ def main(path):
                 print(rows[-1], flush=True)
     norm.TILE, norm._bwd_programs = defaults  # the wide rows' sweep varies the column block alone
     for (m, n), is_rms in itertools.product(WIDE_SHAPES, (True, False)):
-        x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-        g = torch.randn_like(x)
-        w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-        b = None if is_rms else torch.randn(n, device="cuda", dtype=torch.bfloat16)
-        kw = dict(eps=1e-6, is_rms=is_rms, weight_offset=0.0, cast_before_weight=False)
+        x, g, w, b, kw = _inputs(m, n, is_rms)
         bwd_ceiling = copy_bandwidth(3 * x.numel() * 2)
         for block in (blk for blk in WIDE_BLOCKS if blk <= n):
             norm._norm_bwd_kernel.cache.clear()
