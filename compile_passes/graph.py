@@ -145,14 +145,17 @@ def regions(node: fx.Node) -> list[tuple[str, fx.GraphModule, tuple]]:
 
 
 def regions_of(gm: fx.GraphModule) -> list[tuple[str, fx.GraphModule, tuple]]:
-    """regions() of gm's nodes, each subgraph once (the first node's where several share one)."""
-    found, subs = [], set()
+    """regions() of gm's nodes, each subgraph once (named by the first node that runs it). A
+    subgraph several nodes run with different operands gets no outer nodes: what one caller
+    passes proves nothing of the others'."""
+    found: dict[int, tuple[str, fx.GraphModule, tuple]] = {}
     for n in gm.graph.nodes:
         for name, sub, outer in regions(n):
-            if id(sub) not in subs:
-                found.append((name, sub, outer))
-                subs.add(id(sub))
-    return found
+            if id(sub) not in found:
+                found[id(sub)] = (name, sub, outer)
+            elif found[id(sub)][2] != outer:
+                found[id(sub)] = (found[id(sub)][0], sub, ())
+    return list(found.values())
 
 
 @contextlib.contextmanager

@@ -191,3 +191,25 @@ def test_learned_tables_seen_through_the_wrap(learned):
     assert site.rewritten != learned
     assert site.reason.startswith("inside wrap_with_autocast(")
     assert ("require grad" in site.reason) == learned
+
+
+def test_shared_subgraph_gets_no_callers_operands():
+    """A subgraph two wraps run on different inputs is rewritten once, with no caller's
+    operands for its placeholders (a table proven for one caller proves nothing of the other's);
+    one wrap's subgraph gets its operands."""
+    from compile_passes.graph import regions_of
+
+    def wrapped(callers):
+        root = torch.nn.Module()
+        root.body = torch.fx.symbolic_trace(lambda t: t.sin())
+        graph = torch.fx.Graph()
+        inputs = [graph.placeholder(name) for name in "ab"]
+        sub = graph.get_attr("body")
+        wrap = torch.ops.higher_order.wrap_with_set_grad_enabled
+        graph.output(tuple(graph.call_function(wrap, (False, sub, inputs[i])) for i in callers))
+        return torch.fx.GraphModule(root, graph), inputs
+
+    gm, _ = wrapped([0, 1])
+    assert [(name, outer) for name, _, outer in regions_of(gm)] == [("wrap_with_set_grad_enabled(False)", ())]
+    gm, (a, _) = wrapped([0])
+    assert [outer for _, _, outer in regions_of(gm)] == [(a,)]
