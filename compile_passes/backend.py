@@ -56,24 +56,20 @@ class _Retracer(fx.Interpreter):
     """Runs a Dynamo graph under make_fx, recording each node in ATen ops, except the
     higher-order ops of _OPAQUE_HOPS: each is recorded as one node, with the same subgraphs,
     which AOTAutograd later traces as Dynamo's own graphs have it (forward and the user's
-    backward)."""
+    backward); and the checkpointed and nested regions, as _record_checkpoint and
+    _inline_region say."""
 
     def run_node(self, n: fx.Node):
         if (n.op == "call_function" and n.target in _OPAQUE_HOPS) or (n.op in _CALLS and _on_dtensors(n)):
-            with self._set_current_node(n):
-                args, kwargs = self.fetch_args_kwargs_from_env(n)
-                return _record_whole(n, args, kwargs)
-        if n.op == "call_function" and n.target is _CHECKPOINT:
-            with self._set_current_node(n):
-                args, kwargs = self.fetch_args_kwargs_from_env(n)
-                return _record_checkpoint(args, kwargs)
-        if n.op == "call_function" and n.target is _NESTED_REGION:
-            # (subgraph, identifier, *operands): its ops recorded inline, where the patterns see
-            # them (the region's one-compile saving is lost; its results are the same)
-            with self._set_current_node(n):
-                args, _ = self.fetch_args_kwargs_from_env(n)
-                return _Retracer(args[0]).run(*args[2:])
-        return super().run_node(n)
+            record = functools.partial(_record_whole, n)
+        elif n.op == "call_function" and n.target is _CHECKPOINT:
+            record = _record_checkpoint
+        elif n.op == "call_function" and n.target is _NESTED_REGION:
+            record = _inline_region
+        else:
+            return super().run_node(n)
+        with self._set_current_node(n):
+            return record(*self.fetch_args_kwargs_from_env(n))
 
 
 _CALLS = ("call_function", "call_method")
@@ -130,6 +126,12 @@ _CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
 # torch.compiler.nested_compile_region: a subgraph compiled once for its calls; retraced whole,
 # Inductor failed on the pre-dispatch subgraph ("both a fallback and a decomp", torch 2.13)
 _NESTED_REGION = torch.ops.higher_order.invoke_subgraph
+
+
+def _inline_region(args: tuple, kwargs: dict):
+    """A nested compile region (subgraph, identifier, *operands) recorded inline, where the
+    patterns see its ops (its one-compile saving is lost; its results are the same)."""
+    return _Retracer(args[0]).run(*args[2:])
 
 
 def _record_checkpoint(args: tuple, kwargs: dict):

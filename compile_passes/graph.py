@@ -135,8 +135,8 @@ def wrap_name(wrap: fx.Node) -> str:
 def regions(node: fx.Node) -> list[tuple[str, fx.GraphModule, tuple]]:
     """The subgraphs node runs, each as (name a user reads, subgraph, the outer nodes passed
     for its placeholders): a WRAPS node's one, torch.cond's two branches; [] for other nodes."""
-    if is_op(node, *WRAPS) and subgraph(node) is not None:
-        return [(wrap_name(node), subgraph(node), tuple(node.args[_subgraph_arg(node) + 1:]))]
+    if is_op(node, *WRAPS) and (sub := subgraph(node)) is not None:
+        return [(wrap_name(node), sub, tuple(node.args[_subgraph_arg(node) + 1:]))]
     if is_op(node, COND):
         _, true_fn, false_fn, operands = node.args[:4]
         return [(f"torch.cond's {which} branch", _module(fn), tuple(operands))

@@ -57,14 +57,19 @@ def env_info() -> dict:
     return info
 
 
+_UNAVAILABLE: set[tuple[str, str]] = set()  # the peers optional_peer has said are missing
+
+
 def optional_peer(module: str, name: str):
-    """module.name of a peer library, or None (said once, with why) where it is not installed
-    or fails to import here (quack needs its CuTe DSL runtime and a GPU it supports)."""
+    """module.name of a peer library, or None (said once a process, with why) where it is not
+    installed or fails to import here (quack needs its CuTe DSL runtime and a GPU it supports)."""
     try:
         return getattr(importlib.import_module(module), name)
     except Exception as e:
-        print(f"{module}.{name}: unavailable ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})",
-              file=sys.stderr, flush=True)
+        if (module, name) not in _UNAVAILABLE:
+            _UNAVAILABLE.add((module, name))
+            why = str(e).splitlines()[0][:120] if str(e) else ""
+            print(f"{module}.{name}: unavailable ({type(e).__name__}: {why})", file=sys.stderr, flush=True)
         return None
 
 

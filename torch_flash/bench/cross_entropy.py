@@ -120,11 +120,6 @@ def _liger():
     return lambda x, t: LigerCrossEntropyFunction.apply(x, t, None)[0]
 
 
-def _quack():
-    ce = optional_peer("quack", "cross_entropy")
-    return None if ce is None else (lambda x, t: ce(x, t))
-
-
 def run(args) -> list[dict]:
     from ..kernels.triton.cross_entropy import ce_bwd, ce_fwd
     from ..ops.cross_entropy import cross_entropy
@@ -132,7 +127,7 @@ def run(args) -> list[dict]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = CPU_SHAPES if device == "cpu" else (QUICK if args.quick else SHAPES)
     liger = _liger()
-    quack = _quack()
+    quack = optional_peer("quack", "cross_entropy")
     rows: list[dict] = []
     for n, v in shapes:
         compiled = compile_fresh(_eager)
