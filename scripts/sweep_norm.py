@@ -1,24 +1,26 @@
-"""Sweep the norm kernels' launch heuristics on the GPU: rows per program tile (TILE) and, for
-the backward, programs per SM, and for rows wider than BWD_MAX_BLOCK the backward's column
-block (the whole row in registers, or the column loop's blocks). Prints and writes JSON of
-the fraction of a device copy that each setting reaches, with the autotuned num_warps, so the
-defaults in torch_flash/kernels/triton/norm.py can be chosen from measurements.
-Usage: python scripts/sweep_norm.py OUT.json
+"""Sweep the norm kernels' launch heuristics on the GPU, bf16. Rows of up to 8192 (SHAPES): rows
+per program tile (TILE) and, for the backward, programs per SM. Wider rows (WIDE_SHAPES): the
+forward's column block (the whole row in registers up to FWD_BLOCKS' widest, else its column
+loop) and the backward's column chunk (BWD_MAX_BLOCK), against quack's kernels in the same run
+where quack is importable. Writes OUT/sweep_norm.json: the fraction of a device copy each
+setting reaches, with the autotuned num_warps, so that the defaults in
+torch_flash/kernels/triton/norm.py are chosen from measurements.
+Usage: python scripts/sweep_norm.py OUT  (TORCH_FLASH_SWEEP=wide: the wide rows alone)
 """
 import itertools
-import json
+import os
 
 import torch
 
 from torch._library.triton import set_wrap_triton_enabled
 
-from torch_flash.bench._common import copy_bandwidth, env_info, median_ms, out_dir
+from torch_flash.bench._common import copy_bandwidth, median_ms, out_dir, write_json
 from torch_flash.kernels.triton import norm
 
 SHAPES = [(32768, 4096), (65536, 1024), (4096, 8192)]
-# rows past BWD_MAX_BLOCK (the weak spot against quack): their backward's column block
-WIDE_SHAPES = [(16384, 8192), (4096, 16384), (2048, 65536)]
-WIDE_BLOCKS = (1024, 4096, 8192, 16384, 32768, 65536)
+WIDE_SHAPES = [(16384, 8192), (4096, 16384), (8192, 32768), (2048, 65536)]
+FWD_BLOCKS = (8192, 16384, 32768, 65536)
+BWD_BLOCKS = (2048, 4096, 8192)
 
 
 def _inputs(m, n, is_rms):
@@ -29,8 +31,12 @@ def _inputs(m, n, is_rms):
     return x, torch.randn_like(x), w, b, dict(eps=1e-6, is_rms=is_rms, weight_offset=0.0, cast_before_weight=False)
 
 
-def main(path):
-    rows = []
+def _frac(nbytes, ms, ceiling):
+    return nbytes / (ms * 1e-3) / ceiling
+
+
+def sweep_tiles(rows):
+    """Rows of up to 8192: the row tile and the backward's programs per SM."""
     defaults = norm.TILE, norm._bwd_programs
     for (m, n), is_rms in itertools.product(SHAPES, (True, False)):
         x, g, w, b, kw = _inputs(m, n, is_rms)
@@ -40,38 +46,58 @@ def main(path):
             norm.TILE = tile
             norm._norm_fwd_kernel.cache.clear()
             ms = median_ms(lambda: norm.norm_fwd(x, w, b, None, residual_in_fp32=False, **kw))
-            frac = 2 * x.numel() * 2 / (ms * 1e-3) / fwd_ceiling
-            rows.append(dict(op="rms" if is_rms else "ln", shape=[m, n], pass_="fwd", tile=tile,
-                             per_sm=None, ms=ms, frac=frac,
+            rows.append(dict(op="rms" if is_rms else "ln", shape=[m, n], pass_="fwd", tile=tile, per_sm=None,
+                             ms=ms, frac=_frac(2 * x.numel() * 2, ms, fwd_ceiling),
                              warps=norm._norm_fwd_kernel.best_config.num_warps))
             print(rows[-1], flush=True)
             for per_sm in (1, 2, 4, 8, 16):
                 sms = torch.cuda.get_device_properties(0).multi_processor_count
-                norm._bwd_programs = lambda rows, block, device, p=per_sm: min(rows, sms * p)
+                norm._bwd_programs = lambda rows, block, chunks, device, p=per_sm: min(rows, sms * p)
                 norm._norm_bwd_kernel.cache.clear()
                 ms = median_ms(lambda: norm.norm_bwd(g, None, x, w, b, out_dtype=x.dtype, **kw))
-                frac = 3 * x.numel() * 2 / (ms * 1e-3) / bwd_ceiling
                 rows.append(dict(op="rms" if is_rms else "ln", shape=[m, n], pass_="bwd", tile=tile,
-                                 per_sm=per_sm, ms=ms, frac=frac,
+                                 per_sm=per_sm, ms=ms, frac=_frac(3 * x.numel() * 2, ms, bwd_ceiling),
                                  warps=norm._norm_bwd_kernel.best_config.num_warps))
                 print(rows[-1], flush=True)
-    norm.TILE, norm._bwd_programs = defaults  # the wide rows' sweep varies the column block alone
+    norm.TILE, norm._bwd_programs = defaults
+
+
+def sweep_wide(rows):
+    """Rows wider than 8192: the forward's column block, the backward's column chunk, quack's."""
+    from torch_flash.bench.norm import _quack
     for (m, n), is_rms in itertools.product(WIDE_SHAPES, (True, False)):
         x, g, w, b, kw = _inputs(m, n, is_rms)
-        bwd_ceiling = copy_bandwidth(3 * x.numel() * 2)
-        for block in (blk for blk in WIDE_BLOCKS if blk <= n):
-            norm._norm_bwd_kernel.cache.clear()
+        nbytes = {"fwd": 2 * x.numel() * 2, "bwd": 3 * x.numel() * 2}
+        ceiling = {p: copy_bandwidth(v) for p, v in nbytes.items()}
+        _, _, mean, rstd = norm.norm_fwd(x, w, b, None, residual_in_fp32=False, stats=True, **kw)
+        stats = {} if is_rms else dict(mean=mean, rstd=rstd)  # as the ops' backwards get them
+        runs = [("fwd", blk, lambda blk=blk: norm.norm_fwd(x, w, b, None, residual_in_fp32=False, block_n=blk, **kw))
+                for blk in FWD_BLOCKS if blk <= n]
+        runs += [("bwd", blk, lambda blk=blk: norm.norm_bwd(g, None, x, w, b, out_dtype=x.dtype, block_n=blk,
+                                                               **stats, **kw))
+                 for blk in BWD_BLOCKS if blk < n]
+        quack = _quack(is_rms, False, [x, None, w, b], g)
+        if quack is not None:
+            runs += [("fwd", "quack", quack[0]), ("bwd", "quack", quack[1])]
+        for pass_, blk, fn in runs:
             try:
-                ms = median_ms(lambda: norm.norm_bwd(g, None, x, w, b, out_dtype=x.dtype, block_n=block, **kw))
+                ms = median_ms(fn)
             except Exception as e:  # a whole row too wide for the registers
-                print(f"{m}x{n} block {block}: {type(e).__name__}", flush=True)
+                print(f"{m}x{n} {pass_} {blk}: {type(e).__name__}", flush=True)
                 continue
-            rows.append(dict(op="rms" if is_rms else "ln", shape=[m, n], pass_="bwd", block_n=block, ms=ms,
-                             frac=3 * x.numel() * 2 / (ms * 1e-3) / bwd_ceiling,
-                             warps=norm._norm_bwd_kernel.best_config.num_warps))
+            kernel = norm._norm_fwd_kernel if pass_ == "fwd" else norm._norm_bwd_kernel
+            rows.append(dict(op="rms" if is_rms else "ln", shape=[m, n], pass_=pass_, block_n=blk, ms=ms,
+                             frac=_frac(nbytes[pass_], ms, ceiling[pass_]),
+                             warps=None if blk == "quack" else kernel.best_config.num_warps))
             print(rows[-1], flush=True)
-    with open(path, "w") as f:
-        json.dump({"env": env_info(), "rows": rows}, f, indent=1)
+
+
+def main(out):
+    rows = []
+    if os.environ.get("TORCH_FLASH_SWEEP") != "wide":
+        sweep_tiles(rows)
+    sweep_wide(rows)
+    write_json(os.path.join(out, "sweep_norm.json"), "sweep_norm", rows)
 
 
 if __name__ == "__main__":

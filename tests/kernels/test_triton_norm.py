@@ -97,7 +97,7 @@ def _check_forward(case, x, r, w, b, rif32, kw, block_n=None):
     return y, ro
 
 
-@pytest.mark.parametrize("block_n", [None, 32], ids=["one-block", "column-loop"])
+@pytest.mark.parametrize("block_n", [None, 32], ids=["one-block", "column-blocks"])
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_forward(case, block_n):
     _check_forward(case, *_inputs(case, (3, 5, 100)), block_n=block_n)
@@ -119,7 +119,7 @@ def _grads64(gy, gro, src, w, b, kw, round_dtype):
     return dx, dw, None if b is None else b64.grad
 
 
-@pytest.mark.parametrize("block_n", [None, 32], ids=["one-block", "column-loop"])
+@pytest.mark.parametrize("block_n", [None, 32], ids=["one-block", "column-blocks"])
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_backward(case, block_n, monkeypatch):
     monkeypatch.setattr(K, "TILE", 2 * (block_n or 128))  # two-row tiles: several per program
@@ -142,7 +142,7 @@ def test_backward(case, block_n, monkeypatch):
             assert_rel_close(got, exp, _tol(p.dtype, x.dtype), what=name)
 
 
-@pytest.mark.parametrize("n,block_n", [(1, None), (64, None), (64, 16), (200, 64)])
+@pytest.mark.parametrize("n,block_n", [(1, None), (64, None), (64, 16), (96, 32), (200, 64)])
 def test_hidden_sizes(n, block_n, monkeypatch):
     """N = 1, an exact block, and rows of several blocks with a partial last one; tiles of two
     rows, so that each backward program runs several row tiles (a partial one included)."""
@@ -159,7 +159,7 @@ def test_hidden_sizes(n, block_n, monkeypatch):
     assert_rel_close(db, edb, _tol(BF16), what="dbias")
 
 
-@pytest.mark.parametrize("block_n", [None, 64], ids=["one-block", "column-loop"])
+@pytest.mark.parametrize("block_n", [None, 64], ids=["one-block", "column-blocks"])
 def test_cast_before_weight_rounds_xhat(block_n):
     """fp16 x, fp32 weight: y (fp32) and dweight use xhat rounded to fp16 (fp16 rounding is
     exact under the interpreter too, so the rounded formula must fit much better)."""
@@ -178,10 +178,9 @@ def test_cast_before_weight_rounds_xhat(block_n):
 @pytest.mark.parametrize("n,is_rms", [(12000, True), (12000, False), (20000, True)],
                          ids=["rms-12000", "ln-12000", "rms-20000"])
 def test_large_hidden(n, is_rms):
-    """Rows wider than the whole-row blocks, default blocks: the column loop of both kernels, no
-    register limit; the backward's two loop shapes (one row of 8192-column blocks for RMSNorm at
-    12000; tiles of several rows of narrower blocks, more rows than the tensor has, for
-    LayerNorm with a bias and for RMSNorm past 16384)."""
+    """Rows wider than the whole-row blocks, default blocks: the forward's column loop, the
+    backward's column chunks (two at 12000, three, padded to four row-sum slots, at 20000), with
+    and without a bias."""
     x, w = torch.randn(2, n, device=DEV), torch.randn(n, device=DEV)
     b = None if is_rms else torch.randn(n, device=DEV)
     kw = dict(eps=1e-6, is_rms=is_rms, weight_offset=0.0, cast_before_weight=is_rms)
@@ -226,7 +225,7 @@ def test_layouts_and_inputs_untouched(layout):
         assert torch.equal(t, c)
 
 
-@pytest.mark.parametrize("block_n", [None, 16], ids=["one-block", "column-loop"])
+@pytest.mark.parametrize("block_n", [None, 16], ids=["one-block", "column-blocks"])
 def test_param_grads_deterministic(block_n, monkeypatch):
     monkeypatch.setattr(K, "TILE", block_n or 128)  # one-row tiles: several per program
     x, w, b = torch.randn(13, 80, device=DEV), torch.randn(80, device=DEV), torch.randn(80, device=DEV)

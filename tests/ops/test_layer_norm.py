@@ -197,6 +197,7 @@ def test_saved_stats_triton(monkeypatch, force_backend, block, add, dtype):
     if block:
         monkeypatch.setattr(K, "FWD_MAX_BLOCK", block)
         monkeypatch.setattr(K, "BWD_MAX_BLOCK", block)
+        monkeypatch.setattr(K, "BWD_CHUNK", block)
     monkeypatch.setattr(K, "TILE", 2 * (block or 64))  # two-row tiles: several per backward program
     x = (torch.randn(3, 5, 40, device=DEV) * 2 + 0.5).to(dtype)
     w, b = torch.randn(40, device=DEV, dtype=dtype), torch.randn(40, device=DEV, dtype=dtype)
@@ -237,9 +238,9 @@ def test_autograd_saves_stats(monkeypatch, force_backend, backend):
     gradients of a pre-norm block (add_layer_norm, then layer_norm of the sum) match float64."""
     force_backend(backend)
     calls = []
-    for cls, flag in ((K.NormFwd, "stats"), (K.NormBwd, "has_stats")):
+    for cls, flag in ((K.NormFwd, "STORE_STATS"), (K.NormBwd, "HAS_STATS")):
         def spy(self, *args, run=cls.__call__, flag=flag):
-            calls.append((type(self).__name__, getattr(self, flag)))
+            calls.append((type(self).__name__, self.consts[flag]))
             return run(self, *args)
         monkeypatch.setattr(cls, "__call__", spy)
     x, r = torch.randn(4, 48, device=DEV), torch.randn(4, 48, device=DEV)

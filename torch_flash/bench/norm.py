@@ -152,19 +152,22 @@ def _quack(is_rms: bool, residual: bool, inputs: list, grads):
 
 def autograd_pair(f, inputs: list, grads):
     """(forward without a graph, backward through one recorded forward) of a differentiable f
-    of `inputs` (None entries pass through); grads matches f's output(s)."""
+    of `inputs` (None entries pass through); grads matches f's output(s). The forward is
+    recorded again on another stream (autograd runs the backward on the forward's stream:
+    graph_ms captures on its own)."""
     leaves = [None if t is None else t.detach().requires_grad_() for t in inputs]
-    recorded = []
+    recorded = {}
 
     def fwd():
         with torch.no_grad():
             return f(*inputs)
 
     def bwd():
-        if not recorded:
-            recorded.append(f(*leaves))
+        stream = torch.cuda.current_stream() if leaves[0].is_cuda else None
+        if "out" not in recorded or recorded["stream"] != stream:
+            recorded.update(stream=stream, out=f(*leaves))
         wrt = [t for t in leaves if t is not None]
-        return torch.autograd.grad(recorded[0], wrt, grads, retain_graph=True)
+        return torch.autograd.grad(recorded["out"], wrt, grads, retain_graph=True)
 
     return fwd, bwd
 

@@ -10,16 +10,16 @@ Statistics are fp32. Dtype rules follow torch_flash/reference/rms_norm.py and la
 * With a residual: residual_out = x + residual, stored in fp32 or x's dtype, and y is computed
   from residual_out as stored (y still in the dtype above, xhat still rounded to x's dtype).
 * The forward can also store each row's fp32 mean and rstd (stats=True); the backward then
-  reads them (LayerNorm: one cross-warp reduction round per row tile instead of two, and the
-  column loop skips its statistics pass), else recomputes them from x (or residual_out) with
-  the forward's arithmetic. dW/dB: each program sums g * xhat over its own range of rows into
-  one row of an fp32 (programs, N) buffer, then torch.sum over the programs: no atomics,
-  bitwise reproducible.
+  reads them (LayerNorm: one cross-warp reduction round per row tile instead of two), else
+  recomputes them from x (or residual_out) with the forward's arithmetic. dW/dB: each program
+  sums g * xhat over its own range of rows (and column chunk) into one row of an fp32
+  (programs, N) buffer, then a second kernel sums the programs' rows: no atomics, bitwise
+  reproducible.
 
-A row that fits one block (N <= BLOCK_N) is read once and kept in registers. Longer rows loop
-over column blocks: statistics first (Chan's merge of per-block mean and M2, so no cancellation
-from sum(x^2) - N mean^2), then a second pass normalises (the backward has a third pass for the
-two row sums it needs). There is no limit on N.
+A row that fits one block (N <= BLOCK_N) is read once and kept in registers. Longer rows: the
+forward loops over column blocks, statistics first (Chan's merge of per-block mean and M2, so
+no cancellation from sum(x^2) - N mean^2), then a second pass normalises; the backward splits
+them into column chunks (BWD_MAX_BLOCK). There is no limit on N.
 """
 from __future__ import annotations
 
@@ -35,14 +35,16 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Widest column block held in registers per row; longer rows loop over column blocks.
 FWD_MAX_BLOCK = 16384
 BWD_MAX_BLOCK = 8192
+# The backward's column chunk for rows wider than BWD_MAX_BLOCK (below).
+BWD_CHUNK = 2048
 # Target elements per program tile: short rows are processed several at a time.
 TILE = 4096
-# The backward's column loop for rows wider than BWD_MAX_BLOCK: (widest row, column block,
-# elements per row tile), the first entry that holds the row. Tiles of several rows read and
-# write the dW/dB partials once per tile rather than once per row, which pays off on the widest
-# rows, and from 16384 on where a dB partial row doubles that traffic.
-BWD_LOOPS = ((16384, 8192, 4096), (None, 1024, 8192))
-BWD_LOOPS_WITH_DB = ((None, 1024, 8192),)
+# Rows wider than BWD_MAX_BLOCK are split into BWD_CHUNK-column chunks: one kernel sums each
+# chunk's part of the row sums, a second computes dx and the dW/dB partials chunk by chunk, each
+# chunk held in registers. x and dy are read twice (5/3 of the minimal traffic): 0.55-0.58 of
+# copy at 16384-65536 columns, where one program looping over the columns ran at 0.3-0.4
+# (H200, scripts/sweep_norm.py; chunks of 4096 and 8192 ran as fast at two chunks a row but
+# up to 20x slower at four or more for RMSNorm, not yet understood).
 # Backward programs per SM: BWD_ELEMENTS_PER_SM // row block, at most 2 (dW partials are
 # programs x N fp32; chosen with scripts/sweep_norm.py, docs/perf.md "Constants chosen from
 # measurements").
@@ -130,7 +132,7 @@ def _normalize_store(x, mean, rstd, W, B, Y, rows, cols, mask, col_mask, stride_
     tl.store(_ptrs(Y, rows, cols, stride_y), y.to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.autotune(configs=_configs((4, 8, 16)), key=["N", "BLOCK_N", "ROWS"])
+@triton.autotune(configs=_configs((4, 8, 16, 32)), key=["N", "BLOCK_N", "ROWS"])
 @triton.jit
 def _norm_fwd_kernel(X, R, W, B, Y, RO, MEAN, RSTD, M, N, stride_x, stride_r, stride_y, stride_ro,
                      eps, weight_offset,
@@ -277,111 +279,128 @@ def _param_grads(g, xhat, mask, CAST_BEFORE_W: tl.constexpr, ROUND: tl.constexpr
     return tl.sum(tl.where(mask, g * h, 0.0), axis=0), tl.sum(g, axis=0)
 
 
+@triton.autotune(configs=_configs((4, 8, 16)), key=["N", "BLOCK_N", "ROWS"])
+@triton.jit
+def _norm_bwd_sums_kernel(G, X, W, MEAN, RSTD, PART, M, N, stride_g, stride_x, weight_offset,
+                          IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_STATS: tl.constexpr,
+                          CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+    """The backward's row sums over one column chunk of rows split into column chunks, into
+    PART (M, CHUNKS, 4) fp32 (CHUNKS a power of 2; chunks past the row's end sum nothing): with the forward's statistics (sum(dxhat * xhat), sum(dxhat), -, -);
+    without, the chunk's own mean and M2 of x (RMSNorm: 0 and sum(x^2)), sum(dxhat * (x - chunk
+    mean)) and sum(dxhat), which _split_sums merges as Chan's update (no cancellation)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    chunk = tl.program_id(1)
+    cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < N
+    mask = row_mask[:, None] & col_mask[None, :]
+    x = _tile(X, rows, cols, mask, stride_x)
+    wo = _weight(W, cols, col_mask, weight_offset, HAS_W)
+    dxhat = _tile(G, rows, cols, mask, stride_g) * wo
+    zero = tl.zeros([ROWS], dtype=tl.float32)
+    if HAS_STATS:
+        mean, rstd = _saved_stats(MEAN, RSTD, rows, row_mask, HAS_STATS)
+        xhat, _ = _grad_tile(x, dxhat, 1.0, mean, rstd, mask, IS_RMS)
+        s0, s1 = tl.reduce((dxhat * xhat, dxhat), 1, _add2)
+        s2, s3 = zero, zero
+    else:
+        s0 = zero
+        d = x
+        if not IS_RMS:
+            s0 = tl.sum(x, axis=1) / tl.maximum(tl.minimum(N - chunk * BLOCK_N, BLOCK_N), 1).to(tl.float32)
+            d = tl.where(mask, x - s0[:, None], 0.0)
+        s1, s2, s3 = tl.reduce((d * d, dxhat * d, dxhat), 1, _add3)
+    part = PART + (rows.to(tl.int64) * CHUNKS + chunk) * 4
+    tl.store(part, s0, mask=row_mask)
+    tl.store(part + 1, s1, mask=row_mask)
+    tl.store(part + 2, s2, mask=row_mask)
+    tl.store(part + 3, s3, mask=row_mask)
+
+
+@triton.jit
+def _split_sums(PART, rows, row_mask, N, eps, mean, rstd, IS_RMS: tl.constexpr, HAS_STATS: tl.constexpr,
+                CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(mean, rstd, c1, c2) of rows split into column chunks, from _norm_bwd_sums_kernel's sums
+    (merged in a fixed order: bitwise reproducible); mean and rstd are the forward's with HAS_STATS."""
+    k = tl.arange(0, CHUNKS)
+    part = PART + (rows.to(tl.int64)[:, None] * CHUNKS + k[None, :]) * 4
+    m = row_mask[:, None]
+    p0 = tl.load(part, mask=m, other=0.0)
+    p1 = tl.load(part + 1, mask=m, other=0.0)
+    if HAS_STATS:
+        c1 = tl.sum(p0, axis=1) / N
+        c2 = tl.sum(p1, axis=1) / N
+    else:
+        p2 = tl.load(part + 2, mask=m, other=0.0)
+        p3 = tl.load(part + 3, mask=m, other=0.0)
+        nb = tl.maximum(tl.minimum(N - k * BLOCK_N, BLOCK_N), 0).to(tl.float32)[None, :]
+        mean = tl.sum(p0 * nb, axis=1) / N
+        dm = p0 - mean[:, None]  # each chunk's mean from the row's
+        m2, s1, s2 = tl.reduce((p1 + nb * dm * dm, p2 + dm * p3, p3), 1, _add3)
+        rstd = tl.rsqrt(m2 / N + eps)
+        c1, c2 = s1 * rstd / N, s2 / N
+    return mean, rstd, c1, c2
+
+
 @triton.autotune(configs=_configs((4, 8, 16, 32)), key=["N", "BLOCK_N", "ROWS"])
 @triton.jit
-def _norm_bwd_kernel(G, GR, X, W, MEAN, RSTD, DX, DWP, DBP, M, N, stride_g, stride_gr, stride_x,
+def _norm_bwd_kernel(G, GR, X, W, MEAN, RSTD, PART, DX, DWP, DBP, M, N, stride_g, stride_gr, stride_x,
                      stride_dx, eps, weight_offset,
                      IS_RMS: tl.constexpr, HAS_GRES: tl.constexpr, HAS_W: tl.constexpr,
                      HAS_DW: tl.constexpr, HAS_DB: tl.constexpr, CAST_BEFORE_W: tl.constexpr,
-                     ROUND: tl.constexpr, HAS_STATS: tl.constexpr, ONE_BLOCK: tl.constexpr,
+                     ROUND: tl.constexpr, HAS_STATS: tl.constexpr, CHUNKS: tl.constexpr,
                      BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+    """dx and the dW/dB partials of a column chunk held in registers (the whole row where
+    CHUNKS = 1, else the row sums come from PART, as _split_sums reads them): program (p, c) owns rows [p*M//P, (p+1)*M//P) (at
+    least one, as P <= M), chunk c and chunk c's columns of row p of the partials."""
     eps, weight_offset = fp32(eps), fp32(weight_offset)
-    # Program p owns rows [p*M//P, (p+1)*M//P) (at least one, as P <= M) and row p of the partials.
     pid = tl.program_id(0).to(tl.int64)
     row_start = (pid * M) // tl.num_programs(0)
     row_end = ((pid + 1) * M) // tl.num_programs(0)
-    zero = tl.zeros([ROWS], dtype=tl.float32)
-    if ONE_BLOCK:  # whole row in registers; dW/dB partials accumulate in registers
-        cols = tl.arange(0, BLOCK_N)
-        col_mask = cols < N
-        # With HAS_DB, w + offset is read again (from L1) per row tile rather than held for the
-        # whole loop, where dB's accumulator would make the row's registers spill; without dB,
-        # holding it is faster (docs/perf.md, "Tried and not kept")
-        if not HAS_DB:
-            wo = _weight(W, cols, col_mask, weight_offset, HAS_W)
-        dw = tl.zeros([BLOCK_N], dtype=tl.float32)
-        db = tl.zeros([BLOCK_N], dtype=tl.float32)
-        rows = row_start + tl.arange(0, ROWS)
-        mask = (rows < row_end)[:, None] & col_mask[None, :]
-        x_next = tl.load(_ptrs(X, rows, cols, stride_x), mask=mask, other=0.0)
-        g_next = tl.load(_ptrs(G, rows, cols, stride_g), mask=mask, other=0.0)
-        mean_next, rstd_next = _saved_stats(MEAN, RSTD, rows, rows < row_end, HAS_STATS)
-        for r0 in range(row_start, row_end, ROWS):
-            rows = r0 + tl.arange(0, ROWS)
-            mask = (rows < row_end)[:, None] & col_mask[None, :]
-            x = x_next.to(tl.float32)
-            g = g_next.to(tl.float32)
-            mean, rstd = mean_next, rstd_next
-            gr = _residual_grad(GR, rows, cols, mask, stride_gr, HAS_GRES)
-            # Prefetch the next tile (Triton does not pipeline these loads itself): one program
-            # per SM is all the registers allow, so its loads must overlap its own math.
-            next_mask = (rows + ROWS < row_end)[:, None] & col_mask[None, :]
-            x_next = tl.load(_ptrs(X, rows + ROWS, cols, stride_x), mask=next_mask, other=0.0)
-            g_next = tl.load(_ptrs(G, rows + ROWS, cols, stride_g), mask=next_mask, other=0.0)
-            mean_next, rstd_next = _saved_stats(MEAN, RSTD, rows + ROWS, rows + ROWS < row_end, HAS_STATS)
-            if HAS_DB:
-                wo = _weight(W, cols, col_mask, weight_offset, HAS_W)
-            mean, rstd, c1, c2, xhat, dxhat = _row_sums(x, g, wo, mask, N, eps, mean, rstd, IS_RMS, HAS_STATS)
-            _dx_store(xhat, dxhat, c1, c2, rstd, gr, DX, rows, cols, mask, stride_dx, IS_RMS, HAS_GRES)
-            dw_t, db_t = _param_grads(g, xhat, mask, CAST_BEFORE_W, ROUND)
-            dw += dw_t
-            db += db_t
-        if HAS_DW:
-            tl.store(DWP + pid * N + cols, dw, mask=col_mask)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    # With HAS_DB, w + offset is read again (from L1) per row tile rather than held for the
+    # whole loop, where dB's accumulator would make the row's registers spill; without dB,
+    # holding it is faster (docs/perf.md, "Tried and not kept")
+    if not HAS_DB:
+        wo = _weight(W, cols, col_mask, weight_offset, HAS_W)
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    rows = row_start + tl.arange(0, ROWS)
+    mask = (rows < row_end)[:, None] & col_mask[None, :]
+    x_next = tl.load(_ptrs(X, rows, cols, stride_x), mask=mask, other=0.0)
+    g_next = tl.load(_ptrs(G, rows, cols, stride_g), mask=mask, other=0.0)
+    mean_next, rstd_next = _saved_stats(MEAN, RSTD, rows, rows < row_end, HAS_STATS)
+    for r0 in range(row_start, row_end, ROWS):
+        rows = r0 + tl.arange(0, ROWS)
+        row_mask = rows < row_end
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = x_next.to(tl.float32)
+        g = g_next.to(tl.float32)
+        mean, rstd = mean_next, rstd_next
+        gr = _residual_grad(GR, rows, cols, mask, stride_gr, HAS_GRES)
+        # Prefetch the next tile (Triton does not pipeline these loads itself): one program
+        # per SM is all the registers allow, so its loads must overlap its own math.
+        next_mask = (rows + ROWS < row_end)[:, None] & col_mask[None, :]
+        x_next = tl.load(_ptrs(X, rows + ROWS, cols, stride_x), mask=next_mask, other=0.0)
+        g_next = tl.load(_ptrs(G, rows + ROWS, cols, stride_g), mask=next_mask, other=0.0)
+        mean_next, rstd_next = _saved_stats(MEAN, RSTD, rows + ROWS, rows + ROWS < row_end, HAS_STATS)
         if HAS_DB:
-            tl.store(DBP + pid * N + cols, db, mask=col_mask)
-    else:  # per row tile: statistics (unless saved), the two row sums, then dx and the partials
-        for r0 in range(row_start, row_end, ROWS):
-            rows = r0 + tl.arange(0, ROWS)
-            row_mask = rows < row_end
-            if HAS_STATS:
-                mean, rstd = _saved_stats(MEAN, RSTD, rows, row_mask, HAS_STATS)
-            else:
-                mean, m2 = zero, zero
-                for off in range(0, N, BLOCK_N):
-                    cols = off + tl.arange(0, BLOCK_N)
-                    mask = row_mask[:, None] & (cols < N)[None, :]
-                    x = _tile(X, rows, cols, mask, stride_x)
-                    mean, m2 = _stats_update(x, mask, off, N, mean, m2, IS_RMS, BLOCK_N)
-                rstd = tl.rsqrt(m2 / N + eps)
-            c1, c2 = zero, zero
-            for off in range(0, N, BLOCK_N):
-                cols = off + tl.arange(0, BLOCK_N)
-                col_mask = cols < N
-                mask = row_mask[:, None] & col_mask[None, :]
-                x = _tile(X, rows, cols, mask, stride_x)
-                g = _tile(G, rows, cols, mask, stride_g)
-                wo = _weight(W, cols, col_mask, weight_offset, HAS_W)
-                xhat, dxhat = _grad_tile(x, g, wo, mean, rstd, mask, IS_RMS)
-                c1 += tl.sum(dxhat * xhat, axis=1)
-                c2 += tl.sum(dxhat, axis=1)
-            c1 /= N
-            c2 /= N
-            for off in range(0, N, BLOCK_N):
-                cols = off + tl.arange(0, BLOCK_N)
-                col_mask = cols < N
-                mask = row_mask[:, None] & col_mask[None, :]
-                x = _tile(X, rows, cols, mask, stride_x)
-                g = _tile(G, rows, cols, mask, stride_g)
-                gr = _residual_grad(GR, rows, cols, mask, stride_gr, HAS_GRES)
-                wo = _weight(W, cols, col_mask, weight_offset, HAS_W)
-                xhat, dxhat = _grad_tile(x, g, wo, mean, rstd, mask, IS_RMS)
-                _dx_store(xhat, dxhat, c1, c2, rstd, gr, DX, rows, cols, mask, stride_dx, IS_RMS, HAS_GRES)
-                dw_t, db_t = _param_grads(g, xhat, mask, CAST_BEFORE_W, ROUND)
-                # The partial row is this program's own: read-add-write, and the program's first
-                # row tile overwrites it. The barrier keeps a thread from reading an element that
-                # another thread holding a replica of it has already updated in this step.
-                part = pid * N + cols
-                acc_mask = cols < tl.where(r0 > row_start, N, 0)
-                if HAS_DW:
-                    dw_t += tl.load(DWP + part, mask=acc_mask, other=0.0)
-                if HAS_DB:
-                    db_t += tl.load(DBP + part, mask=acc_mask, other=0.0)
-                tl.debug_barrier()
-                if HAS_DW:
-                    tl.store(DWP + part, dw_t, mask=col_mask)
-                if HAS_DB:
-                    tl.store(DBP + part, db_t, mask=col_mask)
+            wo = _weight(W, cols, col_mask, weight_offset, HAS_W)
+        if CHUNKS == 1:
+            mean, rstd, c1, c2, xhat, dxhat = _row_sums(x, g, wo, mask, N, eps, mean, rstd, IS_RMS, HAS_STATS)
+        else:
+            mean, rstd, c1, c2 = _split_sums(PART, rows, row_mask, N, eps, mean, rstd, IS_RMS, HAS_STATS,
+                                             CHUNKS, BLOCK_N)
+            xhat, dxhat = _grad_tile(x, g, wo, mean, rstd, mask, IS_RMS)
+        _dx_store(xhat, dxhat, c1, c2, rstd, gr, DX, rows, cols, mask, stride_dx, IS_RMS, HAS_GRES)
+        dw_t, db_t = _param_grads(g, xhat, mask, CAST_BEFORE_W, ROUND)
+        dw += dw_t
+        db += db_t
+    if HAS_DW:
+        tl.store(DWP + pid * N + cols, dw, mask=col_mask)
+    if HAS_DB:
+        tl.store(DBP + pid * N + cols, db, mask=col_mask)
 
 
 @triton.jit
@@ -460,24 +479,20 @@ def _vector(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.contiguous()
 
 
-def _blocks(n: int, cap: int, block_n: int | None, loop: tuple[int, int] | None = None) -> tuple[int, int]:
-    """(BLOCK_N, ROWS): the column block and the rows per program tile. A row wider than cap
-    loops over column blocks: loop's (block, elements per tile), by default (cap, TILE)."""
-    if block_n:
-        block, tile = block_n, TILE
-    elif n <= cap:
-        block, tile = next_power_of_2(n), TILE
-    else:
-        block, tile = loop or (cap, TILE)
-    return block, max(1, min(64, tile // block))
+def _blocks(n: int, cap: int, block_n: int | None) -> tuple[int, int]:
+    """(BLOCK_N, ROWS): the column block (block_n, or the row's width up to cap) and the rows per
+    program tile."""
+    block = block_n or min(next_power_of_2(n), cap)
+    return block, max(1, min(64, TILE // block))
 
 
-def _bwd_programs(m: int, block: int, device: torch.device) -> int:
-    """Backward programs: a few per SM (fewer for wide rows), each owning a range of rows."""
+def _bwd_programs(m: int, block: int, chunks: int, device: torch.device) -> int:
+    """Backward programs along the rows, each owning a range of rows in each of the row's
+    `chunks` column chunks: a few per SM in all (fewer for wide rows)."""
     if device.type != "cuda":
         return min(m, 2)  # interpreter: two programs still exercise the partial-sum reduction
     per_sm = max(1, min(BWD_MAX_PROGRAMS_PER_SM, BWD_ELEMENTS_PER_SM // block))
-    return min(m, _dispatch.sm_count(device) * per_sm)
+    return min(m, max(1, _dispatch.sm_count(device) * per_sm // chunks))
 
 
 def norm_supports(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
@@ -555,20 +570,20 @@ class NormBwd:
                  cast_before_weight, out_dtype, mean=None, rstd=None, block_n=None):
         self.n = n = x.shape[-1]
         self.m = m = x.numel() // n
-        loops = BWD_LOOPS if bias is None else BWD_LOOPS_WITH_DB
-        loop = next((blk, tile) for widest, blk, tile in loops if widest is None or n <= widest)
-        block, rows_per_tile = _blocks(n, BWD_MAX_BLOCK, block_n, loop)
-        self.programs = _bwd_programs(m, block, x.device) if m > 0 else 0
+        block, rows_per_tile = _blocks(n, BWD_MAX_BLOCK if n <= BWD_MAX_BLOCK else BWD_CHUNK, block_n)
+        self.chunks = chunks = cdiv(n, block)
+        self.programs = _bwd_programs(m, block, chunks, x.device) if m > 0 else 0
         self.scalars = (eps, weight_offset)
-        self.has_stats = rstd is not None
         self.consts = dict(IS_RMS=is_rms, HAS_GRES=grad_residual_out is not None, HAS_W=weight is not None,
                            HAS_DW=weight is not None, HAS_DB=bias is not None, CAST_BEFORE_W=cast_before_weight,
-                           ROUND=_ROUND_CODE.get(out_dtype, 0), HAS_STATS=rstd is not None, ONE_BLOCK=block >= n,
-                           BLOCK_N=block, ROWS=rows_per_tile)
+                           ROUND=_ROUND_CODE.get(out_dtype, 0), HAS_STATS=rstd is not None,
+                           CHUNKS=next_power_of_2(chunks), BLOCK_N=block, ROWS=rows_per_tile)
+        self.sums_consts = {k: self.consts[k] for k in ("IS_RMS", "HAS_W", "HAS_STATS", "CHUNKS", "BLOCK_N", "ROWS")}
+        self.sums_grid = (cdiv(m, rows_per_tile), next_power_of_2(chunks))
         n_outs = (weight is not None) + (bias is not None)
         self.sum_grid = (cdiv(n, SUM_BLOCK), n_outs)
         self.sum_consts = dict(HAS_OUT1=n_outs == 2, BLOCK=SUM_BLOCK, ROWS=SUM_ROWS)
-        self.launchers = [None, None]
+        self.launchers = [None, None, None]
 
     def __call__(self, grad_y, grad_residual_out, x, weight, bias, mean=None, rstd=None):
         n, m = self.n, self.m
@@ -582,10 +597,18 @@ class NormBwd:
         parts = torch.empty(n_params, self.programs, n, dtype=torch.float32, device=x.device)
         dwp = parts[0] if weight is not None else None
         dbp = parts[-1] if bias is not None else None
-        args = (g_rows, gr_rows, x_rows, _vector(weight), _vector(mean), _vector(rstd), dx_dst, dwp, dbp, m, n,
+        w, mean, rstd = _vector(weight), _vector(mean), _vector(rstd)
+        part = None
+        if self.chunks > 1:  # each chunk's share of the row sums
+            part = torch.empty(m, self.consts["CHUNKS"], 4, dtype=torch.float32, device=x.device)
+            args = (g_rows, x_rows, w, mean, rstd, part, m, n, g_rows.stride(0), x_rows.stride(0), self.scalars[1])
+            self.launchers[2] = launch_as(self.launchers[2], _norm_bwd_sums_kernel, self.sums_grid, args,
+                                          self.sums_consts)
+        args = (g_rows, gr_rows, x_rows, w, mean, rstd, part, dx_dst, dwp, dbp, m, n,
                 g_rows.stride(0), 0 if gr_rows is None else gr_rows.stride(0), x_rows.stride(0), dx_stride,
                 *self.scalars)
-        self.launchers[0] = launch_as(self.launchers[0], _norm_bwd_kernel, (self.programs,), args, self.consts)
+        self.launchers[0] = launch_as(self.launchers[0], _norm_bwd_kernel, (self.programs, self.chunks), args,
+                                      self.consts)
         dw, db = (None if p is None else torch.empty(p.shape, dtype=p.dtype, device=x.device)
                   for p in (weight, bias))
         outs = [t for t in (dw, db) if t is not None]
