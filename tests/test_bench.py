@@ -151,6 +151,19 @@ def test_suite_smoke_run_on_cpu(suite, tmp_path, monkeypatch):
         assert all(r["ms"] > 0 for r in quack), quack
 
 
+def test_norm_ops_pick(tmp_path, capsys):
+    """--configs names the norm suite's ops (a GPU call fits about two); an unknown one, or the
+    option on a suite without configurations, is refused with the known names."""
+    from torch_flash.bench import norm
+    assert [op[0] for op in norm._pick_ops("layer_norm, rms_norm")] == ["rms_norm", "layer_norm"]
+    assert norm._pick_ops(None) == norm.OPS
+    with pytest.raises(SystemExit, match="known: rms_norm, layer_norm, add_rms_norm, add_layer_norm"):
+        norm._pick_ops("rmsnorm")
+    with pytest.raises(SystemExit):
+        main(["rotary", "--configs", "rms_norm", "--out", str(tmp_path)])
+    assert "--configs is for the train and norm suites" in capsys.readouterr().err
+
+
 def test_suites_refuse_cpu_without_the_interpreter(monkeypatch, capsys):
     if torch.cuda.is_available():
         pytest.skip("needs a machine without a GPU")

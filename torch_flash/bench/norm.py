@@ -177,6 +177,19 @@ OPS = (("rms_norm", True, False), ("layer_norm", False, False),
        ("add_rms_norm", True, True), ("add_layer_norm", False, True))
 
 
+def _pick_ops(spec: str | None) -> tuple:
+    """The OPS named in spec (comma-separated; None: all): a GPU call of at most 10 minutes
+    fits about two of them."""
+    if not spec:
+        return OPS
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    unknown = [n for n in names if n not in [op[0] for op in OPS]]
+    if unknown or not names:
+        raise SystemExit(f"norm: unknown op {', '.join(unknown) or '(none given)'}; "
+                         f"known: {', '.join(op[0] for op in OPS)}")
+    return tuple(op for op in OPS if op[0] in names)
+
+
 def _compile_baseline(fn: Callable, device: str) -> Callable:
     """torch.compile of fn as compile_fresh gives it; on CPU (a smoke run, its times no
     measurement) with backend="aot_eager": Inductor's cold C++ builds took 46 of the run's 65 s."""
@@ -193,7 +206,7 @@ def run(args) -> list[dict]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = CPU_SHAPES if device == "cpu" else (QUICK if args.quick else SHAPES)
     rows: list[dict] = []
-    for op, is_rms, residual in OPS:
+    for op, is_rms, residual in _pick_ops(getattr(args, "configs", None)):
         liger = _liger(is_rms, residual)
         for shape in shapes:
             compiled = _compile_baseline(_naive(is_rms), device)
