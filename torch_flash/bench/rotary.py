@@ -1,13 +1,13 @@
 """Rotary embedding of q and k, forward and backward, bf16: `python -m torch_flash.bench rotary`.
 
 LLaMA-7B-like heads (32 q and 32 k heads of 128), q and k as the (B, H, S, D) views of
-(B, S, H, D) projections that HF models make. Implementations: ours, the Triton launchers of
-torch_flash/kernels/triton/rotary.py, once per tensor ("ours", as flash.rotary twice) or q and
-k in one launch ("ours_qk", as flash.rotary_qk), each out of place and in place ("_inplace",
-as flash.rotary_ / flash.rotary_qk_); eager HF `q * cos + rotate_half(q) * sin`,
-torch.compile of it, Liger-Kernel's liger_rotary_pos_emb and quack's apply_rotary_emb (on the
-(B, S, H, D) tensors, once each for q and k) where installed. The backward of ours is the
-conjugate rotation of the gradients. Bytes moved = q and k read and written once, plus the
+(B, S, H, D) projections that HF models make. Implementations: ours, the ops as the public
+functions call them (so the eager rows carry the host cost users see), once per tensor
+("ours": flash.rotary twice, backward flash.rotary_backward) or q and k in one launch
+("ours_qk": flash.rotary_qk, flash.rotary_qk_backward), and in place ("_inplace": flash.rotary_
+/ flash.rotary_qk_, the backward as their conjugate rotation); eager HF `q * cos +
+rotate_half(q) * sin`, torch.compile of it, Liger-Kernel's liger_rotary_pos_emb and quack's
+apply_rotary_emb (on the (B, S, H, D) tensors, once each for q and k) where installed. Bytes moved = q and k read and written once, plus the
 (S, rd/2) fp32 cos/sin tables. On a GPU each pass is timed eagerly and as CUDA graph replay
 (norm.TIMINGS).
 """
@@ -48,7 +48,7 @@ def _quack():
 
 
 def run(args) -> list[dict]:
-    from ..kernels.triton.rotary import rotary_apply, rotary_apply_qk
+    from ..ops._autograd import call
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = CPU_SHAPES if device == "cpu" else (QUICK if args.quick else SHAPES)
@@ -64,15 +64,20 @@ def run(args) -> list[dict]:
         angles = torch.arange(seqlen, device=device)[:, None] * inv_freq
         cos, sin = angles.cos(), angles.sin()  # (S, D/2): our tables
         cos_full, sin_full = (torch.cat((t, t), -1).to(q.dtype) for t in (cos, sin))  # HF's
-        kw = dict(interleaved=False, seqlen_offset=0, seqlen_offsets=None, cu_seqlens=None)
 
-        def ours(a, b, conjugate=False, in_place=False):
-            return (rotary_apply(a, cos, sin, out=a if in_place else None, conjugate=conjugate, **kw),
-                    rotary_apply(b, cos, sin, out=b if in_place else None, conjugate=conjugate, **kw))
+        def ours(a, b, backward=False, in_place=False):
+            if in_place:
+                call("rotary_", a, cos, sin, conjugate=backward)
+                call("rotary_", b, cos, sin, conjugate=backward)
+                return a, b
+            op = "rotary_backward" if backward else "rotary"
+            return call(op, a, cos, sin), call(op, b, cos, sin)
 
-        def ours_qk(a, b, conjugate=False, in_place=False):
-            return rotary_apply_qk(a, b, cos, sin, q_out=a if in_place else None, k_out=b if in_place else None,
-                                   conjugate=conjugate, **kw)
+        def ours_qk(a, b, backward=False, in_place=False):
+            if in_place:
+                call("rotary_qk_", a, b, cos, sin, conjugate=backward)
+                return a, b
+            return call("rotary_qk_backward" if backward else "rotary_qk", a, b, cos, sin)
 
         # the tables are constants: no gradient (Liger gives none)
         pairs = {name: None if f is None else autograd_pair(
@@ -86,8 +91,8 @@ def run(args) -> list[dict]:
         for name, fn in (("ours", ours), ("ours_qk", ours_qk)):
             impls["forward"].update({name: lambda fn=fn: fn(q, k),
                                      f"{name}_inplace": lambda fn=fn: fn(qi, ki, in_place=True)})
-            impls["backward"].update({name: lambda fn=fn: fn(gq, gk, conjugate=True),
-                                      f"{name}_inplace": lambda fn=fn: fn(gqi, gki, conjugate=True, in_place=True)})
+            impls["backward"].update({name: lambda fn=fn: fn(gq, gk, backward=True),
+                                      f"{name}_inplace": lambda fn=fn: fn(gqi, gki, backward=True, in_place=True)})
         nbytes = 2 * (q.numel() + k.numel()) * q.element_size() + 2 * cos.numel() * cos.element_size()
         for pass_, i in (("forward", 0), ("backward", 1)):
             timed = {**impls[pass_], **{name: None if p is None else p[i] for name, p in pairs.items()}}
