@@ -1,11 +1,16 @@
-"""Sweep the norm kernels' launch heuristics on the GPU, bf16. Rows of up to 8192 (SHAPES): rows
-per program tile (TILE) and, for the backward, programs per SM. Wider rows (WIDE_SHAPES): the
-forward's column block (the whole row in registers up to FWD_BLOCKS' widest, else its column
-loop) and the backward's column chunk (BWD_MAX_BLOCK), against quack's kernels in the same run
-where quack is importable. Writes OUT/sweep_norm.json: the fraction of a device copy each
+"""Sweep the norm kernels' launch heuristics on the GPU, bf16. Parts (TORCH_FLASH_SWEEP=a,b; all
+by default, about 10 GPU minutes each):
+  tiles   rows of up to 8192 (SHAPES): rows per program tile (TILE) and, for the backward,
+          programs per SM;
+  narrow  short rows (NARROW_SHAPES): the backward's tile, programs per SM and dW/dB
+          accumulation (BWD_ROW_ACC), against quack's backward;
+  wide    wider rows (WIDE_SHAPES): the forward's column block (the whole row in registers up
+          to FWD_BLOCKS' widest, else its column loop) and the backward's column chunk
+          (BWD_CHUNK), against quack's kernels.
+quack is timed where importable. Writes OUT/sweep_norm.json: the fraction of a device copy each
 setting reaches, with the autotuned num_warps, so that the defaults in
 torch_flash/kernels/triton/norm.py are chosen from measurements.
-Usage: python scripts/sweep_norm.py OUT  (TORCH_FLASH_SWEEP=wide: the wide rows alone)
+Usage: python scripts/sweep_norm.py OUT
 """
 import itertools
 import os
@@ -18,6 +23,7 @@ from torch_flash.bench._common import copy_bandwidth, median_ms, out_dir, write_
 from torch_flash.kernels.triton import norm
 
 SHAPES = [(32768, 4096), (65536, 1024), (4096, 8192)]
+NARROW_SHAPES = [(1 << 21, 64), (1 << 19, 256), (65536, 1024)]
 WIDE_SHAPES = [(16384, 8192), (4096, 16384), (8192, 32768), (2048, 65536)]
 FWD_BLOCKS = (8192, 16384, 32768, 65536)
 BWD_BLOCKS = (2048, 4096, 8192)
@@ -62,6 +68,35 @@ def sweep_tiles(rows):
     norm.TILE, norm._bwd_programs = defaults
 
 
+def sweep_narrow(rows):
+    """Short rows' backward: row tile x programs per SM x dW/dB per tile row (BWD_ROW_ACC)."""
+    from torch_flash.bench.norm import _quack
+    defaults = norm.TILE, norm._bwd_programs, norm.BWD_ROW_ACC
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for (m, n), is_rms in itertools.product(NARROW_SHAPES, (True, False)):
+        x, g, w, b, kw = _inputs(m, n, is_rms)
+        nbytes = 3 * x.numel() * 2
+        ceiling = copy_bandwidth(nbytes)
+        _, _, mean, rstd = norm.norm_fwd(x, w, b, None, residual_in_fp32=False, stats=True, **kw)
+        stats = {} if is_rms else dict(mean=mean, rstd=rstd)
+        for tile, per_sm, row_acc in itertools.product((2048, 4096, 8192), (2, 4, 8), (False, True)):
+            norm.TILE, norm.BWD_ROW_ACC = tile, row_acc
+            norm._bwd_programs = lambda rows, block, chunks, device, p=per_sm: min(rows, sms * p)
+            norm._norm_bwd_kernel.cache.clear()
+            ms = median_ms(lambda: norm.norm_bwd(g, None, x, w, b, out_dtype=x.dtype, **stats, **kw))
+            rows.append(dict(op="rms" if is_rms else "ln", shape=[m, n], pass_="bwd", tile=tile, per_sm=per_sm,
+                             row_acc=row_acc, ms=ms, frac=_frac(nbytes, ms, ceiling),
+                             warps=norm._norm_bwd_kernel.best_config.num_warps))
+            print(rows[-1], flush=True)
+        quack = _quack(is_rms, False, [x, None, w, b], g)
+        if quack is not None:
+            ms = median_ms(quack[1])
+            rows.append(dict(op="rms" if is_rms else "ln", shape=[m, n], pass_="bwd", tile="quack", ms=ms,
+                             frac=_frac(nbytes, ms, ceiling)))
+            print(rows[-1], flush=True)
+    norm.TILE, norm._bwd_programs, norm.BWD_ROW_ACC = defaults
+
+
 def sweep_wide(rows):
     """Rows wider than 8192: the forward's column block, the backward's column chunk, quack's."""
     from torch_flash.bench.norm import _quack
@@ -93,10 +128,14 @@ def sweep_wide(rows):
 
 
 def main(out):
+    parts = {"tiles": sweep_tiles, "narrow": sweep_narrow, "wide": sweep_wide}
+    picked = os.environ.get("TORCH_FLASH_SWEEP", ",".join(parts)).split(",")
+    unknown = [p for p in picked if p not in parts]
+    if unknown:
+        raise SystemExit(f"TORCH_FLASH_SWEEP: unknown part {', '.join(unknown)}; known: {', '.join(parts)}")
     rows = []
-    if os.environ.get("TORCH_FLASH_SWEEP") != "wide":
-        sweep_tiles(rows)
-    sweep_wide(rows)
+    for part in picked:
+        parts[part](rows)
     write_json(os.path.join(out, "sweep_norm.json"), "sweep_norm", rows)
 
 

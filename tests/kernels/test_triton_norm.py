@@ -119,10 +119,12 @@ def _grads64(gy, gro, src, w, b, kw, round_dtype):
     return dx, dw, None if b is None else b64.grad
 
 
-@pytest.mark.parametrize("block_n", [None, 32], ids=["one-block", "column-blocks"])
+@pytest.mark.parametrize("block_n,row_acc", [(None, False), (32, False), (None, True)],
+                         ids=["one-block", "column-blocks", "row-accumulator"])
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-def test_backward(case, block_n, monkeypatch):
+def test_backward(case, block_n, row_acc, monkeypatch):
     monkeypatch.setattr(K, "TILE", 2 * (block_n or 128))  # two-row tiles: several per program
+    monkeypatch.setattr(K, "BWD_ROW_ACC", row_acc)  # dW/dB summed over a tile's rows at the end
     x, r, w, b, rif32, kw = _inputs(case, (3, 5, 100))
     y_dtype = torch.promote_types(x.dtype, w.dtype) if w is not None and kw["cast_before_weight"] else x.dtype
     gy = torch.randn(x.shape, device=DEV, dtype=y_dtype)

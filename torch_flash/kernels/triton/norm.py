@@ -49,6 +49,9 @@ TILE = 4096
 # programs x N fp32; chosen with scripts/sweep_norm.py, docs/perf.md "Constants chosen from
 # measurements").
 BWD_ELEMENTS_PER_SM = 8192
+# Tiles of several (short) rows: accumulate dW/dB per row of the tile and sum the rows once at
+# the end, instead of a cross-warp sum every tile (off until scripts/sweep_norm.py measures it).
+BWD_ROW_ACC = False
 BWD_MAX_PROGRAMS_PER_SM = 2
 
 _ROUND_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -270,13 +273,17 @@ def _row_sums(x, g, wo, mask, N, eps, mean, rstd, IS_RMS: tl.constexpr, HAS_STAT
 
 
 @triton.jit
-def _param_grads(g, xhat, mask, CAST_BEFORE_W: tl.constexpr, ROUND: tl.constexpr):
-    """This tile's contributions to dW and dB, summed over its rows."""
+def _param_grads(g, xhat, mask, CAST_BEFORE_W: tl.constexpr, ROUND: tl.constexpr, ROW_ACC: tl.constexpr):
+    """This tile's contributions to dW and dB: summed over its rows, or per row (ROW_ACC, for
+    an accumulator that sums its rows once, after the loop)."""
     h = xhat
     if CAST_BEFORE_W:
         h = _round(xhat, ROUND)
     # rows past the end have g = 0 but may have NaN xhat (rstd of a zero row with eps = 0)
-    return tl.sum(tl.where(mask, g * h, 0.0), axis=0), tl.sum(g, axis=0)
+    dw = tl.where(mask, g * h, 0.0)
+    if ROW_ACC:
+        return dw, g
+    return tl.sum(dw, axis=0), tl.sum(g, axis=0)
 
 
 @triton.autotune(configs=_configs((4, 8, 16)), key=["N", "BLOCK_N", "ROWS"])
@@ -349,7 +356,7 @@ def _norm_bwd_kernel(G, GR, X, W, MEAN, RSTD, PART, DX, DWP, DBP, M, N, stride_g
                      IS_RMS: tl.constexpr, HAS_GRES: tl.constexpr, HAS_W: tl.constexpr,
                      HAS_DW: tl.constexpr, HAS_DB: tl.constexpr, CAST_BEFORE_W: tl.constexpr,
                      ROUND: tl.constexpr, HAS_STATS: tl.constexpr, CHUNKS: tl.constexpr,
-                     BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+                     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, ROW_ACC: tl.constexpr):
     """dx and the dW/dB partials of a column chunk held in registers (the whole row where
     CHUNKS = 1, else the row sums come from PART, as _split_sums reads them): program (p, c) owns rows [p*M//P, (p+1)*M//P) (at
     least one, as P <= M), chunk c and chunk c's columns of row p of the partials."""
@@ -364,8 +371,12 @@ def _norm_bwd_kernel(G, GR, X, W, MEAN, RSTD, PART, DX, DWP, DBP, M, N, stride_g
     # holding it is faster (docs/perf.md, "Tried and not kept")
     if not HAS_DB:
         wo = _weight(W, cols, col_mask, weight_offset, HAS_W)
-    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
-    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if ROW_ACC:  # a cross-warp reduction once per program rather than once per row tile
+        dw = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+        db = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    else:
+        dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+        db = tl.zeros([BLOCK_N], dtype=tl.float32)
     rows = row_start + tl.arange(0, ROWS)
     mask = (rows < row_end)[:, None] & col_mask[None, :]
     x_next = tl.load(_ptrs(X, rows, cols, stride_x), mask=mask, other=0.0)
@@ -394,9 +405,12 @@ def _norm_bwd_kernel(G, GR, X, W, MEAN, RSTD, PART, DX, DWP, DBP, M, N, stride_g
                                              CHUNKS, BLOCK_N)
             xhat, dxhat = _grad_tile(x, g, wo, mean, rstd, mask, IS_RMS)
         _dx_store(xhat, dxhat, c1, c2, rstd, gr, DX, rows, cols, mask, stride_dx, IS_RMS, HAS_GRES)
-        dw_t, db_t = _param_grads(g, xhat, mask, CAST_BEFORE_W, ROUND)
+        dw_t, db_t = _param_grads(g, xhat, mask, CAST_BEFORE_W, ROUND, ROW_ACC)
         dw += dw_t
         db += db_t
+    if ROW_ACC:
+        dw = tl.sum(dw, axis=0)
+        db = tl.sum(db, axis=0)
     if HAS_DW:
         tl.store(DWP + pid * N + cols, dw, mask=col_mask)
     if HAS_DB:
@@ -577,7 +591,8 @@ class NormBwd:
         self.consts = dict(IS_RMS=is_rms, HAS_GRES=grad_residual_out is not None, HAS_W=weight is not None,
                            HAS_DW=weight is not None, HAS_DB=bias is not None, CAST_BEFORE_W=cast_before_weight,
                            ROUND=_ROUND_CODE.get(out_dtype, 0), HAS_STATS=rstd is not None,
-                           CHUNKS=next_power_of_2(chunks), BLOCK_N=block, ROWS=rows_per_tile)
+                           CHUNKS=next_power_of_2(chunks), BLOCK_N=block, ROWS=rows_per_tile,
+                           ROW_ACC=BWD_ROW_ACC and rows_per_tile > 1)
         self.sums_consts = {k: self.consts[k] for k in ("IS_RMS", "HAS_W", "HAS_STATS", "CHUNKS", "BLOCK_N", "ROWS")}
         self.sums_grid = (cdiv(m, rows_per_tile), next_power_of_2(chunks))
         n_outs = (weight is not None) + (bias is not None)
