@@ -19,7 +19,7 @@ import torch
 
 from torch._library.triton import set_wrap_triton_enabled
 
-from torch_flash.bench._common import copy_bandwidth, median_ms, out_dir, write_json
+from torch_flash.bench._common import copy_bandwidth, median_ms, out_dir, pick, write_json
 from torch_flash.kernels.triton import norm
 
 SHAPES = [(32768, 4096), (65536, 1024), (4096, 8192)]
@@ -41,6 +41,12 @@ def _frac(nbytes, ms, ceiling):
     return nbytes / (ms * 1e-3) / ceiling
 
 
+def _programs_per_sm(per_sm):
+    """norm._bwd_programs fixed at per_sm programs per SM (at most one per row)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return lambda rows, block, chunks, device: min(rows, sms * per_sm)
+
+
 def sweep_tiles(rows):
     """Rows of up to 8192: the row tile and the backward's programs per SM."""
     defaults = norm.TILE, norm._bwd_programs
@@ -57,8 +63,7 @@ def sweep_tiles(rows):
                              warps=norm._norm_fwd_kernel.best_config.num_warps))
             print(rows[-1], flush=True)
             for per_sm in (1, 2, 4, 8, 16):
-                sms = torch.cuda.get_device_properties(0).multi_processor_count
-                norm._bwd_programs = lambda rows, block, chunks, device, p=per_sm: min(rows, sms * p)
+                norm._bwd_programs = _programs_per_sm(per_sm)
                 norm._norm_bwd_kernel.cache.clear()
                 ms = median_ms(lambda: norm.norm_bwd(g, None, x, w, b, out_dtype=x.dtype, **kw))
                 rows.append(dict(op="rms" if is_rms else "ln", shape=[m, n], pass_="bwd", tile=tile,
@@ -72,7 +77,6 @@ def sweep_narrow(rows):
     """Short rows' backward: row tile x programs per SM x dW/dB per tile row (BWD_ROW_ACC)."""
     from torch_flash.bench.norm import _quack
     defaults = norm.TILE, norm._bwd_programs, norm.BWD_ROW_ACC
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for (m, n), is_rms in itertools.product(NARROW_SHAPES, (True, False)):
         x, g, w, b, kw = _inputs(m, n, is_rms)
         nbytes = 3 * x.numel() * 2
@@ -81,7 +85,7 @@ def sweep_narrow(rows):
         stats = {} if is_rms else dict(mean=mean, rstd=rstd)
         for tile, per_sm, row_acc in itertools.product((2048, 4096, 8192), (2, 4, 8), (False, True)):
             norm.TILE, norm.BWD_ROW_ACC = tile, row_acc
-            norm._bwd_programs = lambda rows, block, chunks, device, p=per_sm: min(rows, sms * p)
+            norm._bwd_programs = _programs_per_sm(per_sm)
             norm._norm_bwd_kernel.cache.clear()
             ms = median_ms(lambda: norm.norm_bwd(g, None, x, w, b, out_dtype=x.dtype, **stats, **kw))
             rows.append(dict(op="rms" if is_rms else "ln", shape=[m, n], pass_="bwd", tile=tile, per_sm=per_sm,
@@ -129,12 +133,8 @@ def sweep_wide(rows):
 
 def main(out):
     parts = {"tiles": sweep_tiles, "narrow": sweep_narrow, "wide": sweep_wide}
-    picked = os.environ.get("TORCH_FLASH_SWEEP", ",".join(parts)).split(",")
-    unknown = [p for p in picked if p not in parts]
-    if unknown:
-        raise SystemExit(f"TORCH_FLASH_SWEEP: unknown part {', '.join(unknown)}; known: {', '.join(parts)}")
     rows = []
-    for part in picked:
+    for part in pick("TORCH_FLASH_SWEEP", os.environ.get("TORCH_FLASH_SWEEP"), parts, "part"):
         parts[part](rows)
     write_json(os.path.join(out, "sweep_norm.json"), "sweep_norm", rows)
 

@@ -80,8 +80,8 @@ def median_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100, graph:
     """Median time of fn in milliseconds (triton.testing.do_bench on GPU; on CPU the second call)
     over rep ms of calls, and at least MIN_SAMPLES of them (do_bench fits its call count into
     rep: 100 ms would be 2 calls of a 40 ms loss). graph=True replays fn captured in a CUDA
-    graph (do_bench_cudagraph), as serving runs a decoding step: the kernels' time without the
-    host's per-launch cost."""
+    graph (graph_ms), as serving runs a decoding step: the kernels' time without the host's
+    per-launch cost."""
     if torch.cuda.is_available():
         from triton.testing import do_bench
         fn()  # compile and autotune outside the timing (and the capture)
@@ -133,6 +133,21 @@ def graph_ms(fn: Callable[[], object], rep: float, replays: int = 10) -> float:
             times.append(start.elapsed_time(end) / calls)
     torch.cuda.current_stream().wait_stream(stream)
     return statistics.median(times)
+
+
+def pick(suite: str, spec: str | None, known, what: str) -> list:
+    """The entries of `known` (dict keys or a sequence; ints parsed as such) that spec names,
+    comma-separated, in its order; None: all of them. An unknown or empty list exits naming the
+    known ones (a command-line option's value)."""
+    if spec is None:
+        return list(known)
+    picked = [s.strip() for s in spec.split(",") if s.strip()]
+    keys = [int(p) if isinstance(next(iter(known)), int) and p.isdigit() else p for p in picked]
+    unknown = [str(k) for k in keys if k not in known]
+    if unknown or not keys:
+        raise SystemExit(f"{suite}: unknown {what} {', '.join(unknown) or '(none given)'}; "
+                         f"known: {', '.join(map(str, known))}")
+    return keys
 
 
 def report_unavailable(name: str, e: Exception) -> None:

@@ -2,14 +2,14 @@
 `python -m torch_flash.bench norm`.
 
 Implementations: ours (the flash ops as the public functions call them, so that the eager rows
-carry the host cost users see: _ours), eager
-(F.rms_norm / F.layer_norm after the add), torch.compile of the naive model code (on CPU, a
-smoke run, with backend="aot_eager"), Liger-Kernel and quack where installed (neither has a
-fused-residual LayerNorm; quack's LayerNorm has no autograd: its forward and backward functions
-are timed). Widths 64 to 65536 at 2^27 elements (2^26 at 16384). Bytes moved = each input read
-once + each output written once; GB/s is set against a device copy of the same byte count timed
-in the same run (the ceiling). On a GPU every pass is timed twice: "eager" (calls back to back,
-the host's launch cost included) and "graph" (CUDA graph replay: the kernels alone).
+carry the host cost users see: _ours), eager (F.rms_norm / F.layer_norm after the add),
+torch.compile of the naive model code (on CPU, a smoke run, with backend="aot_eager"),
+Liger-Kernel and quack where installed (neither has a fused-residual LayerNorm; quack's
+LayerNorm has no autograd: its forward and backward functions are timed). Widths 64 to 65536
+at 2^27 elements (2^26 at 16384). Bytes moved = each input read once + each output written
+once; GB/s is set against a device copy of the same byte count timed in the same run (the
+ceiling). On a GPU every pass is timed twice: "eager" (calls back to back, the host's launch
+cost included) and "graph" (CUDA graph replay: the kernels alone).
 Rows: {op, shape, pass, timing, impl, ms, gbps, frac_of_copy}.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..testing.llama import rms_norm as _naive_rms  # HF LlamaRMSNorm
-from ._common import (compile_fresh, copy_bandwidth, median_or_none, optional_peer, over_retained_graphs,
+from ._common import (compile_fresh, copy_bandwidth, median_or_none, optional_peer, over_retained_graphs, pick,
                       report_unavailable, time_rounds)
 
 SHAPES = [(1 << 21, 64), (1 << 19, 256), (65536, 1024), (32768, 4096), (16384, 8192), (4096, 16384),
@@ -204,11 +204,7 @@ def _pick_ops(spec: str | None) -> tuple:
     fits about two of them."""
     if not spec:
         return OPS
-    names = [n.strip() for n in spec.split(",") if n.strip()]
-    unknown = [n for n in names if n not in [op[0] for op in OPS]]
-    if unknown or not names:
-        raise SystemExit(f"norm: unknown op {', '.join(unknown) or '(none given)'}; "
-                         f"known: {', '.join(op[0] for op in OPS)}")
+    names = pick("norm", spec, [op[0] for op in OPS], "op")
     return tuple(op for op in OPS if op[0] in names)
 
 

@@ -7,9 +7,9 @@ functions call them (so the eager rows carry the host cost users see), once per 
 ("ours_qk": flash.rotary_qk, flash.rotary_qk_backward), and in place ("_inplace": flash.rotary_
 / flash.rotary_qk_, the backward as their conjugate rotation); eager HF `q * cos +
 rotate_half(q) * sin`, torch.compile of it, Liger-Kernel's liger_rotary_pos_emb and quack's
-apply_rotary_emb (on the (B, S, H, D) tensors, once each for q and k) where installed. Bytes moved = q and k read and written once, plus the
-(S, rd/2) fp32 cos/sin tables. On a GPU each pass is timed eagerly and as CUDA graph replay
-(norm.TIMINGS).
+apply_rotary_emb (on the (B, S, H, D) tensors, once each for q and k) where installed. Bytes
+moved = q and k read and written once, plus the (S, rd/2) fp32 cos/sin tables. On a GPU each
+pass is timed eagerly and as CUDA graph replay (norm.TIMINGS).
 """
 from __future__ import annotations
 

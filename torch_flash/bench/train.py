@@ -63,7 +63,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ._common import write_json
+from ._common import pick, write_json
 
 SEED = 0
 
@@ -346,18 +346,6 @@ def run_config(name: str, config: Config, model: Model, batches: torch.Tensor, w
     return row
 
 
-def _pick(spec: Optional[str], known: dict, what: str) -> list:
-    if spec is None:
-        return list(known)
-    picked = [s.strip() for s in spec.split(",") if s.strip()]
-    keys = [int(p) if isinstance(next(iter(known)), int) and p.isdigit() else p for p in picked]
-    unknown = [str(k) for k in keys if k not in known]
-    if unknown or not keys:
-        raise SystemExit(f"train: unknown {what} {', '.join(unknown) or '(none given)'}; "
-                         f"known: {', '.join(map(str, known))}")
-    return keys
-
-
 def _setup(args):
     """(device, model, contexts {context: (batch, seq)}, warmup, steps, configs, max_seq)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -369,9 +357,9 @@ def _setup(args):
         model, contexts, warmup, steps, default = FULL, CONTEXTS, WARMUP, STEPS, None
     steps = getattr(args, "steps", None) or steps
     max_seq = max(seq for _, seq in contexts.values())  # the model's, whichever contexts run
-    contexts = {c: contexts[c] for c in _pick(getattr(args, "contexts", None), contexts, "context")}
+    contexts = {c: contexts[c] for c in pick("train", getattr(args, "contexts", None), contexts, "context")}
     spec = getattr(args, "configs", None)
-    configs = _pick(spec, CONFIGS, "configuration") if spec or default is None else list(default)
+    configs = pick("train", spec, CONFIGS, "configuration") if spec or default is None else list(default)
     return device, model, contexts, warmup, steps, configs, max_seq
 
 
