@@ -19,7 +19,7 @@ Statistics are fp32. Dtype rules follow torch_flash/reference/rms_norm.py and la
 A row that fits one block (N <= BLOCK_N) is read once and kept in registers. Longer rows: the
 forward loops over column blocks, statistics first (Chan's merge of per-block mean and M2, so
 no cancellation from sum(x^2) - N mean^2), then a second pass normalises; the backward splits
-them into column chunks (BWD_MAX_BLOCK). There is no limit on N.
+them into column chunks (BWD_CHUNK). There is no limit on N.
 """
 from __future__ import annotations
 
@@ -35,24 +35,23 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Widest column block held in registers per row; longer rows loop over column blocks.
 FWD_MAX_BLOCK = 16384
 BWD_MAX_BLOCK = 8192
-# The backward's column chunk for rows wider than BWD_MAX_BLOCK (below).
-BWD_CHUNK = 2048
-# Target elements per program tile: short rows are processed several at a time.
-TILE = 4096
 # Rows wider than BWD_MAX_BLOCK are split into BWD_CHUNK-column chunks: one kernel sums each
 # chunk's part of the row sums, a second computes dx and the dW/dB partials chunk by chunk, each
 # chunk held in registers. x and dy are read twice (5/3 of the minimal traffic): 0.55-0.58 of
 # copy at 16384-65536 columns, where one program looping over the columns ran at 0.3-0.4
 # (H200, scripts/sweep_norm.py; chunks of 4096 and 8192 ran as fast at two chunks a row but
 # up to 20x slower at four or more for RMSNorm, not yet understood).
+BWD_CHUNK = 2048
+# Target elements per program tile: short rows are processed several at a time.
+TILE = 4096
 # Backward programs per SM: BWD_ELEMENTS_PER_SM // row block, at most 2 (dW partials are
 # programs x N fp32; chosen with scripts/sweep_norm.py, docs/perf.md "Constants chosen from
 # measurements").
 BWD_ELEMENTS_PER_SM = 8192
+BWD_MAX_PROGRAMS_PER_SM = 2
 # Tiles of several (short) rows: accumulate dW/dB per row of the tile and sum the rows once at
 # the end, instead of a cross-warp sum every tile (off until scripts/sweep_norm.py measures it).
 BWD_ROW_ACC = False
-BWD_MAX_PROGRAMS_PER_SM = 2
 
 _ROUND_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -292,9 +291,10 @@ def _norm_bwd_sums_kernel(G, X, W, MEAN, RSTD, PART, M, N, stride_g, stride_x, w
                           IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_STATS: tl.constexpr,
                           CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
     """The backward's row sums over one column chunk of rows split into column chunks, into
-    PART (M, CHUNKS, 4) fp32 (CHUNKS a power of 2; chunks past the row's end sum nothing): with the forward's statistics (sum(dxhat * xhat), sum(dxhat), -, -);
-    without, the chunk's own mean and M2 of x (RMSNorm: 0 and sum(x^2)), sum(dxhat * (x - chunk
-    mean)) and sum(dxhat), which _split_sums merges as Chan's update (no cancellation)."""
+    PART (M, CHUNKS, 4) fp32 (CHUNKS a power of 2; chunks past the row's end sum nothing): with
+    the forward's statistics (sum(dxhat * xhat), sum(dxhat), -, -); without, the chunk's own
+    mean and M2 of x (RMSNorm: 0 and sum(x^2)), sum(dxhat * (x - chunk mean)) and sum(dxhat),
+    which _split_sums merges as Chan's update (no cancellation)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -358,8 +358,9 @@ def _norm_bwd_kernel(G, GR, X, W, MEAN, RSTD, PART, DX, DWP, DBP, M, N, stride_g
                      ROUND: tl.constexpr, HAS_STATS: tl.constexpr, CHUNKS: tl.constexpr,
                      BLOCK_N: tl.constexpr, ROWS: tl.constexpr, ROW_ACC: tl.constexpr):
     """dx and the dW/dB partials of a column chunk held in registers (the whole row where
-    CHUNKS = 1, else the row sums come from PART, as _split_sums reads them): program (p, c) owns rows [p*M//P, (p+1)*M//P) (at
-    least one, as P <= M), chunk c and chunk c's columns of row p of the partials."""
+    CHUNKS = 1, else the row sums come from PART, as _split_sums reads them): program (p, c)
+    owns rows [p*M//P, (p+1)*M//P) (at least one, as P <= M), chunk c and chunk c's columns of
+    row p of the partials."""
     eps, weight_offset = fp32(eps), fp32(weight_offset)
     pid = tl.program_id(0).to(tl.int64)
     row_start = (pid * M) // tl.num_programs(0)
@@ -593,8 +594,9 @@ class NormBwd:
                            ROUND=_ROUND_CODE.get(out_dtype, 0), HAS_STATS=rstd is not None,
                            CHUNKS=next_power_of_2(chunks), BLOCK_N=block, ROWS=rows_per_tile,
                            ROW_ACC=BWD_ROW_ACC and rows_per_tile > 1)
-        self.sums_consts = {k: self.consts[k] for k in ("IS_RMS", "HAS_W", "HAS_STATS", "CHUNKS", "BLOCK_N", "ROWS")}
-        self.sums_grid = (cdiv(m, rows_per_tile), next_power_of_2(chunks))
+        self.sums_consts = {k: self.consts[k] for k in ("IS_RMS", "HAS_W", "HAS_STATS", "CHUNKS", "BLOCK_N",
+                                                         "ROWS")}
+        self.sums_grid = (cdiv(m, rows_per_tile), self.consts["CHUNKS"])  # chunks past the row: zeros
         n_outs = (weight is not None) + (bias is not None)
         self.sum_grid = (cdiv(n, SUM_BLOCK), n_outs)
         self.sum_consts = dict(HAS_OUT1=n_outs == 2, BLOCK=SUM_BLOCK, ROWS=SUM_ROWS)
