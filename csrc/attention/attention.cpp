@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <array>
 #include <limits>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -142,11 +143,23 @@ at::Tensor empty_like_layout(const at::Tensor& q) {
   return at::empty_strided(q.sizes(), strides, q.options());
 }
 
-// q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D) with Hq % Hkv == 0 -> out (B, Hq, Sq, D) laid out like q
-// (empty_like_layout), lse (B, Hq, Sq) fp32. causal: aligned bottom-right, as flash.attention, with Sq <= Sk (every
-// query row sees a key).
+// sinks (Hq,) of any floating dtype on q's device, as fp32 the epilogue reads (a copy only where
+// it is not one already).
+at::Tensor sinks_fp32(const at::Tensor& sinks, const at::Tensor& q) {
+  TORCH_CHECK(sinks.device() == q.device(), kOp, "sinks is on ", sinks.device(), " but q is on ", q.device());
+  TORCH_CHECK(sinks.dim() == 1 && sinks.size(0) == q.size(1), kOp, "sinks must be (Hq,) = (", num(q.size(1)),
+              ",), got ", shape(sinks.sizes()));
+  TORCH_CHECK(at::isFloatingType(sinks.scalar_type()), kOp, "sinks must be floating point, got ",
+              sinks.scalar_type());
+  return sinks.to(at::kFloat).contiguous();
+}
+
+// q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D) with Hq % Hkv == 0, sinks (Hq,) or none -> out (B, Hq, Sq, D)
+// laid out like q (empty_like_layout), lse (B, Hq, Sq) fp32, both with the sinks. causal: aligned
+// bottom-right, as flash.attention, with Sq <= Sk (every query row sees a key).
 std::tuple<at::Tensor, at::Tensor> attention_fwd_sm90(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                      double scale, bool causal) {
+                                                      double scale, bool causal,
+                                                      const std::optional<at::Tensor>& sinks) {
   Entry entry = q.dim() == 4 ? entry_for(q.size(3)) : nullptr;
   const auto [batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, device] =
       check_problem(kOp, q, k, v, causal, entry != nullptr);
@@ -177,6 +190,8 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_sm90(const at::Tensor& q, const
   p.out_row_stride = to_int(out.stride(2), "out.stride(2)");
   p.lse_batch_stride = to_int(lse.stride(0), "lse.stride(0)");
   p.lse_head_stride = to_int(lse.stride(1) * group, "lse.stride(1) * group");
+  const auto sinks32 = sinks.has_value() ? sinks_fp32(*sinks, q) : at::Tensor();
+  p.sinks_head_stride = to_int(group, "group");
   p.scale = static_cast<float>(scale);
   p.bf16 = q.scalar_type() == at::kBFloat16;
   p.causal = causal;
@@ -190,6 +205,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_sm90(const at::Tensor& q, const
     p.q = static_cast<const char*>(q.data_ptr()) + g * q.stride(1) * q.element_size();
     p.out = static_cast<char*>(out.data_ptr()) + g * out.stride(1) * out.element_size();
     p.lse = lse.data_ptr<float>() + g * lse.stride(1);
+    p.sinks = sinks32.defined() ? sinks32.data_ptr<float>() + g : nullptr;  // heads g, g + G, ...
     entry(p, stream);
   }
   return {out, lse};

@@ -162,6 +162,56 @@ struct Config {
   using WithSchedule = Config<TileShape_, Other, Options_...>;
 };
 
+// The example's epilogue, with attention sinks where params.sinks is set: each row's lse becomes
+// logaddexp(lse, sink of its head) and its output is scaled by exp(old lse - new lse) in
+// registers before the store (a row without keys: 0, its lse the sink), so that sinks cost no
+// pass over the output.
+template <class ElementOut, class TileShapePV>
+struct SinkEpilogue : cutlass::fmha::collective::FmhaFwdEpilogue<ElementOut, float, TileShapePV> {
+  using Base = cutlass::fmha::collective::FmhaFwdEpilogue<ElementOut, float, TileShapePV>;
+  struct Arguments : Base::Arguments {
+    const float* sinks;
+    int sinks_head_stride;
+  };
+  struct Params : Base::Params {
+    const float* sinks;
+    int sinks_head_stride;
+  };
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& problem, Arguments const& args, void* workspace = nullptr) {
+    return {Base::to_underlying_arguments(problem, args, workspace), args.sinks, args.sinks_head_stride};
+  }
+
+  template <class TileShape, class BlkCoord, class ResultTuple, class TiledMma, class ProblemShape>
+  CUTLASS_DEVICE void operator()(TileShape const& tile_shape, BlkCoord const& blk_coord, ResultTuple const& result,
+                                 TiledMma const& tiled_mma, ProblemShape const& problem_size, Params const& params,
+                                 typename Base::LoadPipeline epi_load_pipeline,
+                                 typename Base::TensorStorage& epi_tensor_storage) {
+    if (params.sinks == nullptr) {
+      Base::operator()(tile_shape, blk_coord, result, tiled_mma, problem_size, params, epi_load_pipeline,
+                       epi_tensor_storage);
+      return;
+    }
+    auto acc = get<0>(result);
+    auto lse = get<1>(result);
+    const float sink = params.sinks[get<1>(get<2>(blk_coord)) * params.sinks_head_stride];  // (batch, head)
+    Tensor acc_mn = make_tensor(acc.data(), cutlass::fmha::collective::layout_acc_mn(tiled_mma, acc.layout()));
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size<0>(acc_mn); ++i) {
+      const bool no_keys = lse(i) == INFINITY;  // the softmax's mark of a row with no keys
+      const float top = fmaxf(lse(i), sink);
+      const float with_sink = no_keys ? sink : top + logf(expf(lse(i) - top) + expf(sink - top));
+      const float factor = no_keys ? 0.f : expf(lse(i) - with_sink);
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < size<1>(acc_mn); ++j) acc_mn(i, j) *= factor;
+      lse(i) = with_sink;
+    }
+    Base::operator()(tile_shape, blk_coord, cute::make_tuple(acc, lse), tiled_mma, problem_size, params,
+                     epi_load_pipeline, epi_tensor_storage);
+  }
+};
+
 // ElementOut: the output's type (float for the split tail's partial results).
 template <class Element, class Fusion, class Config, class ElementOut = Element>
 struct FwdKernel;
@@ -171,7 +221,7 @@ struct FwdKernel<Element, Fusion, Config<TileShape, Schedule, Options...>, Eleme
   using Persistent = Option<Tag::kIsPersistent, cute::bool_constant<Schedule::kPersistent>>;
   using Mainloop = MainloopWithScale<cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
       Element, float, float, TileShape, Stride, Stride, Stride, Fusion, Persistent, Options...>>;
-  using Epilogue = cutlass::fmha::collective::FmhaFwdEpilogue<ElementOut, float, typename Mainloop::TileShapePV>;
+  using Epilogue = SinkEpilogue<ElementOut, typename Mainloop::TileShapePV>;
   using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
       Mainloop, Epilogue, typename Schedule::Scheduler, Persistent,
       Option<Tag::kLoadsQSeparately, cute::bool_constant<Schedule::kPersistent>>, Options...>;
@@ -191,8 +241,9 @@ void run(const AttentionFwdSm90Params& p, int tail_tiles, cudaStream_t stream) {
            static_cast<const Element*>(p.k), Stride{p.k_row_stride, _1{}, {p.k_batch_stride, p.k_head_stride}},
            static_cast<const Element*>(p.v), Stride{p.v_row_stride, _1{}, {p.v_batch_stride, p.v_head_stride}}},
           p.scale},
-      {static_cast<ElementOut*>(p.out), Stride{p.out_row_stride, _1{}, {p.out_batch_stride, p.out_head_stride}},
-       p.lse, StrideLse{_1{}, {p.lse_batch_stride, p.lse_head_stride}}},
+      {{static_cast<ElementOut*>(p.out), Stride{p.out_row_stride, _1{}, {p.out_batch_stride, p.out_head_stride}},
+        p.lse, StrideLse{_1{}, {p.lse_batch_stride, p.lse_head_stride}}},
+       p.sinks, p.sinks_head_stride},
       hw};
   if (!Kernel::can_implement(args)) {
     throw std::runtime_error("flash.attention (sm90 kernel): unsupported problem (head dim " +
@@ -260,15 +311,17 @@ __global__ void broadcast_rows(const Element* src, int src_stride, Element* dst,
   for (int i = threadIdx.x; i < dim / kPerVec; i += blockDim.x) to[i] = from[i];
 }
 
-// Row r: out[r] = sum_i exp(lse_i[r] - lse[r]) part_i[r], lse[r] = log sum_i exp(lse_i[r]),
-// over the `splits` partial results part (splits, rows, dim) and part_lse (splits, rows).
+// Row r: out[r] = sum_i exp(lse_i[r] - lse[r]) part_i[r], lse[r] = log(sum_i exp(lse_i[r]) +
+// exp(sink)), over the `splits` partial results part (splits, rows, dim) and part_lse (splits,
+// rows); the sink logit at sink_at (device memory), null: none.
 template <class Element>
 __global__ void merge_splits(const float* part, const float* part_lse, int splits, int rows, int dim, Element* out,
-                             int out_row_stride, float* lse) {
+                             int out_row_stride, float* lse, const float* sink_at) {
   const int row = blockIdx.x;
-  float max_lse = -INFINITY;
+  const float sink = sink_at ? *sink_at : -INFINITY;
+  float max_lse = sink;
   for (int i = 0; i < splits; ++i) max_lse = fmaxf(max_lse, part_lse[i * rows + row]);
-  float sum = 0.f;
+  float sum = expf(sink - max_lse);
   for (int i = 0; i < splits; ++i) sum += expf(part_lse[i * rows + row] - max_lse);
   const float row_lse = max_lse + logf(sum);
   for (int d = threadIdx.x; d < dim; d += blockDim.x) {
@@ -352,13 +405,15 @@ void launch(const AttentionFwdSm90Params& p, cudaStream_t stream) {
   t.v_batch_stride = plan.split_keys * p.v_row_stride;
   t.out = part;
   t.lse = part_lse;
+  t.sinks = nullptr;  // partial results: merge_splits adds the sink
   t.lse_batch_stride = rows;
   t.lse_head_stride = s * rows;
   run<Element, Fusion, typename Config::template WithSchedule<Cooperative>, float>(t, 0, stream);  // one round
 
   merge_splits<Element><<<rows, 128, 0, stream>>>(part, part_lse, s, rows, d,
                                          static_cast<Element*>(p.out) + o_at + long(row0) * p.out_row_stride,
-                                         p.out_row_stride, p.lse + l_at + row0);
+                                         p.out_row_stride, p.lse + l_at + row0,
+                                         p.sinks ? p.sinks + long(p.heads - 1) * p.sinks_head_stride : nullptr);
   check_cuda(cudaGetLastError(), "tail merge");
 }
 

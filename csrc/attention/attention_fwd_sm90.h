@@ -25,6 +25,10 @@ struct AttentionFwdSm90Params {
   int v_batch_stride, v_head_stride, v_row_stride;
   int out_batch_stride, out_head_stride, out_row_stride;
   int lse_batch_stride, lse_head_stride;
+  // Attention sinks (null: none): head h's sink logit at sinks[h * sinks_head_stride], one more
+  // softmax column that adds no value (out scaled by exp(lse0 - lse), lse = logaddexp(lse0, sink)).
+  const float* sinks;
+  int sinks_head_stride;
   float scale;
   bool bf16;    // else fp16
   bool causal;  // aligned bottom-right (row i sees keys j <= i + Sk - Sq), with Sq <= Sk

@@ -27,9 +27,10 @@ def rand(b, h, s, d, dtype=torch.bfloat16, transposed=True):
     return torch.randn(b, h, s, d, dtype=dtype, device="cuda")
 
 
-def reference(q, k, v, scale, causal):
+def reference(q, k, v, scale, causal, sinks=None):
     """(out, lse) in float64 by the project's formula (causal bottom-right: flash.attention's)."""
-    return ref.attention_with_lse(q.double(), k.double(), v.double(), scale=scale, causal=causal)
+    return ref.attention_with_lse(q.double(), k.double(), v.double(), scale=scale, causal=causal,
+                                  sinks=None if sinks is None else sinks.double())
 
 
 def sdpa(q, k, v, scale, causal):
@@ -41,16 +42,20 @@ def sdpa(q, k, v, scale, causal):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-def check_forward(q, k, v, scale, causal):
-    before = [t.clone() for t in (q, k, v)]
-    out, lse = torch.ops.flash.attention_fwd_sm90(q, k, v, scale, causal)
+def check_forward(q, k, v, scale, causal, sinks=None):
+    """The kernel's (out, lse) against float64, out's error within 1.25x SDPA's (on the problem
+    without sinks, which SDPA has not: a sink scales each row's output by a factor <= 1)."""
+    inputs = (q, k, v) if sinks is None else (q, k, v, sinks)
+    before = [t.clone() for t in inputs]
+    out, lse = torch.ops.flash.attention_fwd_sm90(q, k, v, scale, causal, sinks)
     torch.cuda.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v))), "inputs modified"
-    ref_out, ref_lse = reference(q, k, v, scale, causal)
+    assert all(torch.equal(a, b) for a, b in zip(before, inputs)), "inputs modified"
+    ref_out, ref_lse = reference(q, k, v, scale, causal, sinks)
     assert out.shape == ref_out.shape and out.dtype == q.dtype and out.stride() == ref.layout_strides(q, out.shape)
     assert lse.shape == ref_lse.shape and lse.dtype == torch.float32
     assert not torch.isnan(out).any() and torch.isfinite(lse).all()
-    err, base = rel_err(out, ref_out), rel_err(sdpa(q, k, v, scale, causal), ref_out)
+    sink_free = ref_out if sinks is None else reference(q, k, v, scale, causal)[0]
+    err, base = rel_err(out, ref_out), rel_err(sdpa(q, k, v, scale, causal), sink_free)
     assert err <= 1e-2 and err <= 1.25 * base + 1e-4, f"out: {err:.2e} (SDPA {base:.2e})"
     assert rel_err(lse, ref_lse) <= 1e-5, f"lse: {rel_err(lse, ref_lse):.2e}"
 
@@ -116,6 +121,25 @@ def test_causal_row_split(d, sq, sk):
     assert cutlass_launches(lambda: torch.ops.flash.attention_fwd_sm90(q, k, v, 0.1, True)) == 2 * per_member
 
 
+def sinks_for(heads: int, dtype=torch.float32):
+    """Sink logits (heads,) of every size: none (-inf), small, about a row's lse, dominant."""
+    sinks = torch.randn(heads, device="cuda") * 4
+    sinks[0] = -float("inf")
+    sinks[-1] = 12.0
+    return sinks.to(dtype)
+
+
+@pytest.mark.parametrize("d", HDIMS)
+@pytest.mark.parametrize("sq,sk,hq,hkv,causal", [
+    (1000, 1000, 4, 4, False), (200, 264, 8, 2, True), (2056, 2056, 4, 2, True), (136, 1000, 6, 3, False)])
+def test_sinks_in_the_epilogue(d, sq, sk, hq, hkv, causal):
+    """Sinks (Hq,) applied in the epilogue: each GQA group member's launch reads its heads' sinks
+    (heads g, g + G, ...), causal with its row split (2056), partial tiles; fp32 and bf16 sinks."""
+    q, k, v = rand(2, hq, sq, d), rand(2, hkv, sk, d), rand(2, hkv, sk, d)
+    check_forward(q, k, v, d ** -0.5, causal, sinks_for(hq))
+    check_forward(q, k, v, d ** -0.5, causal, sinks_for(hq, torch.bfloat16))
+
+
 def split_tail_heads(m_blocks: int, key_tiles: int) -> int:
     """A number of (batch x kv head) problems whose persistent launch of m_blocks query tiles
     each ends in a short round that the kernel splits (attention_fwd_sm90.cuh, TailSplit:
@@ -147,6 +171,7 @@ def test_split_tail_vs_fp64_and_sdpa(sq, sk, group, dtype):
     q = rand(1, heads * group, sq, 128, dtype)
     k, v = rand(1, heads, sk, 128, dtype), rand(1, heads, sk, 128, dtype)
     check_forward(q, k, v, 128 ** -0.5, False)
+    check_forward(q, k, v, 128 ** -0.5, False, sinks_for(heads * group))  # merge_splits adds the sink
     assert allocations(lambda: torch.ops.flash.attention_fwd_sm90(q, k, v, 0.1, False)) == 2 + group
     if sq == sk:
         assert allocations(lambda: torch.ops.flash.attention_fwd_sm90(q, k, v, 0.1, True)) == 2
@@ -241,3 +266,15 @@ def test_bad_inputs_raise(bad, match):
     with pytest.raises(RuntimeError, match=match):
         torch.ops.flash.attention_fwd_sm90(*bad(q, k, v), 0.125, False)
     torch.cuda.synchronize()  # and the device is still fine
+
+
+@pytest.mark.parametrize("sinks,match", [
+    (lambda: torch.zeros(3, device="cuda"), r"sinks must be \(Hq,\) = \(2,\), got \(3\)"),
+    (lambda: torch.zeros(2), "sinks is on cpu"),
+    (lambda: torch.zeros(2, dtype=torch.int32, device="cuda"), "sinks must be floating point"),
+])
+def test_bad_sinks_raise(sinks, match):
+    q, k, v = (rand(1, 2, 64, HDIMS[0], transposed=False) for _ in range(3))
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.flash.attention_fwd_sm90(q, k, v, 0.125, False, sinks())
+    torch.cuda.synchronize()

@@ -285,19 +285,20 @@ def test_triton_expanded_grad(causal, force_backend):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])
 def test_sinks_around_sink_free_kernels(causal, dtype, force_backend):
-    """What the Hopper forward and cuDNN's and the Hopper backward rely on: a sink-free forward's
-    (out, lse) with the sinks added (add_sinks_), and a sink-free backward given that lse plus
-    the delta pass's sink gradient (sink_grad), equal attention with sinks. Sinks of -inf (none)
-    and of any size; on the Triton kernels (interpreted on CPU)."""
+    """What the Hopper forward's epilogue and cuDNN's and the Hopper backward rely on: a
+    sink-free forward's (out0, lse0) rescaled (lse = logaddexp(lse0, sink), out = out0 *
+    exp(lse0 - lse)), and a sink-free backward given that lse plus the delta pass's sink gradient
+    (sink_grad), equal attention with sinks. Sinks of -inf (none) and of any size; on the Triton
+    kernels (interpreted on CPU)."""
     from torch_flash.kernels.triton.attention_backward import attention_bwd
-    from torch_flash.kernels.triton.attention_sinks import add_sinks_, sink_grad
+    from torch_flash.kernels.triton.attention_sinks import sink_grad
     from torch_flash.reference import attention as ref
     force_triton_kernels(force_backend)
     q, k, v = (torch.randn(2, 4, 24, 16, device=DEVICE).to(dtype) for _ in range(3))
     sinks = torch.tensor([-math.inf, -3.0, 0.5, 4.0], device=DEVICE)
-    out, lse = ref.attention_with_lse(q, k, v, causal=causal)
-    lse = lse.float()
-    add_sinks_(out, lse, sinks)
+    out0, lse0 = ref.attention_with_lse(q, k, v, causal=causal)
+    lse = torch.logaddexp(lse0.float(), sinks[:, None])
+    out = (out0.float() * torch.exp(lse0.float() - lse)[..., None]).to(dtype)
     ins = _leaves((q, k, v, sinks), torch.float64)
     o64, lse64 = exact(*ins, causal=causal)
     assert_rel_close(out, o64, TOL[dtype], what="out")
@@ -314,9 +315,9 @@ def test_sinks_around_sink_free_kernels(causal, dtype, force_backend):
 
 @pytest.mark.parametrize("path", ["sm90", "cudnn"])
 def test_hopper_plans_on_stand_ins(path, force_backend, monkeypatch):
-    """flash.attention's Hopper plans with sinks, the CUDA kernels replaced by sink-free stand-ins
-    (the reference forward, the Triton backward) so that the op's own glue runs on CPU: the
-    forward's results get the sinks added, the backward is given their lse and adds dsinks."""
+    """flash.attention's Hopper plans with sinks, the CUDA kernels replaced by stand-ins (the
+    reference forward with sinks, the sink-free Triton backward) so that the op's own glue runs
+    on CPU: the forward gets the sinks, the backward is given their lse and adds dsinks."""
     from torch_flash.kernels.triton.attention_backward import attention_bwd
     from torch_flash.ops import attention as ops
     from torch_flash.reference import attention as ref
@@ -326,8 +327,9 @@ def test_hopper_plans_on_stand_ins(path, force_backend, monkeypatch):
         return attention_bwd(grad_out, None, q, k, v, None, out, lse, scale=scale, causal=causal, window_left=-1,
                              window_right=-1, softcap=0.0, dropout_p=0.0, dropout_seed=None,
                              bias_requires_grad=False)[:3]
-    monkeypatch.setattr(torch.ops.flash, "attention_fwd_sm90", lambda q, k, v, scale, causal: tuple(
-        t.float() if t.dim() == 3 else t for t in ref.attention_with_lse(q, k, v, scale=scale, causal=causal)))
+    monkeypatch.setattr(torch.ops.flash, "attention_fwd_sm90", lambda q, k, v, scale, causal, sinks: tuple(
+        t.float() if t.dim() == 3 else t
+        for t in ref.attention_with_lse(q, k, v, scale=scale, causal=causal, sinks=sinks)))
     monkeypatch.setattr(torch.ops.flash, "attention_bwd_sm90", bwd)
     monkeypatch.setattr(torch_flash._dispatch, "available", lambda device_type: frozenset(
         {"reference", "triton", "cuda"}))
@@ -402,8 +404,8 @@ def test_gpu_dense(shape, kw, dtype):
 @pytest.mark.cuda
 @pytest.mark.parametrize("forced,backward", [(None, "cudnn"), ("cuda", "cuda")])
 def test_gpu_hopper_paths(forced, backward, force_backend, monkeypatch):
-    """Sinks on the Hopper forward (its out and lse rescaled: add_sinks_) and on cuDNN's or the
-    Hopper backward (given the sinks' lse; the sinks' gradient from the delta pass)."""
+    """Sinks on the Hopper forward (in its epilogue) and on cuDNN's or the Hopper backward
+    (given the sinks' lse; the sinks' gradient from the delta pass)."""
     info = torch_flash._extension.build_info()
     if torch.cuda.get_device_capability() != (9, 0) or not info or 128 not in info.get("backward_hdims", ()):
         pytest.skip("needs the Hopper kernels of torch_flash._C at head dim 128 on an sm_90 GPU")

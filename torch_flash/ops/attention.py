@@ -176,7 +176,7 @@ def _sm90_serves(q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: ref.Spec) -> 
     """Whether the Hopper kernel of csrc/attention (flash.attention_fwd_sm90) serves this call:
     built for this head dim, an sm_90 GPU, within the op's contract, no bias/ALiBi/window/
     softcap/dropout, and the layout its TMA descriptors need (16-byte aligned, strides within 32
-    bits). Sinks are added to its results (kernels/triton/attention_sinks.py)."""
+    bits). It takes sinks (in its epilogue)."""
     info = _extension.build_info()
     if (info is None or "flash::attention_fwd_sm90" not in info["ops"] or q.device.type != "cuda"
             or torch.cuda.get_device_capability(q.device) != (9, 0)):
@@ -234,11 +234,7 @@ class _Sm90Plan:
         self.scale, self.causal = spec.scale, spec.causal
 
     def __call__(self, q, k, v, attn_bias, cu_q, cu_k, dropout_seed, alibi_slopes, sinks):
-        out, lse = torch.ops.flash.attention_fwd_sm90(q, k, v, self.scale, self.causal)
-        if sinks is not None:  # its own outputs, rescaled in place
-            from ..kernels.triton.attention_sinks import add_sinks_
-            add_sinks_(out, lse, sinks)
-        return out, lse
+        return torch.ops.flash.attention_fwd_sm90(q, k, v, self.scale, self.causal, sinks)
 
 
 # signature -> _Sm90Plan, the Triton kernels' AttentionFwd, or None (the reference path)
@@ -474,13 +470,16 @@ def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
 
 
 @torch.library.custom_op("flash::attention_fwd_sm90", mutates_args=())
-def _attention_fwd_sm90(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+def _attention_fwd_sm90(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
+                        sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(out, lse) of flash.attention_with_lse for the calls the Hopper kernel serves (see
-    check_sm90_args). torch_flash._C registers that kernel for CUDA tensors; this body, the
-    reference, runs elsewhere (CPU tensors, or no extension). No autograd of its own: it is
-    the forward inside flash.attention's, whose backward reads its lse."""
+    check_sm90_args), with attention sinks (Hq,) or none. torch_flash._C registers that kernel
+    for CUDA tensors (the sinks applied in its epilogue); this body, the reference, runs
+    elsewhere (CPU tensors, or no extension). No autograd of its own: it is the forward inside
+    flash.attention's, whose backward reads its lse."""
     check_sm90_args("attention_fwd_sm90", q, k, v, causal)
-    return ref.forward(q, k, v, None, ref.Spec(scale, causal))
+    check_sinks("attention_fwd_sm90", sinks, q)
+    return ref.forward(q, k, v, None, ref.Spec(scale, causal, sinks=sinks))
 
 
 def check_sm90_bwd_args(op: str, grad_out, q, k, v, out, lse, causal: bool) -> None:

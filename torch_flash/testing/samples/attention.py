@@ -92,8 +92,9 @@ def _samples_bwd():
 
 
 def _samples_fwd_sm90():
-    """The Hopper kernel's cases (on CPU the op's reference body runs): GQA, transposed
-    layouts, causal, Sk not a multiple of the key tile; CUDA tensors too where there is a GPU."""
+    """The Hopper kernel's cases (on CPU the op's reference body runs): GQA with sinks,
+    transposed layouts, causal, Sk not a multiple of the key tile; CUDA tensors too where there
+    is a GPU."""
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for device, (dtype, hq, hkv, sq, sk, d, causal, bshd) in itertools.product(devices, (
             (torch.bfloat16, 2, 2, 8, 24, 64, False, False),
@@ -102,7 +103,8 @@ def _samples_fwd_sm90():
             (torch.bfloat16, 4, 1, 136, 200, 128, False, True))):
         qkv = make_qkv(b=2, hq=hq, hkv=hkv, sq=sq, sk=sk, d=d, dtype=dtype, bshd=bshd)
         q, k, v = (t.to(device) for t in qkv)
-        yield (q, k, v, 0.3, causal), {}
+        # sinks on the GQA cases (each group member's launch reads its own heads' sinks)
+        yield (q, k, v, 0.3, causal), (dict(sinks=torch.randn(hq, device=device) * 3) if hq != hkv else {})
 
 
 def _samples_bwd_sm90():
