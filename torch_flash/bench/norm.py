@@ -156,7 +156,6 @@ def autograd_pair(f, inputs: list, grads):
     of `inputs` (None entries pass through); grads matches f's output(s). The forward is
     recorded again on another stream (autograd runs the backward on the forward's stream:
     graph_ms captures on its own)."""
-    leaves = [None if t is None else t.detach().requires_grad_() for t in inputs]
     recorded = {}
 
     def fwd():
@@ -164,11 +163,14 @@ def autograd_pair(f, inputs: list, grads):
             return f(*inputs)
 
     def bwd():
-        stream = torch.cuda.current_stream() if leaves[0].is_cuda else None
+        stream = torch.cuda.current_stream() if inputs[0].is_cuda else None
         if "out" not in recorded or recorded["stream"] != stream:
-            recorded.update(stream=stream, out=f(*leaves))
-        wrt = [t for t in leaves if t is not None]
-        return torch.autograd.grad(recorded["out"], wrt, grads, retain_graph=True)
+            # fresh leaves too: a leaf's gradient accumulator keeps the stream it was made on,
+            # and autograd syncs that stream with the caller's after the backward
+            leaves = [None if t is None else t.detach().requires_grad_() for t in inputs]
+            recorded.clear()
+            recorded.update(stream=stream, leaves=[t for t in leaves if t is not None], out=f(*leaves))
+        return torch.autograd.grad(recorded["out"], recorded["leaves"], grads, retain_graph=True)
 
     return fwd, bwd
 

@@ -280,9 +280,10 @@ def _param_grads(g, xhat, mask, CAST_BEFORE_W: tl.constexpr, ROUND: tl.constexpr
         h = _round(xhat, ROUND)
     # rows past the end have g = 0 but may have NaN xhat (rstd of a zero row with eps = 0)
     dw = tl.where(mask, g * h, 0.0)
-    if ROW_ACC:
-        return dw, g
-    return tl.sum(dw, axis=0), tl.sum(g, axis=0)
+    db = g
+    if not ROW_ACC:  # one return: Triton 3.6 checks a return after a constexpr-if's return too
+        dw, db = tl.sum(dw, axis=0), tl.sum(g, axis=0)
+    return dw, db
 
 
 @triton.autotune(configs=_configs((4, 8, 16)), key=["N", "BLOCK_N", "ROWS"])
