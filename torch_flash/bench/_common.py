@@ -25,6 +25,23 @@ def over_retained_graphs(run: Callable) -> Callable:
     return torch._functorch.config.patch(donated_buffer=False)(run)
 
 
+def per_stream(make: Callable[[], object]) -> Callable[[], object]:
+    """make()'s result, made again whenever the current CUDA stream changes. Autograd keeps the
+    stream each node was recorded on and, after a backward, syncs the nodes it returns gradients
+    at with the caller's stream: a graph captured on another stream (graph_ms) than the one a
+    kept forward was recorded on fails, as it would touch the recording stream."""
+    cache: dict = {}
+
+    def get():
+        stream = torch.cuda.current_stream() if torch.cuda.is_available() else None
+        if "value" not in cache or cache["stream"] != stream:
+            cache.clear()  # free the old recording before making the new one
+            cache.update(stream=stream, value=make())
+        return cache["value"]
+
+    return get
+
+
 def compile_fresh(fn: Callable) -> Callable:
     """torch.compile of fn after torch._dynamo.reset(): call it once per shape, so that the
     compiled baseline is specialized to its shape, as a model of fixed shapes gets it. Compiled

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from ..testing.llama import rms_norm as _naive_rms  # HF LlamaRMSNorm
-from ._common import (compile_fresh, copy_bandwidth, median_or_none, optional_peer, over_retained_graphs, pick,
-                      report_unavailable, time_rounds)
+from ._common import (compile_fresh, copy_bandwidth, median_or_none, optional_peer, over_retained_graphs,
+                      per_stream, pick, report_unavailable, time_rounds)
 
 SHAPES = [(1 << 21, 64), (1 << 19, 256), (65536, 1024), (32768, 4096), (16384, 8192), (4096, 16384),
           (2048, 65536)]
@@ -153,24 +153,21 @@ def _quack(is_rms: bool, residual: bool, inputs: list, grads):
 
 def autograd_pair(f, inputs: list, grads):
     """(forward without a graph, backward through one recorded forward) of a differentiable f
-    of `inputs` (None entries pass through); grads matches f's output(s). The forward is
-    recorded again on another stream (autograd runs the backward on the forward's stream:
-    graph_ms captures on its own)."""
-    recorded = {}
+    of `inputs` (None entries pass through); grads matches f's output(s). The forward and its
+    leaves are recorded once per stream (per_stream says why)."""
+    def record():
+        leaves = [None if t is None else t.detach().requires_grad_() for t in inputs]
+        return f(*leaves), [t for t in leaves if t is not None]
+
+    recorded = per_stream(record)
 
     def fwd():
         with torch.no_grad():
             return f(*inputs)
 
     def bwd():
-        stream = torch.cuda.current_stream() if inputs[0].is_cuda else None
-        if "out" not in recorded or recorded["stream"] != stream:
-            # fresh leaves too: a leaf's gradient accumulator keeps the stream it was made on,
-            # and autograd syncs that stream with the caller's after the backward
-            leaves = [None if t is None else t.detach().requires_grad_() for t in inputs]
-            recorded.clear()
-            recorded.update(stream=stream, leaves=[t for t in leaves if t is not None], out=f(*leaves))
-        return torch.autograd.grad(recorded["out"], recorded["leaves"], grads, retain_graph=True)
+        out, leaves = recorded()
+        return torch.autograd.grad(out, leaves, grads, retain_graph=True)
 
     return fwd, bwd
 
