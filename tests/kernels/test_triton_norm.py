@@ -126,9 +126,9 @@ def test_backward(case, block_n, monkeypatch):
 
 
 @pytest.mark.parametrize("case", [CASES[i] for i in (0, 4, 6, 8)], ids=[CASE_IDS[i] for i in (0, 4, 6, 8)])
-def test_backward_row_accumulator(case, monkeypatch):
-    """BWD_ROW_ACC: dW/dB kept per tile row, summed over the rows once at the end."""
-    monkeypatch.setattr(K, "BWD_ROW_ACC", True)
+def test_backward_tile_sums(case, monkeypatch):
+    """BWD_ROW_ACC off (scripts/sweep_norm.py times both): dW/dB summed over each tile's rows."""
+    monkeypatch.setattr(K, "BWD_ROW_ACC", False)
     _check_backward(case, None, monkeypatch)
 
 
