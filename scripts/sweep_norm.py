@@ -9,7 +9,7 @@ by default, about 10 GPU minutes each):
           (BWD_CHUNK), against quack's kernels.
 quack is timed where importable. Writes OUT/sweep_norm.json: the fraction of a device copy each
 setting reaches, with the autotuned num_warps, so that the defaults in
-torch_flash/kernels/triton/norm.py are chosen from measurements.
+torch_flash/kernels/triton/norm.py and norm_backward.py are chosen from measurements.
 Usage: python scripts/sweep_norm.py OUT
 """
 import itertools
@@ -20,7 +20,7 @@ import torch
 from torch._library.triton import set_wrap_triton_enabled
 
 from torch_flash.bench._common import copy_bandwidth, median_ms, out_dir, pick, write_json
-from torch_flash.kernels.triton import norm
+from torch_flash.kernels.triton import norm, norm_backward as nb
 
 SHAPES = [(32768, 4096), (65536, 1024), (4096, 8192)]
 NARROW_SHAPES = [(1 << 21, 64), (1 << 19, 256), (65536, 1024)]
@@ -42,14 +42,14 @@ def _frac(nbytes, ms, ceiling):
 
 
 def _programs_per_sm(per_sm):
-    """norm._bwd_programs fixed at per_sm programs per SM (at most one per row)."""
+    """nb._bwd_programs fixed at per_sm programs per SM (at most one per row)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     return lambda rows, block, chunks, device: min(rows, sms * per_sm)
 
 
 def sweep_tiles(rows):
     """Rows of up to 8192: the row tile and the backward's programs per SM."""
-    defaults = norm.TILE, norm._bwd_programs
+    defaults = norm.TILE, nb._bwd_programs
     for (m, n), is_rms in itertools.product(SHAPES, (True, False)):
         x, g, w, b, kw = _inputs(m, n, is_rms)
         fwd_ceiling = copy_bandwidth(2 * x.numel() * 2)
@@ -63,20 +63,20 @@ def sweep_tiles(rows):
                              warps=norm._norm_fwd_kernel.best_config.num_warps))
             print(rows[-1], flush=True)
             for per_sm in (1, 2, 4, 8, 16):
-                norm._bwd_programs = _programs_per_sm(per_sm)
-                norm._norm_bwd_kernel.cache.clear()
-                ms = median_ms(lambda: norm.norm_bwd(g, None, x, w, b, out_dtype=x.dtype, **kw))
+                nb._bwd_programs = _programs_per_sm(per_sm)
+                nb._norm_bwd_kernel.cache.clear()
+                ms = median_ms(lambda: nb.norm_bwd(g, None, x, w, b, out_dtype=x.dtype, **kw))
                 rows.append(dict(op="rms" if is_rms else "ln", shape=[m, n], pass_="bwd", tile=tile,
                                  per_sm=per_sm, ms=ms, frac=_frac(3 * x.numel() * 2, ms, bwd_ceiling),
-                                 warps=norm._norm_bwd_kernel.best_config.num_warps))
+                                 warps=nb._norm_bwd_kernel.best_config.num_warps))
                 print(rows[-1], flush=True)
-    norm.TILE, norm._bwd_programs = defaults
+    norm.TILE, nb._bwd_programs = defaults
 
 
 def sweep_narrow(rows):
     """Short rows' backward: row tile x programs per SM x dW/dB per tile row (BWD_ROW_ACC)."""
     from torch_flash.bench.norm import _quack
-    defaults = norm.TILE, norm._bwd_programs, norm.BWD_ROW_ACC
+    defaults = norm.TILE, nb._bwd_programs, nb.BWD_ROW_ACC
     for (m, n), is_rms in itertools.product(NARROW_SHAPES, (True, False)):
         x, g, w, b, kw = _inputs(m, n, is_rms)
         nbytes = 3 * x.numel() * 2
@@ -84,13 +84,13 @@ def sweep_narrow(rows):
         _, _, mean, rstd = norm.norm_fwd(x, w, b, None, residual_in_fp32=False, stats=True, **kw)
         stats = {} if is_rms else dict(mean=mean, rstd=rstd)
         for tile, per_sm, row_acc in itertools.product((2048, 4096, 8192), (2, 4, 8), (False, True)):
-            norm.TILE, norm.BWD_ROW_ACC = tile, row_acc
-            norm._bwd_programs = _programs_per_sm(per_sm)
-            norm._norm_bwd_kernel.cache.clear()
-            ms = median_ms(lambda: norm.norm_bwd(g, None, x, w, b, out_dtype=x.dtype, **stats, **kw))
+            norm.TILE, nb.BWD_ROW_ACC = tile, row_acc
+            nb._bwd_programs = _programs_per_sm(per_sm)
+            nb._norm_bwd_kernel.cache.clear()
+            ms = median_ms(lambda: nb.norm_bwd(g, None, x, w, b, out_dtype=x.dtype, **stats, **kw))
             rows.append(dict(op="rms" if is_rms else "ln", shape=[m, n], pass_="bwd", tile=tile, per_sm=per_sm,
                              row_acc=row_acc, ms=ms, frac=_frac(nbytes, ms, ceiling),
-                             warps=norm._norm_bwd_kernel.best_config.num_warps))
+                             warps=nb._norm_bwd_kernel.best_config.num_warps))
             print(rows[-1], flush=True)
         quack = _quack(is_rms, False, [x, None, w, b], g)
         if quack is not None:
@@ -98,7 +98,7 @@ def sweep_narrow(rows):
             rows.append(dict(op="rms" if is_rms else "ln", shape=[m, n], pass_="bwd", tile="quack", ms=ms,
                              frac=_frac(nbytes, ms, ceiling)))
             print(rows[-1], flush=True)
-    norm.TILE, norm._bwd_programs, norm.BWD_ROW_ACC = defaults
+    norm.TILE, nb._bwd_programs, nb.BWD_ROW_ACC = defaults
 
 
 def sweep_wide(rows):
@@ -112,7 +112,7 @@ def sweep_wide(rows):
         stats = {} if is_rms else dict(mean=mean, rstd=rstd)  # as the ops' backwards get them
         runs = [("fwd", blk, lambda blk=blk: norm.norm_fwd(x, w, b, None, residual_in_fp32=False, block_n=blk, **kw))
                 for blk in FWD_BLOCKS if blk <= n]
-        runs += [("bwd", blk, lambda blk=blk: norm.norm_bwd(g, None, x, w, b, out_dtype=x.dtype, block_n=blk,
+        runs += [("bwd", blk, lambda blk=blk: nb.norm_bwd(g, None, x, w, b, out_dtype=x.dtype, block_n=blk,
                                                                **stats, **kw))
                  for blk in BWD_BLOCKS if blk < n]
         quack = _quack(is_rms, False, [x, None, w, b], g)
@@ -124,7 +124,7 @@ def sweep_wide(rows):
             except Exception as e:  # a whole row too wide for the registers
                 print(f"{m}x{n} {pass_} {blk}: {type(e).__name__}", flush=True)
                 continue
-            kernel = norm._norm_fwd_kernel if pass_ == "fwd" else norm._norm_bwd_kernel
+            kernel = norm._norm_fwd_kernel if pass_ == "fwd" else nb._norm_bwd_kernel
             rows.append(dict(op="rms" if is_rms else "ln", shape=[m, n], pass_=pass_, block_n=blk, ms=ms,
                              frac=_frac(nbytes[pass_], ms, ceiling[pass_]),
                              warps=None if blk == "quack" else kernel.best_config.num_warps))

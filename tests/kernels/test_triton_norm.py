@@ -1,4 +1,5 @@
-"""Triton RMSNorm/LayerNorm launchers (torch_flash/kernels/triton/norm.py) against fp64 formulas.
+"""Triton RMSNorm/LayerNorm launchers (torch_flash/kernels/triton/norm.py, norm_backward.py)
+against fp64 formulas.
 
 On CPU the kernels run under TRITON_INTERPRET=1 at tiny shapes; `cuda` tests take real sizes.
 The interpreter truncates fp32 -> bf16 where a GPU rounds to nearest, so bf16 results are
@@ -17,6 +18,7 @@ from _utils import TOL, assert_rel_close, rel_err  # noqa: E402
 import triton  # noqa: E402
 
 from torch_flash.kernels.triton import norm as K  # noqa: E402
+from torch_flash.kernels.triton import norm_backward as KB  # noqa: E402
 from torch_flash.reference import rms_norm as rms_ref  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -128,7 +130,7 @@ def test_backward(case, block_n, monkeypatch):
 @pytest.mark.parametrize("case", [CASES[i] for i in (0, 4, 6, 8)], ids=[CASE_IDS[i] for i in (0, 4, 6, 8)])
 def test_backward_tile_sums(case, monkeypatch):
     """BWD_ROW_ACC off (scripts/sweep_norm.py times both): dW/dB summed over each tile's rows."""
-    monkeypatch.setattr(K, "BWD_ROW_ACC", False)
+    monkeypatch.setattr(KB, "BWD_ROW_ACC", False)
     _check_backward(case, None, monkeypatch)
 
 
@@ -141,7 +143,7 @@ def _check_backward(case, block_n, monkeypatch):
     if r is not None:  # the add variant differentiates residual_out and adds its own gradient
         src = (x.float() + r.float()).to(FP32 if rif32 else x.dtype)
         gro = torch.randn_like(src)
-    dx, dw, db = K.norm_bwd(gy, gro, src, w, b, out_dtype=x.dtype, block_n=block_n, **kw)
+    dx, dw, db = KB.norm_bwd(gy, gro, src, w, b, out_dtype=x.dtype, block_n=block_n, **kw)
     edx, edw, edb = _grads64(gy, gro, src, w, b, kw, x.dtype)
     assert dx.dtype == src.dtype and dx.stride() == torch.empty_like(src).stride()
     assert_rel_close(dx, edx, _tol(dx.dtype), what="dx")
@@ -162,7 +164,7 @@ def test_hidden_sizes(n, block_n, monkeypatch):
     x, r, w, b, rif32, kw = _inputs(case, (7, n))
     _check_forward(case, x, r, w, b, rif32, kw, block_n)
     gy = torch.randn_like(x)
-    dx, dw, db = K.norm_bwd(gy, None, x, w, b, out_dtype=x.dtype, block_n=block_n, **kw)
+    dx, dw, db = KB.norm_bwd(gy, None, x, w, b, out_dtype=x.dtype, block_n=block_n, **kw)
     edx, edw, edb = _grads64(gy, None, x, w, b, kw, x.dtype)
     if n > 1:  # a one-element LayerNorm has dx = 0 exactly
         assert_rel_close(dx, edx, _tol(dx.dtype), what="dx")
@@ -178,7 +180,7 @@ def test_cast_before_weight_rounds_xhat(block_n):
     kw = dict(eps=1e-5, is_rms=True, weight_offset=0.0, cast_before_weight=True)
     y, _ = K.norm_fwd(x, w, None, None, residual_in_fp32=False, block_n=block_n, **kw)
     gy = torch.randn_like(y)
-    _, dw, _ = K.norm_bwd(gy, None, x, w, None, out_dtype=FP16, block_n=block_n, **kw)
+    _, dw, _ = KB.norm_bwd(gy, None, x, w, None, out_dtype=FP16, block_n=block_n, **kw)
     unrounded = _norm64(x, None, None, round_dtype=None, **kw)
     rounded = unrounded.to(FP16).double()
     assert y.dtype == FP32
@@ -196,7 +198,7 @@ def test_large_hidden(n, is_rms):
     y, _ = K.norm_fwd(x, w, b, None, residual_in_fp32=False, **kw)
     assert_rel_close(y, _norm64(x, w, b, round_dtype=FP32, **kw), TOL[FP32])
     gy = torch.randn_like(x)
-    dx, dw, db = K.norm_bwd(gy, None, x, w, b, out_dtype=FP32, **kw)
+    dx, dw, db = KB.norm_bwd(gy, None, x, w, b, out_dtype=FP32, **kw)
     edx, edw, edb = _grads64(gy, None, x, w, b, kw, FP32)
     assert_rel_close(dx, edx, TOL[FP32], what="dx")
     assert_rel_close(dw, edw, TOL[FP32], what="dweight")
@@ -225,7 +227,7 @@ def test_layouts_and_inputs_untouched(layout):
     assert_rel_close(ro, x + r, TOL[FP32], what="residual_out")
     assert_rel_close(y, _norm64(x + r, w, b, round_dtype=FP32, **kw), TOL[FP32], what="y")
     gy = torch.randn(48, device=DEV).expand(x.shape)
-    dx, dw, db = K.norm_bwd(gy, None, ro, w, b, out_dtype=FP32, **kw)
+    dx, dw, db = KB.norm_bwd(gy, None, ro, w, b, out_dtype=FP32, **kw)
     edx, edw, edb = _grads64(gy, None, ro, w, b, kw, FP32)
     assert_rel_close(dx, edx, TOL[FP32], what="dx")
     assert_rel_close(dw, edw, TOL[FP32], what="dweight")
@@ -241,8 +243,8 @@ def test_param_grads_deterministic(block_n, monkeypatch):
     gy = torch.randn_like(x)
     kw = dict(eps=1e-5, is_rms=False, weight_offset=0.0, cast_before_weight=False, out_dtype=FP32,
               block_n=block_n)
-    first = K.norm_bwd(gy, None, x, w, b, **kw)
-    second = K.norm_bwd(gy, None, x, w, b, **kw)
+    first = KB.norm_bwd(gy, None, x, w, b, **kw)
+    second = KB.norm_bwd(gy, None, x, w, b, **kw)
     for a, c in zip(first, second):
         assert torch.equal(a, c)
 
@@ -252,7 +254,7 @@ def test_empty_batch():
     kw = dict(eps=1e-5, is_rms=True, weight_offset=0.0, cast_before_weight=True)
     y, ro = K.norm_fwd(x, w, None, torch.randn_like(x), residual_in_fp32=True, **kw)
     assert y.shape == x.shape and ro.shape == x.shape and ro.dtype == FP32
-    dx, dw, db = K.norm_bwd(torch.randn_like(x), None, x, w, None, out_dtype=FP32, **kw)
+    dx, dw, db = KB.norm_bwd(torch.randn_like(x), None, x, w, None, out_dtype=FP32, **kw)
     assert dx.shape == x.shape and torch.equal(dw, torch.zeros_like(w)) and db is None
 
 
@@ -284,13 +286,13 @@ def test_cuda_large(shape, is_rms):
     err = assert_rel_close(y, exact, TOL[BF16])
     assert err <= 1.05 * assert_rel_close(_torch_norm(x, w, b, is_rms, 1e-5), exact, TOL[BF16])
     gy = torch.randn_like(x)
-    dx, dw, db = K.norm_bwd(gy, None, x, w, b, out_dtype=BF16, **kw)
+    dx, dw, db = KB.norm_bwd(gy, None, x, w, b, out_dtype=BF16, **kw)
     edx, edw, edb = _grads64(gy, None, x, w, b, kw, BF16)
     assert_rel_close(dx, edx, TOL[BF16], what="dx")
     assert_rel_close(dw, edw, TOL[BF16], what="dweight")
     if b is not None:
         assert_rel_close(db, edb, TOL[BF16], what="dbias")
-    again = K.norm_bwd(gy, None, x, w, b, out_dtype=BF16, **kw)
+    again = KB.norm_bwd(gy, None, x, w, b, out_dtype=BF16, **kw)
     assert torch.equal(again[1], dw)
 
 

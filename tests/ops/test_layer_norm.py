@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 import torch_flash  # noqa: F401  (registers the ops)
 from torch_flash.kernels.triton import norm as K
+from torch_flash.kernels.triton import norm_backward as KB
 from torch_flash.ops.layer_norm import add_layer_norm, layer_norm
 from torch_flash.testing.samples.layer_norm import DTYPES, param
 from _utils import TOL, assert_rel_close, rel_err, to64
@@ -196,8 +197,8 @@ def test_saved_stats_triton(monkeypatch, force_backend, block, add, dtype):
     force_backend("triton")
     if block:
         monkeypatch.setattr(K, "FWD_MAX_BLOCK", block)
-        monkeypatch.setattr(K, "BWD_MAX_BLOCK", block)
-        monkeypatch.setattr(K, "BWD_CHUNK", block)
+        monkeypatch.setattr(KB, "BWD_MAX_BLOCK", block)
+        monkeypatch.setattr(KB, "BWD_CHUNK", block)
     monkeypatch.setattr(K, "TILE", 2 * (block or 64))  # two-row tiles: several per backward program
     x = (torch.randn(3, 5, 40, device=DEV) * 2 + 0.5).to(dtype)
     w, b = torch.randn(40, device=DEV, dtype=dtype), torch.randn(40, device=DEV, dtype=dtype)
@@ -238,7 +239,7 @@ def test_autograd_saves_stats(monkeypatch, force_backend, backend):
     gradients of a pre-norm block (add_layer_norm, then layer_norm of the sum) match float64."""
     force_backend(backend)
     calls = []
-    for cls, flag in ((K.NormFwd, "STORE_STATS"), (K.NormBwd, "HAS_STATS")):
+    for cls, flag in ((K.NormFwd, "STORE_STATS"), (KB.NormBwd, "HAS_STATS")):
         def spy(self, *args, run=cls.__call__, flag=flag):
             calls.append((type(self).__name__, self.consts[flag]))
             return run(self, *args)

@@ -1,6 +1,7 @@
 """What flash.rms_norm and flash.layer_norm (and their residual variants) share: the checks of
 x, weight and residual, the layout of reference-path results, and the Triton kernels of
-torch_flash/kernels/triton/norm.py behind one pair of plan tables (ops/_plans.py)."""
+torch_flash/kernels/triton/norm.py and norm_backward.py behind one pair of plan tables
+(ops/_plans.py)."""
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -81,7 +82,7 @@ def triton_backward(op: str, check: Callable[[], None], grad_y, grad_residual_ou
         check()
         if not _use_triton(op, x, weight):
             return None
-        from ..kernels.triton.norm import NormBwd
+        from ..kernels.triton.norm_backward import NormBwd
         return NormBwd(grad_y, grad_residual_out, x, weight, bias, mean=mean, rstd=rstd, **flags)
     values = (grad_y, grad_residual_out, x, weight, bias, mean, rstd, *flags.values())
     plan = BACKWARD_PLANS.get(op, values, make)
