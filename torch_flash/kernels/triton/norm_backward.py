@@ -25,7 +25,8 @@ BWD_MAX_BLOCK = 8192
 # chunk held in registers. x and dy are read twice (5/3 of the minimal traffic): 0.55-0.58 of
 # copy at 16384-65536 columns, where one program looping over the columns ran at 0.3-0.4
 # (H200, scripts/sweep_norm.py; chunks of 4096 and 8192 ran as fast at two chunks a row but
-# up to 20x slower at four or more for RMSNorm, not yet understood).
+# up to 20x slower at four or more for RMSNorm, which the sweep times with recomputed statistics
+# and LayerNorm with saved ones: not yet understood, not spills).
 BWD_CHUNK = 2048
 # Backward programs per SM: BWD_ELEMENTS_PER_SM // row block, at most 2 (dW partials are
 # programs x N fp32; chosen with scripts/sweep_norm.py, docs/perf.md "Constants chosen from
