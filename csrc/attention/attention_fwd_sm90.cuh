@@ -3,7 +3,8 @@
 // warpgroup and two consumer warpgroups with register reallocation, softmax of one tile
 // overlapped with the other warpgroup's matmuls), instantiated for torch-flash's layouts,
 // with the softmax scale as an argument and a launch that follows the caller's stream; the
-// causal mask aligned bottom-right (CausalBottomRight), causal tiles in equal pairs
+// causal mask aligned bottom-right (CausalBottomRight), ALiBi from the slopes (Alibi,
+// MainloopWithAlibi), causal tiles in equal pairs
 // (PairedTileScheduler) with a partial tile's rows run first (causal_rows), and without a mask
 // the persistent launch's short last round run as key splits (TailSplit).
 #pragma once
@@ -76,6 +77,78 @@ struct CausalBottomRight : cutlass::fmha::collective::DefaultFusion {
       auto pos = index_qk(i);
       if (get<0>(pos) + off < get<1>(pos)) acc_qk(i) = -INFINITY;
     }
+  }
+};
+
+// The problem shape that the mainloop's compute() passes on to the fusion, with the ALiBi bias
+// of one key step for the tile's (batch, head): -slope / scale, the scores being scaled after
+// the fusion (88_hopper_fmha hands before_softmax the problem shape, not the tile's head).
+template <class ProblemShape>
+struct AlibiProblem : ProblemShape {
+  float bias_per_key;
+};
+
+// ALiBi on a mask (ResidualFusion or CausalBottomRight): scores - slope * |i + Sk - Sq - j|,
+// FlashAttention's distance to the bottom-right diagonal, on every key tile (all trips count
+// as masked: the mainloop skips the fusion on unmasked ones).
+template <class Mask>
+struct Alibi : Mask {
+  template <class BlkCoord, class TileShape, class ProblemSize>
+  CUTLASS_DEVICE int get_unmasked_trip_count(BlkCoord const&, TileShape const&, ProblemSize const&) {
+    return 0;
+  }
+
+  template <class BlkCoord, class TileShape, class ProblemSize>
+  CUTLASS_DEVICE int get_masked_trip_count(BlkCoord const& blk_coord, TileShape const& tile_shape,
+                                           ProblemSize const& problem_size) {
+    return Mask::get_trip_count(blk_coord, tile_shape, problem_size);
+  }
+
+  template <class AccQK, class IndexQK, class ProblemShape>
+  CUTLASS_DEVICE void before_softmax(AccQK& acc_qk, IndexQK const& index_qk, AlibiProblem<ProblemShape> const& problem) {
+    Mask::before_softmax(acc_qk, index_qk, problem);
+    const int diag = get<3>(problem) - get<2>(problem);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(acc_qk); i++) {
+      auto pos = index_qk(i);
+      acc_qk(i) += problem.bias_per_key * float(abs(get<0>(pos) + diag - get<1>(pos)));
+    }
+  }
+};
+
+template <class Fusion>
+constexpr bool kIsAlibi = false;
+template <class Mask>
+constexpr bool kIsAlibi<Alibi<Mask>> = true;
+
+// The forward mainloop under an Alibi fusion: the slopes in its arguments, and a compute() that
+// hands the mainloop the problem shape with the bias of the tile's (batch, head).
+template <class Base>
+struct MainloopWithAlibi : Base {
+  struct Arguments : Base::Arguments {
+    const float* slopes;
+    int slopes_batch_stride, slopes_head_stride;
+  };
+  struct Params : Base::Params {
+    const float* slopes;
+    int slopes_batch_stride, slopes_head_stride;
+  };
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& problem, Arguments const& args, void* workspace) {
+    return {Base::to_underlying_arguments(problem, args, workspace), args.slopes, args.slopes_batch_stride,
+            args.slopes_head_stride};
+  }
+
+  template <class BlkCoord, class ProblemShape, class... Rest>
+  CUTLASS_DEVICE auto compute(BlkCoord const& blk_coord, BlkCoord const& wg_coord, Params const& params,
+                              ProblemShape const& problem, Rest&&... rest) {
+    const auto batch_head = get<2>(blk_coord);
+    const float slope = params.slopes[get<0>(batch_head) * params.slopes_batch_stride +
+                                      get<1>(batch_head) * params.slopes_head_stride];
+    return Base::compute(blk_coord, wg_coord, params,
+                         AlibiProblem<ProblemShape>{problem, -slope / params.scale_softmax},
+                         static_cast<Rest&&>(rest)...);
   }
 };
 
@@ -219,8 +292,9 @@ struct FwdKernel;
 template <class Element, class Fusion, class TileShape, class Schedule, class... Options, class ElementOut>
 struct FwdKernel<Element, Fusion, Config<TileShape, Schedule, Options...>, ElementOut> {
   using Persistent = Option<Tag::kIsPersistent, cute::bool_constant<Schedule::kPersistent>>;
-  using Mainloop = MainloopWithScale<cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
+  using Scaled = MainloopWithScale<cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
       Element, float, float, TileShape, Stride, Stride, Stride, Fusion, Persistent, Options...>>;
+  using Mainloop = std::conditional_t<kIsAlibi<Fusion>, MainloopWithAlibi<Scaled>, Scaled>;
   using Epilogue = SinkEpilogue<ElementOut, typename Mainloop::TileShapePV>;
   using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
       Mainloop, Epilogue, typename Schedule::Scheduler, Persistent,
@@ -230,17 +304,25 @@ struct FwdKernel<Element, Fusion, Config<TileShape, Schedule, Options...>, Eleme
 template <class Element, class Fusion, class Config, class ElementOut = Element>
 void run(const AttentionFwdSm90Params& p, int tail_tiles, cudaStream_t stream) {
   using Kernel = typename FwdKernel<Element, Fusion, Config, ElementOut>::Kernel;
+  using Scaled = typename FwdKernel<Element, Fusion, Config, ElementOut>::Scaled;
   using Mainloop = typename FwdKernel<Element, Fusion, Config, ElementOut>::Mainloop;
   cutlass::KernelHardwareInfo hw;
   hw.device_id = p.device;
   hw.sm_count = p.sm_count;
+  const typename Scaled::Arguments scaled{
+      {static_cast<const Element*>(p.q), Stride{p.q_row_stride, _1{}, {p.q_batch_stride, p.q_head_stride}},
+       static_cast<const Element*>(p.k), Stride{p.k_row_stride, _1{}, {p.k_batch_stride, p.k_head_stride}},
+       static_cast<const Element*>(p.v), Stride{p.v_row_stride, _1{}, {p.v_batch_stride, p.v_head_stride}}},
+      p.scale};
+  typename Mainloop::Arguments mainloop_args;
+  if constexpr (kIsAlibi<Fusion>) {
+    mainloop_args = {scaled, p.alibi_slopes, p.alibi_batch_stride, p.alibi_head_stride};
+  } else {
+    mainloop_args = scaled;
+  }
   typename Kernel::Arguments args{
       {p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim},
-      typename Mainloop::Arguments{
-          {static_cast<const Element*>(p.q), Stride{p.q_row_stride, _1{}, {p.q_batch_stride, p.q_head_stride}},
-           static_cast<const Element*>(p.k), Stride{p.k_row_stride, _1{}, {p.k_batch_stride, p.k_head_stride}},
-           static_cast<const Element*>(p.v), Stride{p.v_row_stride, _1{}, {p.v_batch_stride, p.v_head_stride}}},
-          p.scale},
+      mainloop_args,
       {{static_cast<ElementOut*>(p.out), Stride{p.out_row_stride, _1{}, {p.out_batch_stride, p.out_head_stride}},
         p.lse, StrideLse{_1{}, {p.lse_batch_stride, p.lse_head_stride}}},
        p.sinks, p.sinks_head_stride},
@@ -272,8 +354,9 @@ constexpr int kLongKeys = 2048;
 // split's keys a stride apart), whose fp32 partial outputs and log-sum-exps one more kernel
 // merges (out = sum_i exp(lse_i - lse) out_i, lse = log sum_i exp(lse_i)). The split launch
 // has a CTA per unit, whose epilogue may reuse the mainloop's shared memory (a persistent
-// CTA's may not, and fp32 staging does not fit beside it). Without a mask only, from kLongKeys
-// keys, and where s >= kMinSplits divides Sk's key tiles (no split is partial).
+// CTA's may not, and fp32 staging does not fit beside it). Without a mask or ALiBi only (key
+// positions restart in each split), from kLongKeys keys, and where s >= kMinSplits divides Sk's
+// key tiles (no split is partial).
 struct TailSplit {
   int tiles = 0;  // query tiles of the last (batch, head) left to the splits; 0: no split
   int splits = 1;
@@ -287,7 +370,7 @@ inline TailSplit plan_tail_split(const AttentionFwdSm90Params& p, int block_m, i
   const int m_blocks = (p.seqlen_q + block_m - 1) / block_m;
   const long tiles = long(m_blocks) * p.batch * p.heads;
   const int rest = int(tiles % p.sm_count);
-  if (p.alloc == nullptr || p.causal || tiles < p.sm_count || rest == 0 || rest > m_blocks ||
+  if (p.alloc == nullptr || p.causal || p.alibi_slopes != nullptr || tiles < p.sm_count || rest == 0 || rest > m_blocks ||
       p.seqlen_k < kLongKeys || p.seqlen_k % block_n != 0) {
     return plan;
   }
@@ -356,7 +439,7 @@ void launch(const AttentionFwdSm90Params& p, cudaStream_t stream) {
   // top: those rows run first, as a launch of their own (192-row tiles at Sq = Sk = 4096: 352
   // key steps a head instead of 384). From kLongKeys rows, where a partial tile's keys outweigh
   // the second launch.
-  if constexpr (std::is_same_v<Fusion, CausalBottomRight>) {
+  if constexpr (std::is_base_of_v<CausalBottomRight, Fusion>) {  // with ALiBi too: causal_rows keeps i + Sk - Sq
     const int top = p.seqlen_q % kBlockM;
     if (top != 0 && p.seqlen_q >= kLongKeys) {
       run<Element, Fusion, Config>(causal_rows<Element>(p, 0, top), 0, stream);
@@ -419,10 +502,15 @@ void launch(const AttentionFwdSm90Params& p, cudaStream_t stream) {
 
 // Every dtype x mask variant of one head dim: without a mask (ResidualFusion masks the keys
 // past Sk in the last key tile, and only there) and with the causal mask, one configuration
-// for short and one for long key sequences each (the same type builds once).
+// for short and one for long key sequences each (the same type builds once); each with ALiBi.
 template <class Element, class FullConfig, class LongFullConfig, class CausalConfig, class LongCausalConfig>
 void dispatch_mask(const AttentionFwdSm90Params& p, cudaStream_t stream) {
   using cutlass::fmha::collective::ResidualFusion;
+  if (p.alibi_slopes != nullptr) {  // one configuration a mask: the long sequences ALiBi is for
+    if (p.causal) launch<Element, Alibi<CausalBottomRight>, LongCausalConfig>(p, stream);
+    else launch<Element, Alibi<ResidualFusion>, LongFullConfig>(p, stream);
+    return;
+  }
   const bool long_keys = p.seqlen_k >= kLongKeys;
   if (p.causal && long_keys) launch<Element, CausalBottomRight, LongCausalConfig>(p, stream);
   else if (p.causal) launch<Element, CausalBottomRight, CausalConfig>(p, stream);

@@ -174,15 +174,15 @@ def check_sm90_args(op: str, q, k, v, causal: bool) -> None:
 
 def _sm90_serves(q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: ref.Spec) -> bool:
     """Whether the Hopper kernel of csrc/attention (flash.attention_fwd_sm90) serves this call:
-    built for this head dim, an sm_90 GPU, within the op's contract, no bias/ALiBi/window/
-    softcap/dropout, and the layout its TMA descriptors need (16-byte aligned, strides within 32
-    bits). It takes sinks (in its epilogue)."""
+    built for this head dim, an sm_90 GPU, within the op's contract, no bias/window/softcap/
+    dropout, and the layout its TMA descriptors need (16-byte aligned, strides within 32 bits).
+    It takes sinks (in its epilogue) and ALiBi (in its softmax)."""
     info = _extension.build_info()
     if (info is None or "flash::attention_fwd_sm90" not in info["ops"] or q.device.type != "cuda"
             or torch.cuda.get_device_capability(q.device) != (9, 0)):
         return False
     if (q.shape[-1] not in info["hdims"] or sm90_unsupported(q, k, v, spec.causal) is not None
-            or attn_bias is not None or spec.alibi_slopes is not None
+            or attn_bias is not None
             or spec.dropout_p > 0 or spec.softcap > 0 or spec.window_left >= 0 or spec.window_right >= 0):
         return False
     group = q.shape[1] // k.shape[1]
@@ -203,12 +203,12 @@ SM90_BWD_DEFAULT_HDIMS = (128,)
 def _sm90_bwd_serves(grad_lse, q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: ref.Spec) -> bool:
     """Whether the Hopper backward of csrc/attention (flash.attention_bwd_sm90) serves this call:
     where the forward's kernel would (_sm90_serves), for a head dim it has (backward_hdims), no
-    lse gradient; unforced only for SM90_BWD_DEFAULT_HDIMS and outside deterministic mode (it
+    ALiBi (the Triton backward takes it), no lse gradient; unforced only for SM90_BWD_DEFAULT_HDIMS and outside deterministic mode (it
     runs after cuDNN's backward, which is faster where it serves). Under
     torch.use_deterministic_algorithms(True) the kernel adds dq in key-block order, bitwise
     reproducible, on request (use_backend("cuda"))."""
     forced = _dispatch.forced_backend()
-    if grad_lse is not None or (forced != "cuda" and (
+    if grad_lse is not None or spec.alibi_slopes is not None or (forced != "cuda" and (
             forced is not None or q.shape[-1] not in SM90_BWD_DEFAULT_HDIMS
             or torch.are_deterministic_algorithms_enabled())):
         return False
@@ -234,7 +234,7 @@ class _Sm90Plan:
         self.scale, self.causal = spec.scale, spec.causal
 
     def __call__(self, q, k, v, attn_bias, cu_q, cu_k, dropout_seed, alibi_slopes, sinks):
-        return torch.ops.flash.attention_fwd_sm90(q, k, v, self.scale, self.causal, sinks)
+        return torch.ops.flash.attention_fwd_sm90(q, k, v, self.scale, self.causal, sinks, alibi_slopes)
 
 
 # signature -> _Sm90Plan, the Triton kernels' AttentionFwd, or None (the reference path)
@@ -471,15 +471,18 @@ def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
 
 @torch.library.custom_op("flash::attention_fwd_sm90", mutates_args=())
 def _attention_fwd_sm90(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
-                        sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                        sinks: Optional[Tensor] = None,
+                        alibi_slopes: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(out, lse) of flash.attention_with_lse for the calls the Hopper kernel serves (see
-    check_sm90_args), with attention sinks (Hq,) or none. torch_flash._C registers that kernel
-    for CUDA tensors (the sinks applied in its epilogue); this body, the reference, runs
-    elsewhere (CPU tensors, or no extension). No autograd of its own: it is the forward inside
-    flash.attention's, whose backward reads its lse."""
+    check_sm90_args), with attention sinks (Hq,) or none and ALiBi slopes fp32 (Hq,) or (B, Hq)
+    or none. torch_flash._C registers that kernel for CUDA tensors (the sinks applied in its
+    epilogue, ALiBi in its softmax); this body, the reference, runs elsewhere (CPU tensors, or
+    no extension). No autograd of its own: it is the forward inside flash.attention's, whose
+    backward reads its lse."""
     check_sm90_args("attention_fwd_sm90", q, k, v, causal)
     check_sinks("attention_fwd_sm90", sinks, q)
-    return ref.forward(q, k, v, None, ref.Spec(scale, causal, sinks=sinks))
+    check_alibi("attention_fwd_sm90", alibi_slopes, q, q.shape[0])
+    return ref.forward(q, k, v, None, ref.Spec(scale, causal, alibi_slopes=alibi_slopes, sinks=sinks))
 
 
 def check_sm90_bwd_args(op: str, grad_out, q, k, v, out, lse, causal: bool) -> None:

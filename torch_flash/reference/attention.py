@@ -254,10 +254,10 @@ def attention(q, k, v, attn_bias=None, **kwargs):
     return attention_with_lse(q, k, v, attn_bias, **kwargs)[0]
 
 
-def attention_fwd_sm90(q, k, v, scale, causal, sinks=None):
+def attention_fwd_sm90(q, k, v, scale, causal, sinks=None, alibi_slopes=None):
     """flash.attention_fwd_sm90 by the formula: (out, lse) of `attention_with_lse` (the op
     takes causal only with Sq <= Sk)."""
-    return attention_with_lse(q, k, v, scale=scale, causal=causal, sinks=sinks)
+    return attention_with_lse(q, k, v, scale=scale, causal=causal, sinks=sinks, alibi_slopes=alibi_slopes)
 
 
 def attention_bwd_sm90(grad_out, q, k, v, out, lse, scale, causal):
