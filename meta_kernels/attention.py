@@ -55,6 +55,7 @@ def attention_fwd_sm90(q, k, v, scale, causal, sinks=None, alibi_slopes=None):
 
 
 @torch.library.register_fake("flash::attention_bwd_sm90")
-def attention_bwd_sm90(grad_out, q, k, v, out, lse, scale, causal):
+def attention_bwd_sm90(grad_out, q, k, v, out, lse, scale, causal, alibi_slopes=None):
     check_sm90_bwd_args("attention_bwd_sm90", grad_out, q, k, v, out, lse, causal)
+    check_alibi("attention_bwd_sm90", alibi_slopes, q, q.shape[0])
     return _in_layout(q, q.shape), _in_layout(k, k.shape), _in_layout(k, v.shape)

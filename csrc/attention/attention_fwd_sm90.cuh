@@ -80,78 +80,6 @@ struct CausalBottomRight : cutlass::fmha::collective::DefaultFusion {
   }
 };
 
-// The problem shape that the mainloop's compute() passes on to the fusion, with the ALiBi bias
-// of one key step for the tile's (batch, head): -slope / scale, the scores being scaled after
-// the fusion (88_hopper_fmha hands before_softmax the problem shape, not the tile's head).
-template <class ProblemShape>
-struct AlibiProblem : ProblemShape {
-  float bias_per_key;
-};
-
-// ALiBi on a mask (ResidualFusion or CausalBottomRight): scores - slope * |i + Sk - Sq - j|,
-// FlashAttention's distance to the bottom-right diagonal, on every key tile (all trips count
-// as masked: the mainloop skips the fusion on unmasked ones).
-template <class Mask>
-struct Alibi : Mask {
-  template <class BlkCoord, class TileShape, class ProblemSize>
-  CUTLASS_DEVICE int get_unmasked_trip_count(BlkCoord const&, TileShape const&, ProblemSize const&) {
-    return 0;
-  }
-
-  template <class BlkCoord, class TileShape, class ProblemSize>
-  CUTLASS_DEVICE int get_masked_trip_count(BlkCoord const& blk_coord, TileShape const& tile_shape,
-                                           ProblemSize const& problem_size) {
-    return Mask::get_trip_count(blk_coord, tile_shape, problem_size);
-  }
-
-  template <class AccQK, class IndexQK, class ProblemShape>
-  CUTLASS_DEVICE void before_softmax(AccQK& acc_qk, IndexQK const& index_qk, AlibiProblem<ProblemShape> const& problem) {
-    Mask::before_softmax(acc_qk, index_qk, problem);
-    const int diag = get<3>(problem) - get<2>(problem);
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < size(acc_qk); i++) {
-      auto pos = index_qk(i);
-      acc_qk(i) += problem.bias_per_key * float(abs(get<0>(pos) + diag - get<1>(pos)));
-    }
-  }
-};
-
-template <class Fusion>
-constexpr bool kIsAlibi = false;
-template <class Mask>
-constexpr bool kIsAlibi<Alibi<Mask>> = true;
-
-// The forward mainloop under an Alibi fusion: the slopes in its arguments, and a compute() that
-// hands the mainloop the problem shape with the bias of the tile's (batch, head).
-template <class Base>
-struct MainloopWithAlibi : Base {
-  struct Arguments : Base::Arguments {
-    const float* slopes;
-    int slopes_batch_stride, slopes_head_stride;
-  };
-  struct Params : Base::Params {
-    const float* slopes;
-    int slopes_batch_stride, slopes_head_stride;
-  };
-
-  template <class ProblemShape>
-  static Params to_underlying_arguments(ProblemShape const& problem, Arguments const& args, void* workspace) {
-    return {Base::to_underlying_arguments(problem, args, workspace), args.slopes, args.slopes_batch_stride,
-            args.slopes_head_stride};
-  }
-
-  template <class BlkCoord, class ProblemShape, class... Rest>
-  CUTLASS_DEVICE auto compute(BlkCoord const& blk_coord, BlkCoord const& wg_coord, Params const& params,
-                              ProblemShape const& problem, Rest&&... rest) {
-    const auto batch_head = get<2>(blk_coord);
-    const float slope = params.slopes[get<0>(batch_head) * params.slopes_batch_stride +
-                                      get<1>(batch_head) * params.slopes_head_stride];
-    return Base::compute(blk_coord, wg_coord, params,
-                         AlibiProblem<ProblemShape>{problem, -slope / params.scale_softmax},
-                         static_cast<Rest&&>(rest)...);
-  }
-};
-
 // Schedules: which CTAs exist and in which order they take (query tile, batch, head).
 template <class Scheduler_, bool kPersistent_>
 struct Schedule {
@@ -370,7 +298,7 @@ inline TailSplit plan_tail_split(const AttentionFwdSm90Params& p, int block_m, i
   const int m_blocks = (p.seqlen_q + block_m - 1) / block_m;
   const long tiles = long(m_blocks) * p.batch * p.heads;
   const int rest = int(tiles % p.sm_count);
-  if (p.alloc == nullptr || p.causal || p.alibi_slopes != nullptr || tiles < p.sm_count || rest == 0 || rest > m_blocks ||
+  if (p.alloc == nullptr || p.causal || tiles < p.sm_count || rest == 0 || rest > m_blocks ||
       p.seqlen_k < kLongKeys || p.seqlen_k % block_n != 0) {
     return plan;
   }
@@ -430,31 +358,11 @@ AttentionFwdSm90Params causal_rows(const AttentionFwdSm90Params& p, int begin, i
   return r;
 }
 
+// The split tail (TailSplit): rows [row0, Sq) of the last (batch, head), left out of the
+// persistent launch, as plan.splits key splits merged by merge_splits.
 template <class Element, class Fusion, class Config>
-void launch(const AttentionFwdSm90Params& p, cudaStream_t stream) {
-  using TileShape = typename Config::TileShape;
-  constexpr int kBlockM = size<0>(TileShape{}), kBlockN = size<1>(TileShape{});
-  // Under the causal mask a query tile costs the keys its last row sees, so a partial tile
-  // (Sq % kBlockM rows) costs all Sk keys at the bottom and only Sq % kBlockM + Sk - Sq at the
-  // top: those rows run first, as a launch of their own (192-row tiles at Sq = Sk = 4096: 352
-  // key steps a head instead of 384). From kLongKeys rows, where a partial tile's keys outweigh
-  // the second launch.
-  if constexpr (std::is_base_of_v<CausalBottomRight, Fusion>) {  // with ALiBi too: causal_rows keeps i + Sk - Sq
-    const int top = p.seqlen_q % kBlockM;
-    if (top != 0 && p.seqlen_q >= kLongKeys) {
-      run<Element, Fusion, Config>(causal_rows<Element>(p, 0, top), 0, stream);
-      run<Element, Fusion, Config>(causal_rows<Element>(p, top, p.seqlen_q), 0, stream);
-      return;
-    }
-  }
-  TailSplit plan;
-  if constexpr (std::is_same_v<typename Config::Schedule, Pingpong>) {
-    plan = plan_tail_split(p, kBlockM, kBlockN);
-  }
-  run<Element, Fusion, Config>(p, plan.tiles, stream);
-  if (plan.tiles == 0) return;
-
-  // the tail: rows [row0, Sq) of the last (batch, head)
+void run_split_tail(const AttentionFwdSm90Params& p, const TailSplit& plan, cudaStream_t stream) {
+  constexpr int kBlockM = size<0>(typename Config::TileShape{});
   const int row0 = ((p.seqlen_q + kBlockM - 1) / kBlockM - plan.tiles) * kBlockM;
   const int rows = p.seqlen_q - row0, d = p.head_dim, s = plan.splits;
   auto last_head = [&](int batch_stride, int head_stride) {  // element offset of (B - 1, H - 1)
@@ -498,6 +406,33 @@ void launch(const AttentionFwdSm90Params& p, cudaStream_t stream) {
                                          p.out_row_stride, p.lse + l_at + row0,
                                          p.sinks ? p.sinks + long(p.heads - 1) * p.sinks_head_stride : nullptr);
   check_cuda(cudaGetLastError(), "tail merge");
+}
+
+template <class Element, class Fusion, class Config>
+void launch(const AttentionFwdSm90Params& p, cudaStream_t stream) {
+  using TileShape = typename Config::TileShape;
+  constexpr int kBlockM = size<0>(TileShape{}), kBlockN = size<1>(TileShape{});
+  // Under the causal mask a query tile costs the keys its last row sees, so a partial tile
+  // (Sq % kBlockM rows) costs all Sk keys at the bottom and only Sq % kBlockM + Sk - Sq at the
+  // top: those rows run first, as a launch of their own (192-row tiles at Sq = Sk = 4096: 352
+  // key steps a head instead of 384). From kLongKeys rows, where a partial tile's keys outweigh
+  // the second launch.
+  if constexpr (std::is_base_of_v<CausalBottomRight, Fusion>) {  // with ALiBi too: causal_rows keeps i + Sk - Sq
+    const int top = p.seqlen_q % kBlockM;
+    if (top != 0 && p.seqlen_q >= kLongKeys) {
+      run<Element, Fusion, Config>(causal_rows<Element>(p, 0, top), 0, stream);
+      run<Element, Fusion, Config>(causal_rows<Element>(p, top, p.seqlen_q), 0, stream);
+      return;
+    }
+  }
+  TailSplit plan;
+  if constexpr (std::is_same_v<typename Config::Schedule, Pingpong> && !kIsAlibi<Fusion>) {
+    plan = plan_tail_split(p, kBlockM, kBlockN);
+  }
+  run<Element, Fusion, Config>(p, plan.tiles, stream);
+  if constexpr (!kIsAlibi<Fusion>) {
+    if (plan.tiles != 0) run_split_tail<Element, Fusion, Config>(p, plan, stream);
+  }
 }
 
 // Every dtype x mask variant of one head dim: without a mask (ResidualFusion masks the keys

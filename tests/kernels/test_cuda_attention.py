@@ -172,8 +172,8 @@ def test_alibi_in_the_softmax(d, sq, sk, hq, hkv, causal, per_batch):
 
 
 def test_alibi_dispatch_and_backward():
-    """flash.attention with ALiBi runs this kernel forward and the Triton backward, which reads
-    its lse (ALiBi included): gradients against float64."""
+    """flash.attention with ALiBi runs this kernel forward; the backward (csrc's where it serves
+    the head dim, else Triton's) reads its lse, ALiBi included: gradients against float64."""
     d = HDIMS[0]
     q, k, v = (rand(2, 4, 512, d) for _ in range(3))
     slopes = alibi_for(2, 4, False)

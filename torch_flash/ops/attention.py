@@ -203,12 +203,12 @@ SM90_BWD_DEFAULT_HDIMS = (128,)
 def _sm90_bwd_serves(grad_lse, q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: ref.Spec) -> bool:
     """Whether the Hopper backward of csrc/attention (flash.attention_bwd_sm90) serves this call:
     where the forward's kernel would (_sm90_serves), for a head dim it has (backward_hdims), no
-    ALiBi (the Triton backward takes it), no lse gradient; unforced only for SM90_BWD_DEFAULT_HDIMS and outside deterministic mode (it
+    lse gradient; unforced only for SM90_BWD_DEFAULT_HDIMS and outside deterministic mode (it
     runs after cuDNN's backward, which is faster where it serves). Under
     torch.use_deterministic_algorithms(True) the kernel adds dq in key-block order, bitwise
     reproducible, on request (use_backend("cuda"))."""
     forced = _dispatch.forced_backend()
-    if grad_lse is not None or spec.alibi_slopes is not None or (forced != "cuda" and (
+    if grad_lse is not None or (forced != "cuda" and (
             forced is not None or q.shape[-1] not in SM90_BWD_DEFAULT_HDIMS
             or torch.are_deterministic_algorithms_enabled())):
         return False
@@ -391,7 +391,8 @@ class _Sm90BwdPlan:
 
     def __call__(self, grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, dropout_seed, alibi_slopes,
                  sinks):
-        grads = torch.ops.flash.attention_bwd_sm90(grad_out, q, k, v, out, lse, self.scale, self.causal)
+        grads = torch.ops.flash.attention_bwd_sm90(grad_out, q, k, v, out, lse, self.scale, self.causal,
+                                                   alibi_slopes)
         # dq and dk come in q's and k's layout; dv in k's, copied where v's differs; no bias
         return (*(ref.in_layout(g, t) for g, t in zip(grads, (q, k, v))), None, _sinks_grad(grad_out, out, lse, sinks))
 
@@ -492,12 +493,14 @@ def check_sm90_bwd_args(op: str, grad_out, q, k, v, out, lse, causal: bool) -> N
 
 @torch.library.custom_op("flash::attention_bwd_sm90", mutates_args=())
 def _attention_bwd_sm90(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                        scale: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+                        scale: float, causal: bool,
+                        alibi_slopes: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of flash.attention_backward for the calls the Hopper backward serves (see
-    _sm90_bwd_serves), contiguous. torch_flash._C registers that kernel for CUDA tensors; this
-    body, the reference, runs elsewhere."""
+    _sm90_bwd_serves), with the forward's ALiBi slopes or none. torch_flash._C registers that
+    kernel for CUDA tensors; this body, the reference, runs elsewhere."""
     check_sm90_bwd_args("attention_bwd_sm90", grad_out, q, k, v, out, lse, causal)
-    return ref.attention_bwd_sm90(grad_out, q, k, v, out, lse, scale, causal)
+    check_alibi("attention_bwd_sm90", alibi_slopes, q, q.shape[0])
+    return ref.attention_bwd_sm90(grad_out, q, k, v, out, lse, scale, causal, alibi_slopes)
 
 
 def ref_sinks_grad(sinks, out, grad_out, lse, grad_lse, like: Tensor) -> Tensor:

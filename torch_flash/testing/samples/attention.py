@@ -111,10 +111,11 @@ def _samples_fwd_sm90():
 
 
 def _samples_bwd_sm90():
-    """The Hopper backward's cases: its forward's, with the forward's out and lse."""
-    for (q, k, v, scale, causal), _ in _samples_fwd_sm90():
-        out, lse = torch.ops.flash.attention_fwd_sm90(q, k, v, scale, causal)
-        yield (torch.randn_like(out), q, k, v, out, lse, scale, causal), {}
+    """The Hopper backward's cases: its forward's, with the forward's out and lse (ALiBi too)."""
+    for (q, k, v, scale, causal), kw in _samples_fwd_sm90():
+        slopes = kw.get("alibi_slopes")
+        out, lse = torch.ops.flash.attention_fwd_sm90(q, k, v, scale, causal, None, slopes)
+        yield (torch.randn_like(out), q, k, v, out, lse, scale, causal), ({} if slopes is None else kw)
 
 
 OPCHECK_SAMPLES = {
