@@ -2,8 +2,8 @@
 Hopper kernels flash.attention_fwd_sm90 and flash.attention_bwd_sm90."""
 import torch
 
-from torch_flash.ops.attention import (check_args, check_backward_args, check_sinks, check_sm90_args,
-                                       check_sm90_bwd_args, out_shapes)
+from torch_flash.ops.attention import (check_alibi, check_args, check_backward_args, check_sinks,
+                                       check_sm90_args, check_sm90_bwd_args, out_shapes)
 from torch_flash.reference.attention import layout_strides
 
 
@@ -46,14 +46,16 @@ def attention_backward(grad_out, grad_lse, q, k, v, attn_bias, out, lse, scale, 
 
 
 @torch.library.register_fake("flash::attention_fwd_sm90")
-def attention_fwd_sm90(q, k, v, scale, causal, sinks=None):
+def attention_fwd_sm90(q, k, v, scale, causal, sinks=None, alibi_slopes=None):
     check_sm90_args("attention_fwd_sm90", q, k, v, causal)
     check_sinks("attention_fwd_sm90", sinks, q)
+    check_alibi("attention_fwd_sm90", alibi_slopes, q, q.shape[0])
     out, lse, lse_dtype = out_shapes(q, v)
     return _in_layout(q, out), q.new_empty(lse, dtype=lse_dtype)
 
 
 @torch.library.register_fake("flash::attention_bwd_sm90")
-def attention_bwd_sm90(grad_out, q, k, v, out, lse, scale, causal):
+def attention_bwd_sm90(grad_out, q, k, v, out, lse, scale, causal, alibi_slopes=None):
     check_sm90_bwd_args("attention_bwd_sm90", grad_out, q, k, v, out, lse, causal)
+    check_alibi("attention_bwd_sm90", alibi_slopes, q, q.shape[0])
     return _in_layout(q, q.shape), _in_layout(k, k.shape), _in_layout(k, v.shape)

@@ -177,6 +177,8 @@ class Params(ctypes.Structure):
                     "k_row_stride", "v_batch_stride", "v_head_stride", "v_row_stride", "out_batch_stride",
                     "out_head_stride", "out_row_stride", "lse_batch_stride", "lse_head_stride")]
                 + [("sinks", ctypes.c_void_p), ("sinks_head_stride", ctypes.c_int)]
+                + [("alibi_slopes", ctypes.c_void_p), ("alibi_batch_stride", ctypes.c_int),
+                   ("alibi_head_stride", ctypes.c_int)]
                 + [("scale", ctypes.c_float), ("bf16", ctypes.c_bool), ("causal", ctypes.c_bool),
                    ("device", ctypes.c_int), ("sm_count", ctypes.c_int),
                    ("alloc", ctypes.c_void_p), ("alloc_ctx", ctypes.c_void_p)])
@@ -248,7 +250,7 @@ def run_point(libs: dict, variants, d: int, s: int, causal: bool) -> list[dict]:
     p = Params(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), b, h, s, s, d,
                q.stride(0), q.stride(2), q.stride(1), k.stride(0), k.stride(2), k.stride(1),
                v.stride(0), v.stride(2), v.stride(1), out.stride(0), out.stride(2), out.stride(1),
-               lse.stride(0), lse.stride(1), None, 0, scale, True, causal, 0, sm)  # no sinks
+               lse.stride(0), lse.stride(1), None, 0, None, 0, 0, scale, True, causal, 0, sm)  # no sinks, ALiBi
     no_split = Params.from_buffer_copy(p)  # alloc null: no split tail
     scratch = Scratch()
     p.alloc = scratch.address()

@@ -154,12 +154,27 @@ at::Tensor sinks_fp32(const at::Tensor& sinks, const at::Tensor& q) {
   return sinks.to(at::kFloat).contiguous();
 }
 
-// q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D) with Hq % Hkv == 0, sinks (Hq,) or none -> out (B, Hq, Sq, D)
-// laid out like q (empty_like_layout), lse (B, Hq, Sq) fp32, both with the sinks. causal: aligned
-// bottom-right, as flash.attention, with Sq <= Sk (every query row sees a key).
+// alibi_slopes fp32 (Hq,) or (B, Hq) on q's device, as the kernel reads them (a copy only where
+// not contiguous).
+at::Tensor alibi_ready(const char* op, const at::Tensor& slopes, const at::Tensor& q) {
+  TORCH_CHECK(slopes.device() == q.device(), op, "alibi_slopes is on ", slopes.device(), " but q is on ",
+              q.device());
+  TORCH_CHECK(slopes.scalar_type() == at::kFloat, op, "alibi_slopes must be float32, got ", slopes.scalar_type());
+  const bool per_head = slopes.dim() == 1 && slopes.size(0) == q.size(1);
+  TORCH_CHECK(per_head || (slopes.dim() == 2 && slopes.size(0) == q.size(0) && slopes.size(1) == q.size(1)), op,
+              "alibi_slopes must be (Hq,) = (", num(q.size(1)), ",) or (B, Hq) = (", num(q.size(0)), ", ",
+              num(q.size(1)), "), got ", shape(slopes.sizes()));
+  return slopes.contiguous();
+}
+
+// q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D) with Hq % Hkv == 0, sinks (Hq,) or none, alibi_slopes
+// (Hq,) or (B, Hq) fp32 or none -> out (B, Hq, Sq, D) laid out like q (empty_like_layout), lse
+// (B, Hq, Sq) fp32, both with the sinks and ALiBi. causal: aligned bottom-right, as
+// flash.attention, with Sq <= Sk (every query row sees a key).
 std::tuple<at::Tensor, at::Tensor> attention_fwd_sm90(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                       double scale, bool causal,
-                                                      const std::optional<at::Tensor>& sinks) {
+                                                      const std::optional<at::Tensor>& sinks,
+                                                      const std::optional<at::Tensor>& alibi_slopes) {
   Entry entry = q.dim() == 4 ? entry_for(q.size(3)) : nullptr;
   const auto [batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, device] =
       check_problem(kOp, q, k, v, causal, entry != nullptr);
@@ -192,6 +207,9 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_sm90(const at::Tensor& q, const
   p.lse_head_stride = to_int(lse.stride(1) * group, "lse.stride(1) * group");
   const auto sinks32 = sinks.has_value() ? sinks_fp32(*sinks, q) : at::Tensor();
   p.sinks_head_stride = to_int(group, "group");
+  const auto slopes = alibi_slopes.has_value() ? alibi_ready(kOp, *alibi_slopes, q) : at::Tensor();
+  p.alibi_batch_stride = slopes.defined() && slopes.dim() == 2 ? to_int(heads_q, "heads") : 0;
+  p.alibi_head_stride = to_int(group, "group");
   p.scale = static_cast<float>(scale);
   p.bf16 = q.scalar_type() == at::kBFloat16;
   p.causal = causal;
@@ -206,6 +224,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_sm90(const at::Tensor& q, const
     p.out = static_cast<char*>(out.data_ptr()) + g * out.stride(1) * out.element_size();
     p.lse = lse.data_ptr<float>() + g * lse.stride(1);
     p.sinks = sinks32.defined() ? sinks32.data_ptr<float>() + g : nullptr;  // heads g, g + G, ...
+    p.alibi_slopes = slopes.defined() ? slopes.data_ptr<float>() + g : nullptr;
     entry(p, stream);
   }
   return {out, lse};
@@ -234,14 +253,15 @@ at::Tensor tma_ready(const at::Tensor& t) {
 }
 
 // The gradients of attention_fwd_sm90: grad_out and out (B, Hq, Sq, D), lse (B, Hq, Sq) fp32 as
-// the forward returned them -> dq laid out like q, dk and dv like k (empty_like_layout: the
+// the forward returned them, its alibi_slopes (or none) -> dq laid out like q, dk and dv like k (empty_like_layout: the
 // epilogue stores both alike). dq is summed over the key blocks by TMA reductions: in any order
 // by default, in a fixed key-block order (bitwise reproducible) under
 // torch.use_deterministic_algorithms(True).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_sm90(const at::Tensor& grad_out, const at::Tensor& q,
                                                                   const at::Tensor& k, const at::Tensor& v,
                                                                   const at::Tensor& out, const at::Tensor& lse,
-                                                                  double scale, bool causal) {
+                                                                  double scale, bool causal,
+                                                                  const std::optional<at::Tensor>& alibi_slopes) {
   BwdEntry entry = q.dim() == 4 ? bwd_entry_for(q.size(3)) : nullptr;
   const auto [batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, device] =
       check_problem(kBwdOp, q, k, v, causal, entry != nullptr);
@@ -313,6 +333,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_sm90(const at::Tens
   p.dk_head_stride = to_int(dk.stride(2), "dk.stride(1)", kBwdOp);
   p.dk_row_stride = to_int(dk.stride(3), "dk.stride(2)", kBwdOp);
   p.dkv_member_stride = dk.stride(0);
+  const auto slopes = alibi_slopes.has_value() ? alibi_ready(kBwdOp, *alibi_slopes, q) : at::Tensor();
+  p.alibi_slopes = slopes.defined() ? slopes.data_ptr<float>() : nullptr;
+  p.alibi_batch_stride = slopes.defined() && slopes.dim() == 2 ? to_int(heads_q, "heads", kBwdOp) : 0;
+  p.alibi_head_stride = 1;
   p.scale = static_cast<float>(scale);
   p.bf16 = q.scalar_type() == at::kBFloat16;
   p.causal = causal;

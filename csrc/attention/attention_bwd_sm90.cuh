@@ -130,7 +130,8 @@ struct KeyBlockScheduler {
 // TileShape: (query rows per step, keys per CTA, head dim).
 template <class Element, class Fusion, class TileShape>
 struct BwdKernel {
-  using Mainloop = MainloopWithScale<BwdMainloop<Element, TileShape, Fusion>>;
+  using Scaled = MainloopWithScale<BwdMainloop<Element, TileShape, Fusion>>;
+  using Mainloop = std::conditional_t<kIsAlibi<Fusion>, MainloopWithAlibi<Scaled>, Scaled>;
   using Epilogue = cutlass::fmha::collective::FmhaBwdEpilogueKV<Element, float, typename Mainloop::TileShapePV>;
   using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
       Mainloop, Epilogue, cutlass::fmha::kernel::TileSchedulerBwdAdapter<KeyBlockScheduler>>;
@@ -148,6 +149,7 @@ template <class Element, class Fusion, class TileShape>
 void run_bwd(const AttentionBwdSm90Params& p, cudaStream_t stream) {
   using K = BwdKernel<Element, Fusion, TileShape>;
   using Kernel = typename K::Kernel;
+  using Scaled = typename K::Scaled;
   using Mainloop = typename K::Mainloop;
   const int group = p.heads_q / p.heads_kv;
   const int sq = p.seqlen_q, d = p.head_dim, q_tiles = ceil_div(sq, kBwdQueryRows);
@@ -172,21 +174,29 @@ void run_bwd(const AttentionBwdSm90Params& p, cudaStream_t stream) {
       return static_cast<const char*>(base) + long(g) * head_stride * element_size;
     };
     const long dkv_at = g * p.dkv_member_stride;
+    const typename Scaled::Arguments scaled{
+        {{reinterpret_cast<const Element*>(at(p.q, p.q_head_stride, sizeof(Element))),
+          {p.q_batch_stride, p.q_head_stride * group, p.q_row_stride, _1{}},
+          static_cast<const Element*>(p.k), {p.k_batch_stride, p.k_head_stride, p.k_row_stride, _1{}},
+          static_cast<const Element*>(p.v), {p.v_batch_stride, p.v_head_stride, p.v_row_stride, _1{}},
+          reinterpret_cast<const Element*>(at(p.grad_out, p.grad_out_head_stride, sizeof(Element))),
+          {p.grad_out_batch_stride, p.grad_out_head_stride * group, p.grad_out_row_stride, _1{}},
+          p.lse + long(g) * p.lse_head_stride, {p.lse_batch_stride, p.lse_head_stride * group, _1{}},
+          p.sum_odo + long(g) * sq, {p.heads_q * sq, sq * group, _1{}},
+          p.dq_acc + long(g) * sq * d, {p.heads_q * sq * d, sq * d * group, d, _1{}}},
+         p.dq_semaphore == nullptr ? nullptr : p.dq_semaphore + long(g) * q_tiles,
+         p.heads_q * q_tiles, q_tiles * group},
+        p.scale};
+    typename Mainloop::Arguments mainloop_args;
+    if constexpr (kIsAlibi<Fusion>) {  // query heads g, g + G, ...
+      mainloop_args = {scaled, p.alibi_slopes + long(g) * p.alibi_head_stride, p.alibi_batch_stride,
+                       p.alibi_head_stride * group};
+    } else {
+      mainloop_args = scaled;
+    }
     typename Kernel::Arguments args{
         {p.batch, p.heads_kv, sq, p.seqlen_k, d},
-        typename Mainloop::Arguments{
-            {{reinterpret_cast<const Element*>(at(p.q, p.q_head_stride, sizeof(Element))),
-              {p.q_batch_stride, p.q_head_stride * group, p.q_row_stride, _1{}},
-              static_cast<const Element*>(p.k), {p.k_batch_stride, p.k_head_stride, p.k_row_stride, _1{}},
-              static_cast<const Element*>(p.v), {p.v_batch_stride, p.v_head_stride, p.v_row_stride, _1{}},
-              reinterpret_cast<const Element*>(at(p.grad_out, p.grad_out_head_stride, sizeof(Element))),
-              {p.grad_out_batch_stride, p.grad_out_head_stride * group, p.grad_out_row_stride, _1{}},
-              p.lse + long(g) * p.lse_head_stride, {p.lse_batch_stride, p.lse_head_stride * group, _1{}},
-              p.sum_odo + long(g) * sq, {p.heads_q * sq, sq * group, _1{}},
-              p.dq_acc + long(g) * sq * d, {p.heads_q * sq * d, sq * d * group, d, _1{}}},
-             p.dq_semaphore == nullptr ? nullptr : p.dq_semaphore + long(g) * q_tiles,
-             p.heads_q * q_tiles, q_tiles * group},
-            p.scale},
+        mainloop_args,
         {static_cast<Element*>(p.dk) + dkv_at, {p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride, _1{}},
          static_cast<Element*>(p.dv) + dkv_at, {p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride, _1{}}},
         hw};
@@ -208,9 +218,18 @@ void run_bwd(const AttentionBwdSm90Params& p, cudaStream_t stream) {
   launch_simple<typename K::Convert>(K::Convert::to_underlying_arguments(convert_args, nullptr), stream, "dq conversion");
 }
 
-// Every dtype x mask variant of one head dim.
+// Every dtype x mask variant of one head dim, each with ALiBi.
 template <class TileShape>
 void dispatch_bwd(const AttentionBwdSm90Params& p, cudaStream_t stream) {
+  if (p.alibi_slopes != nullptr) {
+    using Causal = Alibi<CausalBottomRightBwd, true>;
+    using Full = Alibi<NoMaskBwd, true>;
+    if (p.bf16 && p.causal) run_bwd<cutlass::bfloat16_t, Causal, TileShape>(p, stream);
+    else if (p.bf16) run_bwd<cutlass::bfloat16_t, Full, TileShape>(p, stream);
+    else if (p.causal) run_bwd<cutlass::half_t, Causal, TileShape>(p, stream);
+    else run_bwd<cutlass::half_t, Full, TileShape>(p, stream);
+    return;
+  }
   if (p.bf16 && p.causal) run_bwd<cutlass::bfloat16_t, CausalBottomRightBwd, TileShape>(p, stream);
   else if (p.bf16) run_bwd<cutlass::bfloat16_t, NoMaskBwd, TileShape>(p, stream);
   else if (p.causal) run_bwd<cutlass::half_t, CausalBottomRightBwd, TileShape>(p, stream);

@@ -40,6 +40,10 @@ struct AttentionBwdSm90Params {
   int dq_batch_stride, dq_head_stride, dq_row_stride;
   int dk_batch_stride, dk_head_stride, dk_row_stride;  // dk and dv share their layout
   long dkv_member_stride;  // between the G slices of dk and dv
+  // ALiBi as the forward had it (null: none): head h of batch b's slope at
+  // alibi_slopes[b * alibi_batch_stride + h * alibi_head_stride], h a query head (fp32).
+  const float* alibi_slopes;
+  int alibi_batch_stride, alibi_head_stride;
   float scale;
   bool bf16;    // else fp16
   bool causal;  // aligned bottom-right (row i sees keys j <= i + Sk - Sq), with Sq <= Sk

@@ -3,7 +3,8 @@
 // warpgroup and two consumer warpgroups with register reallocation, softmax of one tile
 // overlapped with the other warpgroup's matmuls), instantiated for torch-flash's layouts,
 // with the softmax scale as an argument and a launch that follows the caller's stream; the
-// causal mask aligned bottom-right (CausalBottomRight), causal tiles in equal pairs
+// causal mask aligned bottom-right (CausalBottomRight), ALiBi from the slopes (Alibi,
+// MainloopWithAlibi), causal tiles in equal pairs
 // (PairedTileScheduler) with a partial tile's rows run first (causal_rows), and without a mask
 // the persistent launch's short last round run as key splits (TailSplit).
 #pragma once
@@ -219,8 +220,9 @@ struct FwdKernel;
 template <class Element, class Fusion, class TileShape, class Schedule, class... Options, class ElementOut>
 struct FwdKernel<Element, Fusion, Config<TileShape, Schedule, Options...>, ElementOut> {
   using Persistent = Option<Tag::kIsPersistent, cute::bool_constant<Schedule::kPersistent>>;
-  using Mainloop = MainloopWithScale<cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
+  using Scaled = MainloopWithScale<cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
       Element, float, float, TileShape, Stride, Stride, Stride, Fusion, Persistent, Options...>>;
+  using Mainloop = std::conditional_t<kIsAlibi<Fusion>, MainloopWithAlibi<Scaled>, Scaled>;
   using Epilogue = SinkEpilogue<ElementOut, typename Mainloop::TileShapePV>;
   using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
       Mainloop, Epilogue, typename Schedule::Scheduler, Persistent,
@@ -230,17 +232,25 @@ struct FwdKernel<Element, Fusion, Config<TileShape, Schedule, Options...>, Eleme
 template <class Element, class Fusion, class Config, class ElementOut = Element>
 void run(const AttentionFwdSm90Params& p, int tail_tiles, cudaStream_t stream) {
   using Kernel = typename FwdKernel<Element, Fusion, Config, ElementOut>::Kernel;
+  using Scaled = typename FwdKernel<Element, Fusion, Config, ElementOut>::Scaled;
   using Mainloop = typename FwdKernel<Element, Fusion, Config, ElementOut>::Mainloop;
   cutlass::KernelHardwareInfo hw;
   hw.device_id = p.device;
   hw.sm_count = p.sm_count;
+  const typename Scaled::Arguments scaled{
+      {static_cast<const Element*>(p.q), Stride{p.q_row_stride, _1{}, {p.q_batch_stride, p.q_head_stride}},
+       static_cast<const Element*>(p.k), Stride{p.k_row_stride, _1{}, {p.k_batch_stride, p.k_head_stride}},
+       static_cast<const Element*>(p.v), Stride{p.v_row_stride, _1{}, {p.v_batch_stride, p.v_head_stride}}},
+      p.scale};
+  typename Mainloop::Arguments mainloop_args;
+  if constexpr (kIsAlibi<Fusion>) {
+    mainloop_args = {scaled, p.alibi_slopes, p.alibi_batch_stride, p.alibi_head_stride};
+  } else {
+    mainloop_args = scaled;
+  }
   typename Kernel::Arguments args{
       {p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim},
-      typename Mainloop::Arguments{
-          {static_cast<const Element*>(p.q), Stride{p.q_row_stride, _1{}, {p.q_batch_stride, p.q_head_stride}},
-           static_cast<const Element*>(p.k), Stride{p.k_row_stride, _1{}, {p.k_batch_stride, p.k_head_stride}},
-           static_cast<const Element*>(p.v), Stride{p.v_row_stride, _1{}, {p.v_batch_stride, p.v_head_stride}}},
-          p.scale},
+      mainloop_args,
       {{static_cast<ElementOut*>(p.out), Stride{p.out_row_stride, _1{}, {p.out_batch_stride, p.out_head_stride}},
         p.lse, StrideLse{_1{}, {p.lse_batch_stride, p.lse_head_stride}}},
        p.sinks, p.sinks_head_stride},
@@ -272,8 +282,9 @@ constexpr int kLongKeys = 2048;
 // split's keys a stride apart), whose fp32 partial outputs and log-sum-exps one more kernel
 // merges (out = sum_i exp(lse_i - lse) out_i, lse = log sum_i exp(lse_i)). The split launch
 // has a CTA per unit, whose epilogue may reuse the mainloop's shared memory (a persistent
-// CTA's may not, and fp32 staging does not fit beside it). Without a mask only, from kLongKeys
-// keys, and where s >= kMinSplits divides Sk's key tiles (no split is partial).
+// CTA's may not, and fp32 staging does not fit beside it). Without a mask or ALiBi only (key
+// positions restart in each split), from kLongKeys keys, and where s >= kMinSplits divides Sk's
+// key tiles (no split is partial).
 struct TailSplit {
   int tiles = 0;  // query tiles of the last (batch, head) left to the splits; 0: no split
   int splits = 1;
@@ -347,31 +358,11 @@ AttentionFwdSm90Params causal_rows(const AttentionFwdSm90Params& p, int begin, i
   return r;
 }
 
+// The split tail (TailSplit): rows [row0, Sq) of the last (batch, head), left out of the
+// persistent launch, as plan.splits key splits merged by merge_splits.
 template <class Element, class Fusion, class Config>
-void launch(const AttentionFwdSm90Params& p, cudaStream_t stream) {
-  using TileShape = typename Config::TileShape;
-  constexpr int kBlockM = size<0>(TileShape{}), kBlockN = size<1>(TileShape{});
-  // Under the causal mask a query tile costs the keys its last row sees, so a partial tile
-  // (Sq % kBlockM rows) costs all Sk keys at the bottom and only Sq % kBlockM + Sk - Sq at the
-  // top: those rows run first, as a launch of their own (192-row tiles at Sq = Sk = 4096: 352
-  // key steps a head instead of 384). From kLongKeys rows, where a partial tile's keys outweigh
-  // the second launch.
-  if constexpr (std::is_same_v<Fusion, CausalBottomRight>) {
-    const int top = p.seqlen_q % kBlockM;
-    if (top != 0 && p.seqlen_q >= kLongKeys) {
-      run<Element, Fusion, Config>(causal_rows<Element>(p, 0, top), 0, stream);
-      run<Element, Fusion, Config>(causal_rows<Element>(p, top, p.seqlen_q), 0, stream);
-      return;
-    }
-  }
-  TailSplit plan;
-  if constexpr (std::is_same_v<typename Config::Schedule, Pingpong>) {
-    plan = plan_tail_split(p, kBlockM, kBlockN);
-  }
-  run<Element, Fusion, Config>(p, plan.tiles, stream);
-  if (plan.tiles == 0) return;
-
-  // the tail: rows [row0, Sq) of the last (batch, head)
+void run_split_tail(const AttentionFwdSm90Params& p, const TailSplit& plan, cudaStream_t stream) {
+  constexpr int kBlockM = size<0>(typename Config::TileShape{});
   const int row0 = ((p.seqlen_q + kBlockM - 1) / kBlockM - plan.tiles) * kBlockM;
   const int rows = p.seqlen_q - row0, d = p.head_dim, s = plan.splits;
   auto last_head = [&](int batch_stride, int head_stride) {  // element offset of (B - 1, H - 1)
@@ -417,12 +408,44 @@ void launch(const AttentionFwdSm90Params& p, cudaStream_t stream) {
   check_cuda(cudaGetLastError(), "tail merge");
 }
 
+template <class Element, class Fusion, class Config>
+void launch(const AttentionFwdSm90Params& p, cudaStream_t stream) {
+  using TileShape = typename Config::TileShape;
+  constexpr int kBlockM = size<0>(TileShape{}), kBlockN = size<1>(TileShape{});
+  // Under the causal mask a query tile costs the keys its last row sees, so a partial tile
+  // (Sq % kBlockM rows) costs all Sk keys at the bottom and only Sq % kBlockM + Sk - Sq at the
+  // top: those rows run first, as a launch of their own (192-row tiles at Sq = Sk = 4096: 352
+  // key steps a head instead of 384). From kLongKeys rows, where a partial tile's keys outweigh
+  // the second launch.
+  if constexpr (std::is_base_of_v<CausalBottomRight, Fusion>) {  // with ALiBi too: causal_rows keeps i + Sk - Sq
+    const int top = p.seqlen_q % kBlockM;
+    if (top != 0 && p.seqlen_q >= kLongKeys) {
+      run<Element, Fusion, Config>(causal_rows<Element>(p, 0, top), 0, stream);
+      run<Element, Fusion, Config>(causal_rows<Element>(p, top, p.seqlen_q), 0, stream);
+      return;
+    }
+  }
+  TailSplit plan;
+  if constexpr (std::is_same_v<typename Config::Schedule, Pingpong> && !kIsAlibi<Fusion>) {
+    plan = plan_tail_split(p, kBlockM, kBlockN);
+  }
+  run<Element, Fusion, Config>(p, plan.tiles, stream);
+  if constexpr (!kIsAlibi<Fusion>) {
+    if (plan.tiles != 0) run_split_tail<Element, Fusion, Config>(p, plan, stream);
+  }
+}
+
 // Every dtype x mask variant of one head dim: without a mask (ResidualFusion masks the keys
 // past Sk in the last key tile, and only there) and with the causal mask, one configuration
-// for short and one for long key sequences each (the same type builds once).
+// for short and one for long key sequences each (the same type builds once); each with ALiBi.
 template <class Element, class FullConfig, class LongFullConfig, class CausalConfig, class LongCausalConfig>
 void dispatch_mask(const AttentionFwdSm90Params& p, cudaStream_t stream) {
   using cutlass::fmha::collective::ResidualFusion;
+  if (p.alibi_slopes != nullptr) {  // one configuration a mask: the long sequences ALiBi is for
+    if (p.causal) launch<Element, Alibi<CausalBottomRight>, LongCausalConfig>(p, stream);
+    else launch<Element, Alibi<ResidualFusion>, LongFullConfig>(p, stream);
+    return;
+  }
   const bool long_keys = p.seqlen_k >= kLongKeys;
   if (p.causal && long_keys) launch<Element, CausalBottomRight, LongCausalConfig>(p, stream);
   else if (p.causal) launch<Element, CausalBottomRight, CausalConfig>(p, stream);

@@ -29,6 +29,10 @@ struct AttentionFwdSm90Params {
   // softmax column that adds no value (out scaled by exp(lse0 - lse), lse = logaddexp(lse0, sink)).
   const float* sinks;
   int sinks_head_stride;
+  // ALiBi (null: none): scores - slope * |i + Sk - Sq - j| with head h of batch b's slope at
+  // alibi_slopes[b * alibi_batch_stride + h * alibi_head_stride] (fp32).
+  const float* alibi_slopes;
+  int alibi_batch_stride, alibi_head_stride;
   float scale;
   bool bf16;    // else fp16
   bool causal;  // aligned bottom-right (row i sees keys j <= i + Sk - Sq), with Sq <= Sk

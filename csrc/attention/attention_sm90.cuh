@@ -1,5 +1,5 @@
 // What the Hopper attention kernels (attention_fwd_sm90.cuh, attention_bwd_sm90.cuh) share:
-// the softmax scale as an argument of 88_hopper_fmha's mainloops, and the launch helpers.
+// the softmax scale as an argument of 88_hopper_fmha's mainloops, ALiBi, and the launch helpers.
 #pragma once
 
 #include <cmath>
@@ -9,6 +9,7 @@
 
 #include "cutlass/cutlass.h"
 #include "cutlass/device_kernel.h"
+#include "cute/tensor.hpp"
 
 namespace torch_flash::sm90 {
 
@@ -32,6 +33,82 @@ struct MainloopWithScale : Base {
     params.scale_softmax = args.scale;
     params.scale_softmax_log2 = args.scale * static_cast<float>(M_LOG2E);
     return params;
+  }
+};
+
+// The problem shape that the mainloop's compute() passes on to the fusion, with the ALiBi bias
+// of one key step for the tile's (batch, head): -slope / scale, the scores being scaled after
+// the fusion (88_hopper_fmha hands before_softmax the problem shape, not the tile's head).
+template <class ProblemShape>
+struct AlibiProblem : ProblemShape {
+  float bias_per_key;
+};
+
+// ALiBi on a mask: scores - slope * |i + Sk - Sq - j|, FlashAttention's distance to the
+// bottom-right diagonal. Forward (ResidualFusion, CausalBottomRight): on every key tile, all
+// trips counting as masked (the mainloop skips the fusion on unmasked ones), index pairs
+// (query, key). Backward (NoMaskBwd, CausalBottomRightBwd; kKeyFirst): pairs (key, query).
+template <class Mask, bool kKeyFirst = false>
+struct Alibi : Mask {
+  template <class BlkCoord, class TileShape, class ProblemSize>
+  CUTLASS_DEVICE int get_unmasked_trip_count(BlkCoord const&, TileShape const&, ProblemSize const&) {
+    return 0;
+  }
+
+  template <class BlkCoord, class TileShape, class ProblemSize>
+  CUTLASS_DEVICE int get_masked_trip_count(BlkCoord const& blk_coord, TileShape const& tile_shape,
+                                           ProblemSize const& problem_size) {
+    return Mask::get_trip_count(blk_coord, tile_shape, problem_size);
+  }
+
+  template <class AccQK, class IndexQK, class ProblemShape>
+  CUTLASS_DEVICE void before_softmax(AccQK& acc_qk, IndexQK const& index_qk, AlibiProblem<ProblemShape> const& problem) {
+    Mask::before_softmax(acc_qk, index_qk, problem);
+    const int diag = cute::get<3>(problem) - cute::get<2>(problem);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < cute::size(acc_qk); i++) {
+      auto pos = index_qk(i);
+      const int row = kKeyFirst ? cute::get<1>(pos) : cute::get<0>(pos);
+      const int key = kKeyFirst ? cute::get<0>(pos) : cute::get<1>(pos);
+      // in floats: a thread's few rows and keys convert once, each score then costs an add and an FMA
+      acc_qk(i) += problem.bias_per_key * fabsf(float(row + diag) - float(key));
+    }
+  }
+};
+
+template <class Fusion>
+constexpr bool kIsAlibi = false;
+template <class Mask, bool kKeyFirst>
+constexpr bool kIsAlibi<Alibi<Mask, kKeyFirst>> = true;
+
+// A mainloop (forward or backward) under an Alibi fusion: the slopes in its arguments, and a
+// compute() that hands the mainloop the problem shape with the bias of the tile's (batch, head).
+template <class Base>
+struct MainloopWithAlibi : Base {
+  struct Arguments : Base::Arguments {
+    const float* slopes;
+    int slopes_batch_stride, slopes_head_stride;
+  };
+  struct Params : Base::Params {
+    const float* slopes;
+    int slopes_batch_stride, slopes_head_stride;
+  };
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& problem, Arguments const& args, void* workspace) {
+    return {Base::to_underlying_arguments(problem, args, workspace), args.slopes, args.slopes_batch_stride,
+            args.slopes_head_stride};
+  }
+
+  template <class BlkCoord, class ProblemShape, class... Rest>
+  CUTLASS_DEVICE auto compute(BlkCoord const& blk_coord, BlkCoord const& wg_coord, Params const& params,
+                              ProblemShape const& problem, Rest&&... rest) {
+    const auto batch_head = cute::get<2>(blk_coord);
+    const float slope = params.slopes[cute::get<0>(batch_head) * params.slopes_batch_stride +
+                                      cute::get<1>(batch_head) * params.slopes_head_stride];
+    return Base::compute(blk_coord, wg_coord, params,
+                         AlibiProblem<ProblemShape>{problem, -slope / params.scale_softmax},
+                         static_cast<Rest&&>(rest)...);
   }
 };
 

@@ -27,10 +27,10 @@ def rand(b, h, s, d, dtype=torch.bfloat16, transposed=True):
     return torch.randn(b, h, s, d, dtype=dtype, device="cuda")
 
 
-def reference(q, k, v, scale, causal, sinks=None):
+def reference(q, k, v, scale, causal, sinks=None, alibi=None):
     """(out, lse) in float64 by the project's formula (causal bottom-right: flash.attention's)."""
     return ref.attention_with_lse(q.double(), k.double(), v.double(), scale=scale, causal=causal,
-                                  sinks=None if sinks is None else sinks.double())
+                                  sinks=None if sinks is None else sinks.double(), alibi_slopes=alibi)
 
 
 def sdpa(q, k, v, scale, causal):
@@ -42,21 +42,29 @@ def sdpa(q, k, v, scale, causal):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-def check_forward(q, k, v, scale, causal, sinks=None):
+def check_forward(q, k, v, scale, causal, sinks=None, alibi=None):
     """The kernel's (out, lse) against float64, out's error within 1.25x SDPA's (on the problem
-    without sinks, which SDPA has not: a sink scales each row's output by a factor <= 1)."""
-    inputs = (q, k, v) if sinks is None else (q, k, v, sinks)
+    without sinks, which SDPA has not: a sink scales each row's output by a factor <= 1); with
+    ALiBi, which SDPA could take only as a bias rounded to q's dtype, within 1.25x the Triton
+    kernels'."""
+    inputs = [t for t in (q, k, v, sinks, alibi) if t is not None]
     before = [t.clone() for t in inputs]
-    out, lse = torch.ops.flash.attention_fwd_sm90(q, k, v, scale, causal, sinks)
+    out, lse = torch.ops.flash.attention_fwd_sm90(q, k, v, scale, causal, sinks, alibi)
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(before, inputs)), "inputs modified"
-    ref_out, ref_lse = reference(q, k, v, scale, causal, sinks)
+    ref_out, ref_lse = reference(q, k, v, scale, causal, sinks, alibi)
     assert out.shape == ref_out.shape and out.dtype == q.dtype and out.stride() == ref.layout_strides(q, out.shape)
     assert lse.shape == ref_lse.shape and lse.dtype == torch.float32
     assert not torch.isnan(out).any() and torch.isfinite(lse).all()
-    sink_free = ref_out if sinks is None else reference(q, k, v, scale, causal)[0]
-    err, base = rel_err(out, ref_out), rel_err(sdpa(q, k, v, scale, causal), sink_free)
-    assert err <= 1e-2 and err <= 1.25 * base + 1e-4, f"out: {err:.2e} (SDPA {base:.2e})"
+    if alibi is None:
+        sink_free = ref_out if sinks is None else reference(q, k, v, scale, causal)[0]
+        base, peer = rel_err(sdpa(q, k, v, scale, causal), sink_free), "SDPA"
+    else:
+        with torch_flash.use_backend("triton"):
+            theirs = torch_flash.attention(q, k, v, scale=scale, causal=causal, sinks=sinks, alibi_slopes=alibi)
+        base, peer = rel_err(theirs, ref_out), "Triton"
+    err = rel_err(out, ref_out)
+    assert err <= 1e-2 and err <= 1.25 * base + 1e-4, f"out: {err:.2e} ({peer} {base:.2e})"
     assert rel_err(lse, ref_lse) <= 1e-5, f"lse: {rel_err(lse, ref_lse):.2e}"
 
 
@@ -138,6 +146,48 @@ def test_sinks_in_the_epilogue(d, sq, sk, hq, hkv, causal):
     q, k, v = rand(2, hq, sq, d), rand(2, hkv, sk, d), rand(2, hkv, sk, d)
     check_forward(q, k, v, d ** -0.5, causal, sinks_for(hq))
     check_forward(q, k, v, d ** -0.5, causal, sinks_for(hq, torch.bfloat16))
+
+
+def alibi_for(batch: int, heads: int, per_batch: bool) -> torch.Tensor:
+    """ALiBi slopes fp32: the geometric ones of the ALiBi paper, 2^(-8 h / H) for h = 1..H, as
+    (H,), or (B, H) scaled differently per batch element."""
+    slopes = 2.0 ** (-8.0 * torch.arange(1, heads + 1, device="cuda") / heads)
+    return slopes * torch.rand(batch, 1, device="cuda") * 2 if per_batch else slopes
+
+
+@pytest.mark.parametrize("d", HDIMS)
+@pytest.mark.parametrize("sq,sk,hq,hkv,causal", [
+    (1000, 1000, 4, 4, False), (200, 264, 8, 2, True), (2056, 2056, 4, 2, True), (136, 1000, 6, 3, False),
+    (1000, 4096, 2, 2, False)])
+@pytest.mark.parametrize("per_batch", [False, True], ids=["per-head", "per-batch"])
+def test_alibi_in_the_softmax(d, sq, sk, hq, hkv, causal, per_batch):
+    """ALiBi slopes (H,) or (B, H), bottom-right distances with Sq != Sk both ways: each GQA group
+    member's launch reads its heads' slopes (heads g, g + G, ...), causal with its row split
+    (2056) and partial tiles; a long key sequence (4096) that, without ALiBi, would split its
+    last round by keys; with sinks too."""
+    q, k, v = rand(2, hq, sq, d), rand(2, hkv, sk, d), rand(2, hkv, sk, d)
+    slopes = alibi_for(2, hq, per_batch)
+    check_forward(q, k, v, d ** -0.5, causal, alibi=slopes)
+    check_forward(q, k, v, d ** -0.5, causal, sinks_for(hq), slopes)
+
+
+def test_alibi_dispatch_and_backward():
+    """flash.attention with ALiBi runs this kernel forward; the backward (csrc's where it serves
+    the head dim, else Triton's) reads its lse, ALiBi included: gradients against float64."""
+    d = HDIMS[0]
+    q, k, v = (rand(2, 4, 512, d) for _ in range(3))
+    slopes = alibi_for(2, 4, False)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = torch_flash.attention(*leaves, causal=True, alibi_slopes=slopes)
+    assert _dispatch.LAST["attention_with_lse"] == "cuda"
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = reference(*ref_leaves, d ** -0.5, True, alibi=slopes)
+    ref_grads = torch.autograd.grad(ref_out, ref_leaves, dout.double())
+    assert rel_err(out, ref_out) <= 1e-2
+    for name, g, r in zip("qkv", grads, ref_grads):
+        assert rel_err(g, r) <= 1e-2, f"d{name}: {rel_err(g, r):.2e}"
 
 
 def split_tail_heads(m_blocks: int, key_tiles: int) -> int:
@@ -277,4 +327,17 @@ def test_bad_sinks_raise(sinks, match):
     q, k, v = (rand(1, 2, 64, HDIMS[0], transposed=False) for _ in range(3))
     with pytest.raises(RuntimeError, match=match):
         torch.ops.flash.attention_fwd_sm90(q, k, v, 0.125, False, sinks())
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("slopes,match", [
+    (lambda: torch.zeros(3, device="cuda"), r"alibi_slopes must be \(Hq,\) = \(2,\) or \(B, Hq\) = \(1, 2\), got \(3\)"),
+    (lambda: torch.zeros(2, 2, device="cuda"), r"alibi_slopes must be \(Hq,\) .* got \(2, 2\)"),
+    (lambda: torch.zeros(2), "alibi_slopes is on cpu"),
+    (lambda: torch.zeros(2, dtype=torch.float16, device="cuda"), "alibi_slopes must be float32"),
+])
+def test_bad_alibi_raise(slopes, match):
+    q, k, v = (rand(1, 2, 64, HDIMS[0], transposed=False) for _ in range(3))
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.flash.attention_fwd_sm90(q, k, v, 0.125, False, None, slopes())
     torch.cuda.synchronize()

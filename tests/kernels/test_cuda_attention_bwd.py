@@ -23,13 +23,13 @@ HDIMS = _extension.build_info().get("backward_hdims", [])
 if not HDIMS:
     pytest.skip("no backward kernel built", allow_module_level=True)
 
-from test_cuda_attention import rand  # noqa: E402  (the forward's inputs)
+from test_cuda_attention import alibi_for, rand  # noqa: E402  (the forward's inputs)
 
 
-def reference_grads(q, k, v, grad_out, scale, causal):
+def reference_grads(q, k, v, grad_out, scale, causal, alibi=None):
     """(dq, dk, dv) in float64 by the project's formula (causal bottom-right)."""
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    out, _ = ref.attention_with_lse(*leaves, scale=scale, causal=causal)
+    out, _ = ref.attention_with_lse(*leaves, scale=scale, causal=causal, alibi_slopes=alibi)
     return torch.autograd.grad(out, leaves, grad_out.double())
 
 
@@ -51,15 +51,24 @@ def peer_grads(q, k, v, grad_out, scale, causal):
     return torch.autograd.grad(out, leaves, grad_out)
 
 
-def check_backward(q, k, v, scale, causal):
-    out, lse = torch.ops.flash.attention_fwd_sm90(q, k, v, scale, causal)
+def triton_grads(q, k, v, grad_out, scale, causal, alibi):
+    """The baseline with ALiBi, which the peers take only as a dense bias: the Triton kernels'."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    with torch_flash.use_backend("triton"):
+        out = torch_flash.attention(*leaves, scale=scale, causal=causal, alibi_slopes=alibi)
+        return torch.autograd.grad(out, leaves, grad_out)
+
+
+def check_backward(q, k, v, scale, causal, alibi=None):
+    out, lse = torch.ops.flash.attention_fwd_sm90(q, k, v, scale, causal, None, alibi)
     grad_out = torch.randn_like(out)
     before = [t.clone() for t in (grad_out, q, k, v, out, lse)]
-    grads = torch.ops.flash.attention_bwd_sm90(grad_out, q, k, v, out, lse, scale, causal)
+    grads = torch.ops.flash.attention_bwd_sm90(grad_out, q, k, v, out, lse, scale, causal, alibi)
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(before, (grad_out, q, k, v, out, lse))), "inputs modified"
-    expected = reference_grads(q, k, v, grad_out, scale, causal)
-    baseline = peer_grads(q, k, v, grad_out, scale, causal)
+    expected = reference_grads(q, k, v, grad_out, scale, causal, alibi)
+    baseline = (peer_grads(q, k, v, grad_out, scale, causal) if alibi is None
+                else triton_grads(q, k, v, grad_out, scale, causal, alibi))
     for name, g, r, p, t, like in zip("qkv", grads, expected, baseline, (q, k, v), (q, k, k)):
         assert g.shape == t.shape and g.dtype == t.dtype and g.stride() == layout_strides(like, g.shape)
         assert torch.isfinite(g).all()
@@ -76,6 +85,17 @@ def check_backward(q, k, v, scale, causal):
 def test_grid_vs_fp64_and_peer(d, s, causal, dtype):
     q, k, v = (rand(2, 4, s, d, dtype) for _ in range(3))
     check_backward(q, k, v, d ** -0.5, causal)
+
+
+@pytest.mark.parametrize("d", HDIMS)
+@pytest.mark.parametrize("sq,sk,hq,hkv,causal", [
+    (1000, 1000, 4, 4, False), (136, 264, 8, 2, True), (2048, 2048, 4, 2, True), (264, 136, 4, 4, False)])
+@pytest.mark.parametrize("per_batch", [False, True], ids=["per-head", "per-batch"])
+def test_alibi_vs_fp64_and_triton(d, sq, sk, hq, hkv, causal, per_batch):
+    """ALiBi slopes (H,) or (B, H) as the forward had them: each GQA member's launch reads its
+    query heads' slopes; bottom-right distances with Sq != Sk both ways."""
+    q, k, v = rand(2, hq, sq, d), rand(2, hkv, sk, d), rand(2, hkv, sk, d)
+    check_backward(q, k, v, d ** -0.5, causal, alibi_for(2, hq, per_batch))
 
 
 @pytest.mark.parametrize("hq,hkv", [(8, 2), (8, 1), (6, 3)])

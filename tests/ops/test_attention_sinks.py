@@ -323,13 +323,13 @@ def test_hopper_plans_on_stand_ins(path, force_backend, monkeypatch):
     from torch_flash.reference import attention as ref
     force_triton_kernels(force_backend)  # skips without the interpreter
 
-    def bwd(grad_out, q, k, v, out, lse, scale, causal):
+    def bwd(grad_out, q, k, v, out, lse, scale, causal, alibi=None):
         return attention_bwd(grad_out, None, q, k, v, None, out, lse, scale=scale, causal=causal, window_left=-1,
                              window_right=-1, softcap=0.0, dropout_p=0.0, dropout_seed=None,
-                             bias_requires_grad=False)[:3]
-    monkeypatch.setattr(torch.ops.flash, "attention_fwd_sm90", lambda q, k, v, scale, causal, sinks: tuple(
+                             bias_requires_grad=False, alibi_slopes=alibi)[:3]
+    monkeypatch.setattr(torch.ops.flash, "attention_fwd_sm90", lambda q, k, v, scale, causal, sinks, alibi: tuple(
         t.float() if t.dim() == 3 else t
-        for t in ref.attention_with_lse(q, k, v, scale=scale, causal=causal, sinks=sinks)))
+        for t in ref.attention_with_lse(q, k, v, scale=scale, causal=causal, sinks=sinks, alibi_slopes=alibi)))
     monkeypatch.setattr(torch.ops.flash, "attention_bwd_sm90", bwd)
     monkeypatch.setattr(torch_flash._dispatch, "available", lambda device_type: frozenset(
         {"reference", "triton", "cuda"}))

@@ -174,15 +174,15 @@ def check_sm90_args(op: str, q, k, v, causal: bool) -> None:
 
 def _sm90_serves(q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: ref.Spec) -> bool:
     """Whether the Hopper kernel of csrc/attention (flash.attention_fwd_sm90) serves this call:
-    built for this head dim, an sm_90 GPU, within the op's contract, no bias/ALiBi/window/
-    softcap/dropout, and the layout its TMA descriptors need (16-byte aligned, strides within 32
-    bits). It takes sinks (in its epilogue)."""
+    built for this head dim, an sm_90 GPU, within the op's contract, no bias/window/softcap/
+    dropout, and the layout its TMA descriptors need (16-byte aligned, strides within 32 bits).
+    It takes sinks (in its epilogue) and ALiBi (in its softmax)."""
     info = _extension.build_info()
     if (info is None or "flash::attention_fwd_sm90" not in info["ops"] or q.device.type != "cuda"
             or torch.cuda.get_device_capability(q.device) != (9, 0)):
         return False
     if (q.shape[-1] not in info["hdims"] or sm90_unsupported(q, k, v, spec.causal) is not None
-            or attn_bias is not None or spec.alibi_slopes is not None
+            or attn_bias is not None
             or spec.dropout_p > 0 or spec.softcap > 0 or spec.window_left >= 0 or spec.window_right >= 0):
         return False
     group = q.shape[1] // k.shape[1]
@@ -234,7 +234,7 @@ class _Sm90Plan:
         self.scale, self.causal = spec.scale, spec.causal
 
     def __call__(self, q, k, v, attn_bias, cu_q, cu_k, dropout_seed, alibi_slopes, sinks):
-        return torch.ops.flash.attention_fwd_sm90(q, k, v, self.scale, self.causal, sinks)
+        return torch.ops.flash.attention_fwd_sm90(q, k, v, self.scale, self.causal, sinks, alibi_slopes)
 
 
 # signature -> _Sm90Plan, the Triton kernels' AttentionFwd, or None (the reference path)
@@ -391,7 +391,8 @@ class _Sm90BwdPlan:
 
     def __call__(self, grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, dropout_seed, alibi_slopes,
                  sinks):
-        grads = torch.ops.flash.attention_bwd_sm90(grad_out, q, k, v, out, lse, self.scale, self.causal)
+        grads = torch.ops.flash.attention_bwd_sm90(grad_out, q, k, v, out, lse, self.scale, self.causal,
+                                                   alibi_slopes)
         # dq and dk come in q's and k's layout; dv in k's, copied where v's differs; no bias
         return (*(ref.in_layout(g, t) for g, t in zip(grads, (q, k, v))), None, _sinks_grad(grad_out, out, lse, sinks))
 
@@ -471,15 +472,18 @@ def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
 
 @torch.library.custom_op("flash::attention_fwd_sm90", mutates_args=())
 def _attention_fwd_sm90(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
-                        sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                        sinks: Optional[Tensor] = None,
+                        alibi_slopes: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(out, lse) of flash.attention_with_lse for the calls the Hopper kernel serves (see
-    check_sm90_args), with attention sinks (Hq,) or none. torch_flash._C registers that kernel
-    for CUDA tensors (the sinks applied in its epilogue); this body, the reference, runs
-    elsewhere (CPU tensors, or no extension). No autograd of its own: it is the forward inside
-    flash.attention's, whose backward reads its lse."""
+    check_sm90_args), with attention sinks (Hq,) or none and ALiBi slopes fp32 (Hq,) or (B, Hq)
+    or none. torch_flash._C registers that kernel for CUDA tensors (the sinks applied in its
+    epilogue, ALiBi in its softmax); this body, the reference, runs elsewhere (CPU tensors, or
+    no extension). No autograd of its own: it is the forward inside flash.attention's, whose
+    backward reads its lse."""
     check_sm90_args("attention_fwd_sm90", q, k, v, causal)
     check_sinks("attention_fwd_sm90", sinks, q)
-    return ref.forward(q, k, v, None, ref.Spec(scale, causal, sinks=sinks))
+    check_alibi("attention_fwd_sm90", alibi_slopes, q, q.shape[0])
+    return ref.forward(q, k, v, None, ref.Spec(scale, causal, alibi_slopes=alibi_slopes, sinks=sinks))
 
 
 def check_sm90_bwd_args(op: str, grad_out, q, k, v, out, lse, causal: bool) -> None:
@@ -489,12 +493,14 @@ def check_sm90_bwd_args(op: str, grad_out, q, k, v, out, lse, causal: bool) -> N
 
 @torch.library.custom_op("flash::attention_bwd_sm90", mutates_args=())
 def _attention_bwd_sm90(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                        scale: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+                        scale: float, causal: bool,
+                        alibi_slopes: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of flash.attention_backward for the calls the Hopper backward serves (see
-    _sm90_bwd_serves), contiguous. torch_flash._C registers that kernel for CUDA tensors; this
-    body, the reference, runs elsewhere."""
+    _sm90_bwd_serves), with the forward's ALiBi slopes or none. torch_flash._C registers that
+    kernel for CUDA tensors; this body, the reference, runs elsewhere."""
     check_sm90_bwd_args("attention_bwd_sm90", grad_out, q, k, v, out, lse, causal)
-    return ref.attention_bwd_sm90(grad_out, q, k, v, out, lse, scale, causal)
+    check_alibi("attention_bwd_sm90", alibi_slopes, q, q.shape[0])
+    return ref.attention_bwd_sm90(grad_out, q, k, v, out, lse, scale, causal, alibi_slopes)
 
 
 def ref_sinks_grad(sinks, out, grad_out, lse, grad_lse, like: Tensor) -> Tensor:

@@ -254,16 +254,17 @@ def attention(q, k, v, attn_bias=None, **kwargs):
     return attention_with_lse(q, k, v, attn_bias, **kwargs)[0]
 
 
-def attention_fwd_sm90(q, k, v, scale, causal, sinks=None):
+def attention_fwd_sm90(q, k, v, scale, causal, sinks=None, alibi_slopes=None):
     """flash.attention_fwd_sm90 by the formula: (out, lse) of `attention_with_lse` (the op
     takes causal only with Sq <= Sk)."""
-    return attention_with_lse(q, k, v, scale=scale, causal=causal, sinks=sinks)
+    return attention_with_lse(q, k, v, scale=scale, causal=causal, sinks=sinks, alibi_slopes=alibi_slopes)
 
 
-def attention_bwd_sm90(grad_out, q, k, v, out, lse, scale, causal):
+def attention_bwd_sm90(grad_out, q, k, v, out, lse, scale, causal, alibi_slopes=None):
     """flash.attention_bwd_sm90 by the formula: (dq, dk, dv) of `attention_with_lse`'s backward
     without an lse gradient, laid out as the kernel writes them: dq like q, dk and dv like k."""
-    dq, dk, dv, _ = backward(grad_out, None, q, k, v, None, out, lse, Spec(scale, causal), False)
+    spec = Spec(scale, causal, alibi_slopes=alibi_slopes)
+    dq, dk, dv, _ = backward(grad_out, None, q, k, v, None, out, lse, spec, False)
     return in_layout(dq, q), in_layout(dk, k), in_layout(dv, k)
 
 

@@ -93,8 +93,8 @@ def _samples_bwd():
 
 def _samples_fwd_sm90():
     """The Hopper kernel's cases (on CPU the op's reference body runs): GQA with sinks,
-    transposed layouts, causal, Sk not a multiple of the key tile; CUDA tensors too where there
-    is a GPU."""
+    transposed layouts, causal, Sk not a multiple of the key tile, ALiBi slopes (Hq,) and
+    (B, Hq); CUDA tensors too where there is a GPU."""
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for device, (dtype, hq, hkv, sq, sk, d, causal, bshd) in itertools.product(devices, (
             (torch.bfloat16, 2, 2, 8, 24, 64, False, False),
@@ -105,13 +105,17 @@ def _samples_fwd_sm90():
         q, k, v = (t.to(device) for t in qkv)
         # sinks on the GQA cases (each group member's launch reads its own heads' sinks)
         yield (q, k, v, 0.3, causal), (dict(sinks=torch.randn(hq, device=device) * 3) if hq != hkv else {})
+        # ALiBi: (B, Hq) slopes where the heads group, (Hq,) where they do not
+        slopes = torch.rand(2, hq, device=device) if hq != hkv else torch.rand(hq, device=device)
+        yield (q, k, v, 0.3, causal), dict(alibi_slopes=slopes * 0.5)
 
 
 def _samples_bwd_sm90():
-    """The Hopper backward's cases: its forward's, with the forward's out and lse."""
-    for (q, k, v, scale, causal), _ in _samples_fwd_sm90():
-        out, lse = torch.ops.flash.attention_fwd_sm90(q, k, v, scale, causal)
-        yield (torch.randn_like(out), q, k, v, out, lse, scale, causal), {}
+    """The Hopper backward's cases: its forward's, with the forward's out and lse (ALiBi too)."""
+    for (q, k, v, scale, causal), kw in _samples_fwd_sm90():
+        slopes = kw.get("alibi_slopes")
+        out, lse = torch.ops.flash.attention_fwd_sm90(q, k, v, scale, causal, None, slopes)
+        yield (torch.randn_like(out), q, k, v, out, lse, scale, causal), ({} if slopes is None else kw)
 
 
 OPCHECK_SAMPLES = {
