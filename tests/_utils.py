@@ -102,26 +102,3 @@ def force_triton_kernels(force_backend) -> None:
     if not torch.cuda.is_available() and not kernels._INTERPRET:
         pytest.skip("the Triton kernels were imported before TRITON_INTERPRET=1 was set")
     force_backend("triton")
-
-
-def hopper_dispatch_check(force_backend, monkeypatch, **extra) -> None:
-    """A call that the Hopper kernels (forward, and cuDNN's backward by default) serve goes to Triton
-    with `extra` (ALiBi or sinks, which they lack), and forcing the CUDA extension raises."""
-    import torch_flash
-    from torch_flash.ops.attention import attention
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Hopper forward and cuDNN's backward serve sm_90 only")
-    monkeypatch.setenv("TORCH_FLASH_CUDNN_BACKWARD", "1")
-    q, k, v = (torch.randn(2, 4, 1024, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
-    last = torch_flash._dispatch.LAST
-    attention(q, k, v).sum().backward()
-    assert last["attention_backward"] == "cudnn"
-    info = torch_flash._extension.build_info()
-    plain_fwd = "cuda" if info and "flash::attention_fwd_sm90" in info["ops"] and 128 in info["hdims"] else "triton"
-    assert last["attention_with_lse"] == plain_fwd
-    attention(q, k, v, **extra).sum().backward()
-    assert last["attention_with_lse"] == "triton" and last["attention_backward"] == "triton"
-    force_backend("cuda")
-    with pytest.raises(RuntimeError, match="backend 'cuda' forced"):
-        attention(q, k, v, **extra)
