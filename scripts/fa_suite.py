@@ -4,9 +4,12 @@ function.
 The test files come from a FlashAttention checkout the developer fetched (never committed here):
 
     git clone --depth 1 https://github.com/Dao-AILab/flash-attention /tmp/fa
-    python scripts/fa_suite.py /tmp/fa/tests/test_flash_attn.py /tmp/fa/tests/test_rotary.py \\
-        /tmp/fa/tests/ops/triton/test_layer_norm.py /tmp/fa/tests/losses/test_cross_entropy.py \\
-        --values 2 --sample 500 --summary fa_suite.md -- -x
+    TORCH_FLASH_AUTOTUNE=0 python scripts/fa_suite.py /tmp/fa/tests/test_flash_attn.py \\
+        /tmp/fa/tests/test_rotary.py /tmp/fa/tests/ops/triton/test_layer_norm.py \\
+        /tmp/fa/tests/losses/test_cross_entropy.py --values 2 --sample 500 --summary fa_suite.md -- -x
+
+TORCH_FLASH_AUTOTUNE=0 keeps the Triton attention kernels from autotuning afresh for the shapes
+of nearly every test.
 
 `import flash_attn` in them resolves to torch_flash.testing.fa_shim (torch_flash.compat under
 FlashAttention's module names); the real flash_attn must not be importable first. --values N
