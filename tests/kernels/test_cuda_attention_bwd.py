@@ -146,11 +146,12 @@ def test_deterministic_mode_is_bitwise_reproducible(sq, sk, hq, hkv, causal):
             assert rel_err(g, r) <= 1.05 * rel_err(g_default, r) + 1e-5, f"d={d} d{name}"
 
 
-@pytest.mark.parametrize("s", [2048, 1024])
-def test_flash_attention_backward_dispatch(s):
+@pytest.mark.parametrize("s,causal", [(2048, True), (1024, True), (1024, False)])
+def test_flash_attention_backward_dispatch(s, causal):
     """flash.attention's backward runs this kernel on request (use_backend("cuda"), in either
-    mode), cuDNN's by default where it serves (causal from CUDNN_CAUSAL_MIN_SEQLEN keys), else
-    this kernel for the head dims of SM90_BWD_DEFAULT_HDIMS, else Triton's; Triton's under
+    mode); by default without a causal mask first for SM90_BWD_BEFORE_CUDNN_HDIMS, else cuDNN's
+    where it serves (causal from CUDNN_CAUSAL_MIN_SEQLEN keys), else this kernel for the head
+    dims of SM90_BWD_DEFAULT_HDIMS, else Triton's; Triton's under
     torch.use_deterministic_algorithms(True). The gradients agree with float64 every way."""
     from torch_flash.ops import attention as attention_ops
     assert attention_ops.CUDNN_CAUSAL_MIN_SEQLEN == 2048
@@ -158,14 +159,17 @@ def test_flash_attention_backward_dispatch(s):
     for d in HDIMS:
         q, k, v = (rand(1, 4, s, d) for _ in range(3))
         dout = torch.randn(1, 4, s, d, dtype=q.dtype, device="cuda")
-        expected = reference_grads(q, k, v, dout, d ** -0.5, True)
+        expected = reference_grads(q, k, v, dout, d ** -0.5, causal)
 
         def grads():
             leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-            out = torch_flash.attention(*leaves, causal=True)
+            out = torch_flash.attention(*leaves, causal=causal)
             return torch.autograd.grad(out, leaves, dout)
 
-        default = "cudnn" if s >= 2048 else unserved[d]
+        if not causal:
+            default = "cuda" if d in attention_ops.SM90_BWD_BEFORE_CUDNN_HDIMS else "cudnn"
+        else:
+            default = "cudnn" if s >= 2048 else unserved[d]
         for forced, deterministic, path in (("cuda", False, "cuda"), ("cuda", True, "cuda"),
                                             (None, False, default), (None, True, "triton")):
             torch.use_deterministic_algorithms(deterministic)

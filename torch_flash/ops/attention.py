@@ -198,13 +198,17 @@ def _sm90_serves(q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: ref.Spec) -> 
 # 1.13x-1.39x the Triton backward, at D=64 0.96x-1.03x (H200, 2026-11-28, bench attention:
 # docs/results/attention/2026-11-28_h200.json, columns cuda-sm90 and triton-det).
 SM90_BWD_DEFAULT_HDIMS = (128,)
+# Head dims whose Hopper backward goes before cuDNN's without a causal mask: through the op at
+# D=128 it ran 1.04x / 1.03x cuDNN's at 4k / 16k tokens, even at 1k (H200, 2026-11-28, same
+# JSON, columns cuda-sm90 and flash-op). Causal, cuDNN's stays first (0.99x-1.06x ours).
+SM90_BWD_BEFORE_CUDNN_HDIMS = (128,)
 
 
 def _sm90_bwd_serves(grad_lse, q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: ref.Spec) -> bool:
     """Whether the Hopper backward of csrc/attention (flash.attention_bwd_sm90) serves this call:
     where the forward's kernel would (_sm90_serves), for a head dim it has (backward_hdims), no
-    lse gradient; unforced only for SM90_BWD_DEFAULT_HDIMS and outside deterministic mode (it
-    runs after cuDNN's backward, which is faster where it serves). Under
+    lse gradient; unforced only for SM90_BWD_DEFAULT_HDIMS and outside deterministic mode (causal or
+    at other head dims it runs after cuDNN's backward, faster there). Under
     torch.use_deterministic_algorithms(True) the kernel adds dq in key-block order, bitwise
     reproducible, on request (use_backend("cuda"))."""
     forced = _dispatch.forced_backend()
@@ -429,7 +433,8 @@ def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
     includes them; the Triton backward computes it in its delta pass). The ALiBi slopes get no
     gradient.
     cuDNN's backward where it serves (cudnn_backward_serves), else the Hopper kernel where it
-    serves (_sm90_bwd_serves: D=128 unforced), else the Triton kernels. cuDNN sums dq with atomic
+    serves (_sm90_bwd_serves: D=128 unforced), else the Triton kernels; without a causal mask
+    the Hopper kernel goes first for SM90_BWD_BEFORE_CUDNN_HDIMS. cuDNN sums dq with atomic
     adds, not bitwise reproducible, so torch.use_deterministic_algorithms(True) turns it off;
     the Hopper kernel then adds dq in a fixed order, and the Triton path computes dq in its own
     pass."""
@@ -438,7 +443,9 @@ def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
                             dropout_p, dropout_seed, window_left, window_right, alibi_slopes, sinks)
         spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed,
                        alibi_slopes, sinks)
-        if cudnn_backward_serves(grad_lse, q, k, v, attn_bias, spec):
+        sm90_first = (not spec.causal and q.shape[-1] in SM90_BWD_BEFORE_CUDNN_HDIMS
+                      and _sm90_bwd_serves(grad_lse, q, k, v, attn_bias, spec))
+        if not sm90_first and cudnn_backward_serves(grad_lse, q, k, v, attn_bias, spec):
             _dispatch.LAST["attention_backward"] = "cudnn"
             return _CUDNN
         backend = _dispatch.select("attention_backward", q,
