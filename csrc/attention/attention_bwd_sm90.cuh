@@ -83,6 +83,8 @@ struct CausalBottomRightBwd : NoMaskBwd {
   template <class AccQK, class IndexQK, class ProblemSize>
   CUTLASS_DEVICE void before_softmax(AccQK& acc, IndexQK const& index, ProblemSize const& problem) {
     const int off = get<3>(problem) - get<2>(problem);
+    // all of the thread's keys within its first query row's: nothing to mask
+    if (get<0>(greatest(index)) <= get<1>(least(index)) + off) return;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(acc); i++) {
       auto pos = index(i);

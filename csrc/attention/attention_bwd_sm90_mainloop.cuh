@@ -373,8 +373,11 @@ struct BwdMainloop
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_DP);
       Tensor acc_DS = make_fragment_like<Element>(acc_DP);
+      // dS = P scale (dP - odo) as P fma(dP, scale, -scale odo): one FFMA and one FMUL a score
+      // (-scale odo is the row's, shared by its keys) instead of an FADD and two FMULs.
+      const float scale = params.scale_softmax;
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(acc_DS); i++) acc_DS(i) = Element(acc_P(i) * params.scale_softmax * (acc_DP(i) - odo(i)));
+      for (int i = 0; i < size(acc_DS); i++) acc_DS(i) = Element(acc_P(i) * fmaf(acc_DP(i), scale, -scale * odo(i)));
 
       auto op_P = cutlass::fmha::collective::make_acc_into_op<Element>(acc_P, typename TiledMmaND::LayoutA_TV{});
       warpgroup_fence_operand(acc_DV);

@@ -36,6 +36,19 @@ struct MainloopWithScale : Base {
   }
 };
 
+// A thread's (row, column) index pairs of an accumulator tile, as the mainloops' identity tensors
+// partition them, rise in both coordinates (GMMA's C layout steps column + 1, row + 8, column + 8,
+// then the next atom): the first pair holds the thread's least row and column, the last its
+// greatest. A mask can then skip the threads it leaves whole.
+template <class Index>
+CUTLASS_DEVICE auto least(Index const& index) {
+  return index(0);
+}
+template <class Index>
+CUTLASS_DEVICE auto greatest(Index const& index) {
+  return index(cute::size(index) - 1);
+}
+
 // The problem shape that the mainloop's compute() passes on to the fusion, with the ALiBi bias
 // of one key step for the tile's (batch, head): -slope / scale, the scores being scaled after
 // the fusion (88_hopper_fmha hands before_softmax the problem shape, not the tile's head).
@@ -45,7 +58,7 @@ struct AlibiProblem : ProblemShape {
 };
 
 // ALiBi on a mask: scores - slope * |i + Sk - Sq - j|, FlashAttention's distance to the
-// bottom-right diagonal. Forward (ResidualFusion, CausalBottomRight): on every key tile, all
+// bottom-right diagonal. Forward (Residual, CausalBottomRight): on every key tile, all
 // trips counting as masked (the mainloop skips the fusion on unmasked ones), index pairs
 // (query, key). Backward (NoMaskBwd, CausalBottomRightBwd; kKeyFirst): pairs (key, query).
 template <class Mask, bool kKeyFirst = false>
