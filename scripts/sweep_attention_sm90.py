@@ -65,7 +65,7 @@ class Variant(NamedTuple):
     tile: tuple[int, int]  # (query rows, keys) per step
     schedule: str  # sm90 Schedule, or one of SOURCE's
     options: tuple[str, ...] = ()  # 88_hopper_fmha Option<...>
-    fusion: str = ""  # the mask; default the extension's (sm90::CausalBottomRight or ResidualFusion)
+    fusion: str = ""  # the mask; default the extension's (sm90::CausalBottomRight or sm90::Residual)
 
 
 VARIANTS = [Variant(*v) for v in [
@@ -209,7 +209,7 @@ def compile_all(variants, workdir: str, jobs: int) -> dict[str, str]:
 
     def one(v):
         name, d, (m, n) = v.name, v.d, v.tile
-        fusion = v.fusion or ("CausalBottomRight" if v.causal else "cutlass::fmha::collective::ResidualFusion")
+        fusion = v.fusion or ("CausalBottomRight" if v.causal else "Residual")
         src = os.path.join(workdir, f"d{d}-{name}.cu")
         with open(src, "w") as f:
             f.write(SOURCE.format(fusion=fusion, tile=T.format(m, n, d), schedule=v.schedule,

@@ -2,7 +2,8 @@
 // nvidia-cutlass package: TMA loads of Q/K/V tiles, wgmma from shared memory, a producer
 // warpgroup and two consumer warpgroups with register reallocation, softmax of one tile
 // overlapped with the other warpgroup's matmuls), instantiated for torch-flash's layouts,
-// with the softmax scale as an argument and a launch that follows the caller's stream; the
+// with the softmax scale as an argument, the output rescaled only when a row's maximum climbs
+// far (attention_fwd_sm90_softmax.cuh), and a launch that follows the caller's stream; the
 // causal mask aligned bottom-right (CausalBottomRight), ALiBi from the slopes (Alibi,
 // MainloopWithAlibi), causal tiles in equal pairs
 // (PairedTileScheduler) with a partial tile's rows run first (causal_rows), and without a mask
@@ -24,6 +25,7 @@
 #include "88_hopper_fmha/kernel/fmha_kernel_builder.hpp"
 
 #include "attention/attention_fwd_sm90.h"
+#include "attention/attention_fwd_sm90_softmax.cuh"
 #include "attention/attention_sm90.cuh"
 
 namespace torch_flash::sm90 {
@@ -72,11 +74,37 @@ struct CausalBottomRight : cutlass::fmha::collective::DefaultFusion {
   template <class AccQK, class IndexQK, class ProblemSize>
   CUTLASS_DEVICE void before_softmax(AccQK& acc_qk, IndexQK const& index_qk, ProblemSize const& problem_size) {
     const int off = offset(problem_size);
+    // all of the thread's keys within its first row's: nothing to mask (keys past Sk lie beyond)
+    if (get<1>(greatest(index_qk)) <= get<0>(least(index_qk)) + off) return;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(acc_qk); i++) {
       auto pos = index_qk(i);
       if (get<0>(pos) + off < get<1>(pos)) acc_qk(i) = -INFINITY;
     }
+  }
+};
+
+// Without a mask: the keys past Sk masked on the last key step, as CUTLASS's ResidualFusion,
+// but no masked step where Sk is a multiple of the key tile, and only in the threads that hold
+// such keys.
+struct Residual : cutlass::fmha::collective::ResidualFusion {
+  template <class BlkCoord, class TileShape, class ProblemSize>
+  CUTLASS_DEVICE int get_masked_trip_count(BlkCoord const&, TileShape const& tile_shape,
+                                           ProblemSize const& problem_size) {
+    return get<3>(problem_size) % int(get<1>(tile_shape)) != 0;
+  }
+
+  template <class BlkCoord, class TileShape, class ProblemSize>
+  CUTLASS_DEVICE int get_unmasked_trip_count(BlkCoord const& blk_coord, TileShape const& tile_shape,
+                                             ProblemSize const& problem_size) {
+    return get_trip_count(blk_coord, tile_shape, problem_size) -
+           get_masked_trip_count(blk_coord, tile_shape, problem_size);
+  }
+
+  template <class AccQK, class IndexQK, class ProblemSize>
+  CUTLASS_DEVICE void before_softmax(AccQK& acc_qk, IndexQK const& index_qk, ProblemSize const& problem_size) {
+    if (get<1>(greatest(index_qk)) < get<3>(problem_size)) return;
+    ResidualFusion::before_softmax(acc_qk, index_qk, problem_size);
   }
 };
 
@@ -435,22 +463,21 @@ void launch(const AttentionFwdSm90Params& p, cudaStream_t stream) {
   }
 }
 
-// Every dtype x mask variant of one head dim: without a mask (ResidualFusion masks the keys
-// past Sk in the last key tile, and only there) and with the causal mask, one configuration
-// for short and one for long key sequences each (the same type builds once); each with ALiBi.
+// Every dtype x mask variant of one head dim: without a mask (Residual) and with the causal
+// mask, one configuration for short and one for long key sequences each (the same type builds
+// once); each with ALiBi.
 template <class Element, class FullConfig, class LongFullConfig, class CausalConfig, class LongCausalConfig>
 void dispatch_mask(const AttentionFwdSm90Params& p, cudaStream_t stream) {
-  using cutlass::fmha::collective::ResidualFusion;
   if (p.alibi_slopes != nullptr) {  // one configuration a mask: the long sequences ALiBi is for
     if (p.causal) launch<Element, Alibi<CausalBottomRight>, LongCausalConfig>(p, stream);
-    else launch<Element, Alibi<ResidualFusion>, LongFullConfig>(p, stream);
+    else launch<Element, Alibi<Residual>, LongFullConfig>(p, stream);
     return;
   }
   const bool long_keys = p.seqlen_k >= kLongKeys;
   if (p.causal && long_keys) launch<Element, CausalBottomRight, LongCausalConfig>(p, stream);
   else if (p.causal) launch<Element, CausalBottomRight, CausalConfig>(p, stream);
-  else if (long_keys) launch<Element, ResidualFusion, LongFullConfig>(p, stream);
-  else launch<Element, ResidualFusion, FullConfig>(p, stream);
+  else if (long_keys) launch<Element, Residual, LongFullConfig>(p, stream);
+  else launch<Element, Residual, FullConfig>(p, stream);
 }
 
 template <class... Configs>  // FullConfig, LongFullConfig, CausalConfig, LongCausalConfig

@@ -104,6 +104,28 @@ def test_causal_bottom_right(sq, sk):
         check_forward(q, k, v, d ** -0.5, True)
 
 
+@pytest.mark.parametrize("sk,causal", [(2048, False), (1000, False), (2048, True)])
+def test_rows_whose_maximum_climbs(sk, causal):
+    """Scores that climb along the keys, by steps below and above the softmax's rescaling
+    threshold (2^8 in exp2 units: attention_fwd_sm90_softmax.cuh), within and across key tiles,
+    in rows that climb at different rates or fall: every row's output and lse still match."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for d in HDIMS:
+        u = torch.nn.functional.normalize(torch.randn(d, device="cuda", generator=g), dim=0)
+        # key j's score in a row of unit rate: a ramp with jumps of 1 to 40 (log2 units x 0.69)
+        steps = torch.rand(sk, device="cuda", generator=g) * 0.02
+        steps[torch.randint(0, sk, (12,), device="cuda", generator=g)] = torch.tensor(
+            [1., 3., 5., 6., 7., 9., 12., 20., 40., 2., 4., 8.], device="cuda")
+        climb = steps.cumsum(0)
+        climb = climb - climb.max() + 12  # the highest scores near 12
+        rate = torch.rand(2, 4, sk, 1, device="cuda", generator=g) * 1.5 - 0.3  # some rows fall
+        noise = lambda *shape: torch.randn(*shape, device="cuda", generator=g) * 0.3
+        q = (rate * u * d ** 0.5 + noise(2, 4, sk, d)).bfloat16()
+        k = (climb[:, None] * u + noise(2, 4, sk, d)).bfloat16()
+        v = torch.randn(2, 4, sk, d, device="cuda", generator=g).bfloat16()
+        check_forward(q, k, v, d ** -0.5, causal)
+
+
 def cutlass_launches(fn) -> int:
     """How many CUTLASS kernels fn launches (torch.profiler's CUDA activity)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
