@@ -5,7 +5,8 @@
 # BUILD=1, torch_flash._C (FLASH_HDIMS, default 64,128; the built .so also left gzipped in $OUT
 # for later calls to carry); report the environment; run the GPU tests, the demo and the
 # benchmarks; leave logs and JSON in $OUT.
-# Usage: scripts/gpu_session.sh [suite[:seconds] ...]   (seconds: that suite's time limit)
+# Usage: scripts/gpu_session.sh [suite[:seconds] ...]   (seconds: that suite's time limit;
+# BENCH_ARGS: more options for every suite, e.g. "--configs fa4,cuda-sm90,flash-op,sdpa-cudnn,triton-det")
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/site
@@ -35,5 +36,5 @@ if [ -n "${GPU_TESTS:-1}" ] && [ "${GPU_TESTS:-1}" != 0 ]; then
 fi
 for spec in "$@"; do
   suite=${spec%%:*}; limit=${spec#*:}; [ "$limit" = "$spec" ] && limit=${BENCH_TIMEOUT:-240}
-  timeout "$limit" python3 -m torch_flash.bench "$suite" --out "$OUT" 2>&1 | tee "$OUT/bench_$suite.txt"
+  timeout "$limit" python3 -m torch_flash.bench "$suite" --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_$suite.txt"
 done

@@ -161,7 +161,18 @@ def test_norm_ops_pick(tmp_path, capsys):
         norm._pick_ops("rmsnorm")
     with pytest.raises(SystemExit):
         main(["rotary", "--configs", "rms_norm", "--out", str(tmp_path)])
-    assert "--configs is for the train and norm suites" in capsys.readouterr().err
+    assert "--configs is for the train, norm and attention suites" in capsys.readouterr().err
+
+
+def test_attention_impls_pick():
+    """--configs names the attention suite's implementations (the curated table's five fit a GPU
+    call with FlashAttention 4's compilation); an unknown one is refused with the known names."""
+    from torch_flash.bench import attention
+    from torch_flash.bench._common import pick
+    assert set(attention.IMPLS) >= {"fa4", "cuda-sm90", "flash-op", "sdpa-cudnn", "triton-det"}
+    assert pick("attention", "fa4, flash-op", attention.IMPLS, "implementation") == ["fa4", "flash-op"]
+    with pytest.raises(SystemExit, match="known: triton, triton-det, cuda-sm90"):
+        pick("attention", "fa3", attention.IMPLS, "implementation")
 
 
 def test_suites_refuse_cpu_without_the_interpreter(monkeypatch, capsys):

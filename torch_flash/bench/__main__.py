@@ -41,7 +41,8 @@ def parser() -> argparse.ArgumentParser:
                         "8192 x 4096 x 128256; each alone, in more rounds (SUITE_targets.json)")
     p.add_argument("--contexts", help="train: tokens a sequence, comma-separated (default: 4096,16384)")
     p.add_argument("--configs", help="train: configurations (see bench/train.py); norm: ops (rms_norm, "
-                                     "layer_norm, add_rms_norm, add_layer_norm); comma-separated, default all")
+                                     "layer_norm, add_rms_norm, add_layer_norm); attention: implementations "
+                                     "(bench/attention.py IMPLS); comma-separated, default all")
     p.add_argument("--steps", type=int, help="train: timed steps a configuration (default: 10)")
     return p
 
@@ -80,8 +81,8 @@ def main(argv=None) -> None:
         p.error("--targets is for the attention and linear_cross_entropy suites")
     if args.suite != "train" and (args.contexts or args.steps):
         p.error("--contexts and --steps are for the train suite")
-    if args.suite not in ("train", "norm") and args.configs:
-        p.error("--configs is for the train and norm suites")
+    if args.suite not in ("train", "norm", "attention") and args.configs:
+        p.error("--configs is for the train, norm and attention suites")
     if args.suite == "plot":
         if not args.files:
             p.error("plot: name one or more JSON files written by the bench")

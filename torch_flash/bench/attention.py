@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from .. import _extension
-from ._common import median_or_none, median_ratio, report_unavailable, time_rounds
+from ._common import median_or_none, median_ratio, pick, report_unavailable, time_rounds
 
 TOKENS, HIDDEN = 32 * 1024, 2048
 HEAD_DIMS, SEQLENS = (64, 128), (1024, 4096, 16384)
@@ -92,7 +92,11 @@ def _deterministic(fn: Callable, *args):
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
-def _time_point(d: int, s: int, b: int, causal: bool) -> list[dict]:
+# every implementation the bench knows (--configs picks some)
+IMPLS = ("triton", "triton-det", "cuda-sm90", "cuda-sm90-det", "fa4", *AUTOGRAD_IMPLS)
+
+
+def _time_point(d: int, s: int, b: int, causal: bool, impls: frozenset = frozenset(IMPLS)) -> list[dict]:
     from torch_flash.kernels.triton import attention as tk, attention_backward as tkb
     h = HIDDEN // d
     q, k, v = _qkv(d, s, b)
@@ -109,14 +113,17 @@ def _time_point(d: int, s: int, b: int, causal: bool) -> list[dict]:
                 dout, q, k, v, o, l, d ** -0.5, causal)
             fns["cuda-sm90-det", "bwd"] = lambda o=o, l=l: _deterministic(
                 torch.ops.flash.attention_bwd_sm90, dout, q, k, v, o, l, d ** -0.5, causal)
-    out, lse = tk.attention_fwd(q, k, v, None, **flags)
-    for impl, det in (("triton", False), ("triton-det", True)):
-        fns[impl, "bwd"] = lambda det=det: tkb.attention_bwd(
-            dout, None, q, k, v, None, out, lse, **flags, bias_requires_grad=False, deterministic=det)
+    if impls & {"triton", "triton-det"}:
+        out, lse = tk.attention_fwd(q, k, v, None, **flags)
+        for impl, det in (("triton", False), ("triton-det", True)):
+            fns[impl, "bwd"] = lambda det=det: tkb.attention_bwd(
+                dout, None, q, k, v, None, out, lse, **flags, bias_requires_grad=False, deterministic=det)
 
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    fa4 = _fa4()
+    fa4 = _fa4() if "fa4" in impls else None
     for impl, fn in {**({"fa4": fa4} if fa4 else {}), **AUTOGRAD_IMPLS}.items():
+        if impl not in impls:
+            continue
         fns[impl, "fwd"] = lambda fn=fn: fn(q, k, v, causal)
         try:
             o = fn(*leaves, causal)
@@ -124,6 +131,7 @@ def _time_point(d: int, s: int, b: int, causal: bool) -> list[dict]:
             report_unavailable(impl, e)
             continue
         fns[impl, "bwd"] = lambda o=o: torch.autograd.grad(o, leaves, dout, retain_graph=True)
+    fns = {key: fn for key, fn in fns.items() if key[0] in impls}
     # forwards and backwards interleave apart: a 30 ms backward just before a forward would
     # lower the clocks that forward starts at
     times = {key: t for pass_ in ("fwd", "bwd")
@@ -199,9 +207,10 @@ def run(args) -> list[dict]:
     else:
         points = [(d, s, TOKENS // s, causal) for d in HEAD_DIMS for s in SEQLENS
                   for causal in (False, True)]
+    impls = frozenset(pick("attention", getattr(args, "configs", None), IMPLS, "implementation"))
     rows = []
     for d, s, b, causal in points:
-        rows += _time_point(d, s, b, causal)
+        rows += _time_point(d, s, b, causal, impls)
         torch.cuda.empty_cache()
     return rows
 
