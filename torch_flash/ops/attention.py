@@ -198,9 +198,9 @@ def _sm90_serves(q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: ref.Spec) -> 
 # 1.13x-1.39x the Triton backward, at D=64 0.96x-1.03x (H200, 2026-11-28, bench attention:
 # docs/results/attention/2026-11-28_h200.json, columns cuda-sm90 and triton-det).
 SM90_BWD_DEFAULT_HDIMS = (128,)
-# Head dims whose Hopper backward goes before cuDNN's without a causal mask: through the op at
-# D=128 it ran 1.04x / 1.03x cuDNN's at 4k / 16k tokens, even at 1k (H200, 2026-11-28, same
-# JSON, columns cuda-sm90 and flash-op). Causal, cuDNN's stays first (0.99x-1.06x ours).
+# Head dims whose Hopper backward goes before cuDNN's without a causal mask: at D=128 it ran
+# 1.08x / 1.04x / 1.03x the op's cuDNN path at 1k / 4k / 16k tokens (H200, 2026-11-28, same JSON,
+# columns cuda-sm90 and flash-op); causal, cuDNN's ran 1.00x-1.02x ours and stays first.
 SM90_BWD_BEFORE_CUDNN_HDIMS = (128,)
 
 
