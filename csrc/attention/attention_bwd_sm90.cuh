@@ -154,7 +154,7 @@ void run_bwd(const AttentionBwdSm90Params& p, cudaStream_t stream) {
   using Scaled = typename K::Scaled;
   using Mainloop = typename K::Mainloop;
   const int group = p.heads_q / p.heads_kv;
-  const int sq = p.seqlen_q, d = p.head_dim, q_tiles = ceil_div(sq, kBwdQueryRows);
+  const int sq = p.seqlen_q, d = p.head_dim, q_tiles = ceil_div(sq, int(get<0>(TileShape{})));
   const cute::tuple<int, int, int, int, int> all_heads{p.batch, p.heads_q, sq, p.seqlen_k, d};
   const BwdStrideRow row_stride{p.heads_q * sq, sq, _1{}};  // sum_odo (B, Hq, Sq)
   const BwdStride acc_stride{p.heads_q * sq * d, sq * d, d, _1{}};  // dq_acc (B, Hq, Sq, D)

@@ -12,7 +12,8 @@ namespace torch_flash {
 // group: member g holds the gradients of heads g, g + G, ..., at dkv_member_stride elements
 // from member 0, summed by the caller where G > 1. The workspace: dq_acc (B, Hq, Sq, D) fp32
 // zeroed, sum_odo (B, Hq, Sq) fp32, both contiguous.
-// Query rows of the backward's tiles (every head dim): dQ is reduced one such tile at a time.
+// The fewest query rows of a backward tile (64 or 128 a head dim): dQ is reduced one tile at a
+// time, and dq_semaphore holds a counter for each tile of this many rows.
 constexpr int kBwdQueryRows = 64;
 
 struct AttentionBwdSm90Params {
@@ -27,8 +28,9 @@ struct AttentionBwdSm90Params {
   void* dv;
   float* dq_acc;
   float* sum_odo;
-  // (B, Hq, ceil(Sq / kBwdQueryRows)) int32 zeros: the key blocks add into each dQ tile in a
-  // fixed order (bitwise reproducible dq); null: in any order, by atomic reductions.
+  // (B, Hq, ceil(Sq / kBwdQueryRows)) int32 zeros (enough for any tile): the key blocks add
+  // into each dQ tile in a fixed order (bitwise reproducible dq); null: in any order, by atomic
+  // reductions.
   int* dq_semaphore;
   int batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim;
   int q_batch_stride, q_head_stride, q_row_stride;

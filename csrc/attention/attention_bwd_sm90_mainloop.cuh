@@ -3,18 +3,21 @@
 // 88_hopper_fmha's backward gives each consumer warpgroup half of the CTA's key block: both
 // compute S, dP, dV and dK of their half (four 64 x 64 x D GEMMs a query tile), and the second
 // warpgroup alone computes the query tile's whole dQ = dS K over the block's keys (two more), so
-// it runs six GEMMs to the first's four. Here both warpgroups share the dQ GEMM, five each:
-//   D = 128  each warpgroup computes dQ for half of the head dim over all keys of the block; the
-//            dS halves are exchanged through shared memory as in the example.
-//   D = 64   a half of D (64 bytes) is narrower than a 128-byte swizzle atom, so dQ is split by
-//            keys instead: each warpgroup computes dQ over its own keys from its own dS and K,
-//            the first writes its partial into the reducer's stage and the second adds its own
-//            (a fixed order: deterministic). No dS exchange.
+// it runs six GEMMs to the first's four. Here both warpgroups share the dQ GEMM, five each
+// (DQSplit):
+//   kHeadDim  (D = 128) each warpgroup computes dQ for half of the head dim over all keys of the
+//             block; the dS halves are exchanged through shared memory as in the example.
+//   kRows     (128 query rows a step, D = 64) each computes dQ for half of the rows over all keys,
+//             with the same exchange.
+//   kKeys     (64 rows, D = 64: a half of D, 64 bytes, is narrower than a 128-byte swizzle atom)
+//             each computes dQ over its own keys from its own dS and K; the first writes its
+//             partial into the reducer's stage and the second adds its own (a fixed order:
+//             deterministic). No dS exchange.
 // Named barriers (user ids):
-//   kDsReady         D = 128: both warpgroups' dS of this query tile are in shared memory
-//   kDsFree + w      D = 128: warpgroup w may overwrite its dS: the other one's dQ GEMM has read it
-//   kDsStored + w    D = 64: warpgroup w's dS of this query tile is in shared memory
-//   kDqPartial + s   D = 64: the first warpgroup's partial dQ is in reducer stage s (one barrier
+//   kDsReady         exchange: both warpgroups' dS of this query tile are in shared memory
+//   kDsFree + w      exchange: warpgroup w may overwrite its dS: the other one's dQ GEMM has read it
+//   kDsStored + w    kKeys: warpgroup w's dS of this query tile is in shared memory
+//   kDqPartial + s   kKeys: the first warpgroup's partial dQ is in reducer stage s (one barrier
 //                    a stage: the first may run a tile ahead, never two, as a stage is returned
 //                    only once the second has added into it)
 // The reducer warp returns a dQ stage to the consumers only once its TMA reduction has read it
@@ -52,15 +55,21 @@ struct BwdMainloop
   using typename Base::TileShapeNM;
 
   static constexpr int kHeadDim = get<2>(TileShape{});
+  static constexpr int kQueryRows = get<0>(TileShape{});
   static_assert(Base::NumMmaWarpGroups == 2);
-  static_assert(get<0>(TileShape{}) == kBwdQueryRows);
-  // A GMMA operand slice of half the head dim must span whole 128-byte swizzle atoms; where it
-  // cannot (D = 64), dQ is split by keys instead.
-  static constexpr bool kSplitDQ = kHeadDim / 2 * sizeof(Element) % 128 == 0;
-  static constexpr int kDQCols = kSplitDQ ? kHeadDim / 2 : kHeadDim;
+  static_assert(kQueryRows % kBwdQueryRows == 0);
+  // How the warpgroups share the dQ GEMM (above). A GMMA operand slice of half the head dim must
+  // span whole 128-byte swizzle atoms; half the rows must be a whole GMMA tile (64).
+  enum class DQSplit { kHeadDim, kRows, kKeys };
+  static constexpr DQSplit kSplit = kHeadDim / 2 * sizeof(Element) % 128 == 0 ? DQSplit::kHeadDim
+                                    : kQueryRows == 128                        ? DQSplit::kRows
+                                                                               : DQSplit::kKeys;
+  static constexpr bool kExchangeDS = kSplit != DQSplit::kKeys;  // each reads both warpgroups' dS
+  static constexpr int kDQRows = kSplit == DQSplit::kRows ? kQueryRows / 2 : kQueryRows;
+  static constexpr int kDQCols = kSplit == DQSplit::kHeadDim ? kHeadDim / 2 : kHeadDim;
 
   // (query rows, head-dim columns, keys of one warpgroup): each warpgroup's dQ GEMM per dS half.
-  using TileShapeDQ = Shape<tuple_element_t<0, TileShapeMD>, Int<kDQCols>, tuple_element_t<2, TileShapeMD>>;
+  using TileShapeDQ = Shape<Int<kDQRows>, Int<kDQCols>, tuple_element_t<2, TileShapeMD>>;
   using TiledMmaDQ = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
       Element, cute::tuple<_1, int, cute::tuple<int, int>>, Base::Alignment,
@@ -279,19 +288,23 @@ struct BwdMainloop
     auto thr_nd_ss = TiledMmaND_SS{}.get_thread_slice(thread_idx);
     Tensor tDKrDS = thr_nd_ss.make_fragment_A(thr_nd_ss.partition_A(sDSt));
 
-    // D = 128: dQ[:, this warpgroup's half of D] = dS K, K (D, keys, stage) sliced to the half.
-    // D = 64: dQ partial = dS K over this warpgroup's keys, all of D (the slices are whole).
-    const int dq_part = kSplitDQ ? wg_idx : 0;
+    // kHeadDim: dQ[:, this warpgroup's half of D] = dS K, K (D, keys, stage) sliced to the half.
+    // kRows: dQ[this warpgroup's half of the rows, :] = dS K, dS (rows, keys, wg) sliced to it.
+    // kKeys: dQ partial = dS K over this warpgroup's keys, all of D (the slices are whole).
+    const int dq_row_part = kSplit == DQSplit::kRows ? wg_idx : 0;
+    const int dq_col_part = kSplit == DQSplit::kHeadDim ? wg_idx : 0;
     TiledMmaDQ mma_dq;
     auto thr_dq = mma_dq.get_thread_slice(thread_idx);
-    Tensor tDQrDS = thr_dq.make_fragment_A(thr_dq.partition_A(sDS));
+    Tensor sDSPart = local_tile(sDS, make_shape(Int<kDQRows>{}, size<1>(sDS), size<2>(sDS)),
+                                make_coord(dq_row_part, _0{}, _0{}));
+    Tensor tDQrDS = thr_dq.make_fragment_A(thr_dq.partition_A(sDSPart));
     Tensor sKp = make_tensor(make_smem_ptr(storage.smem_kp.data()), typename Base::SmemLayoutKp{});
     Tensor sKpPart = local_tile(sKp, make_shape(Int<kDQCols>{}, size<1>(sKp), size<2>(sKp)),
-                                make_coord(dq_part, _0{}, _0{}));
+                                make_coord(dq_col_part, _0{}, _0{}));
     Tensor tDQrK = thr_dq.make_fragment_B(thr_dq.partition_B(sKpPart));
     Tensor sDQ = make_tensor(make_smem_ptr(storage.smem_dq.data()), SmemLayoutDQ{});
-    Tensor tDQsDQ = thr_dq.partition_C(local_tile(
-        sDQ, make_shape(size<0>(sDQ), Int<kDQCols>{}, size<2>(sDQ)), make_coord(_0{}, dq_part, _0{})));
+    Tensor tDQsDQ = thr_dq.partition_C(local_tile(sDQ, make_shape(Int<kDQRows>{}, Int<kDQCols>{}, size<2>(sDQ)),
+                                                  make_coord(dq_row_part, dq_col_part, _0{})));
     const int k_stage[2] = {wg_idx == 0 ? read_k.index() : read_k_other.index(),
                             wg_idx == 1 ? read_k.index() : read_k_other.index()};
 
@@ -308,13 +321,14 @@ struct BwdMainloop
     const int key_block = get<1>(wg_coord);
     tScS.data() = tScS.data() + E<0>{} * key_block * get<0>(TileShapeNM{});
 
-    // ds_ready: the dS this warpgroup's GEMMs read is in shared memory (both halves at D = 128).
-    cutlass::arch::NamedBarrier ds_ready(kSplitDQ ? kConsumerThreads : cutlass::NumThreadsPerWarpGroup,
-                                         kSplitDQ ? kDsReady : kDsStored + wg_idx);
+    // ds_ready: the dS this warpgroup's GEMMs read is in shared memory (both halves with the
+    // exchange).
+    cutlass::arch::NamedBarrier ds_ready(kExchangeDS ? kConsumerThreads : cutlass::NumThreadsPerWarpGroup,
+                                         kExchangeDS ? kDsReady : kDsStored + wg_idx);
     cutlass::arch::NamedBarrier my_ds_free(kConsumerThreads, kDsFree + wg_idx);
     cutlass::arch::NamedBarrier other_ds_free(kConsumerThreads, kDsFree + 1 - wg_idx);
     // Nothing of the other's dS read yet; balanced by the sync after the loop.
-    if constexpr (kSplitDQ) other_ds_free.arrive();
+    if constexpr (kExchangeDS) other_ds_free.arrive();
 
     int tiles = this->get_inner_tile_count(wg_coord, problem_size);
     int q_tile = 0;
@@ -386,9 +400,10 @@ struct BwdMainloop
       cute::gemm(mma_nd, op_P, tDVrDO_(_, _, _, read_do.index()), acc_DV);
       warpgroup_commit_batch();
 
-      // Publish this warpgroup's dS (at D = 128 once the other's dQ GEMM of the previous tile has
-      // read it; at D = 64 only this warpgroup reads it, and its GEMMs of that tile are done).
-      if constexpr (kSplitDQ) my_ds_free.sync();
+      // Publish this warpgroup's dS (with the exchange once the other's dQ GEMM of the previous
+      // tile has read it; under kKeys only this warpgroup reads it, and its GEMMs of that tile
+      // are done).
+      if constexpr (kExchangeDS) my_ds_free.sync();
       copy(ds_copy, thr_ds_copy.retile_S(acc_DS), tDSsDS(_, _, _, wg_idx));
       cutlass::arch::fence_view_async_shared();
       ds_ready.sync();
@@ -396,7 +411,7 @@ struct BwdMainloop
       Tensor acc_DQ = partition_fragment_C(mma_dq, take<0, 2>(TileShapeDQ{}));
       warpgroup_fence_operand(acc_DQ);
       warpgroup_arrive();
-      if constexpr (kSplitDQ) {
+      if constexpr (kExchangeDS) {
         cutlass::fmha::collective::gemm_zero_acc(mma_dq, tDQrDS_(_, _, _, 0), tDQrK_(_, _, _, k_stage[0]), acc_DQ);
         cute::gemm(mma_dq, tDQrDS_(_, _, _, 1), tDQrK_(_, _, _, k_stage[1]), acc_DQ);
       } else {
@@ -411,10 +426,10 @@ struct BwdMainloop
 
       warpgroup_wait<1>();  // dV and dQ done, dK may still run
       warpgroup_fence_operand(acc_DQ);
-      if constexpr (kSplitDQ) other_ds_free.arrive();
+      if constexpr (kExchangeDS) other_ds_free.arrive();
 
       // This warpgroup's part of the dQ tile into the reducer's stage; the reducer warp adds the
-      // whole tile into the fp32 dQ buffer once both warpgroups have committed. At D = 64 the
+      // whole tile into the fp32 dQ buffer once both warpgroups have committed. Under kKeys the
       // second adds its partial to the first's, each thread to the elements its twin wrote.
       pipeline_reducer.producer_acquire(smem_pipe_write_reducer);
       const int stage = smem_pipe_write_reducer.index();
@@ -430,10 +445,10 @@ struct BwdMainloop
             ? uint32_t(Swizzle<3, 4, 3>{}(dq_base + dq_dst.layout()(i) * sizeof(float2)))
             : dq_addr[kDqRep[i]] + (dq_dst.layout()(i) - dq_dst.layout()(kDqRep[i])) * sizeof(float2);
       }
-      if (kSplitDQ || wg_idx == 0) {
+      if (kExchangeDS || wg_idx == 0) {
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < size(dq_src); i++) st_shared(dq_addr[i], dq_src(i));
-        if constexpr (!kSplitDQ) cutlass::arch::NamedBarrier::arrive(kConsumerThreads, kDqPartial + stage);
+        if constexpr (!kExchangeDS) cutlass::arch::NamedBarrier::arrive(kConsumerThreads, kDqPartial + stage);
       } else {
         cutlass::arch::NamedBarrier::sync(kConsumerThreads, kDqPartial + stage);
         CUTLASS_PRAGMA_UNROLL
@@ -458,7 +473,7 @@ struct BwdMainloop
       ++q_tile;
       tScS.data() = tScS.data() + E<1>{} * get<1>(TileShapeNM{});
     }
-    if constexpr (kSplitDQ) my_ds_free.sync();
+    if constexpr (kExchangeDS) my_ds_free.sync();
 
     pipeline_outer.consumer_release(read_k);
     pipeline_outer.consumer_release(read_v);
