@@ -58,6 +58,9 @@ struct NoMaskBwd {
   // Keys past Sk are zeros (TMA fills them), which contribute nothing to dQ; their dK and dV rows
   // are never stored. Query rows past Sq have zero dO and lse, hence zero dS and dV terms.
   template <class AccQK, class IndexQK, class ProblemSize>
+  CUTLASS_DEVICE void mask(AccQK&, IndexQK const&, ProblemSize const&) {}
+
+  template <class AccQK, class IndexQK, class ProblemSize>
   CUTLASS_DEVICE void before_softmax(AccQK&, IndexQK const&, ProblemSize const&) {}
 };
 
@@ -81,14 +84,20 @@ struct CausalBottomRightBwd : NoMaskBwd {
   }
 
   template <class AccQK, class IndexQK, class ProblemSize>
-  CUTLASS_DEVICE void before_softmax(AccQK& acc, IndexQK const& index, ProblemSize const& problem) {
+  CUTLASS_DEVICE void mask(AccQK& acc, IndexQK const& index, ProblemSize const& problem) {
     const int off = get<3>(problem) - get<2>(problem);
-    // all of the thread's keys within its first query row's: nothing to mask
-    if (get<0>(greatest(index)) <= get<1>(least(index)) + off) return;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(acc); i++) {
       auto pos = index(i);
       if (get<0>(pos) > get<1>(pos) + off) acc(i) = -INFINITY;
+    }
+  }
+
+  // all of the thread's keys within its first query row's: nothing to mask
+  template <class AccQK, class IndexQK, class ProblemSize>
+  CUTLASS_DEVICE void before_softmax(AccQK& acc, IndexQK const& index, ProblemSize const& problem) {
+    if (get<0>(greatest(index)) > get<1>(least(index)) + get<3>(problem) - get<2>(problem)) {
+      mask(acc, index, problem);
     }
   }
 };

@@ -72,14 +72,20 @@ struct CausalBottomRight : cutlass::fmha::collective::DefaultFusion {
   }
 
   template <class AccQK, class IndexQK, class ProblemSize>
-  CUTLASS_DEVICE void before_softmax(AccQK& acc_qk, IndexQK const& index_qk, ProblemSize const& problem_size) {
+  CUTLASS_DEVICE void mask(AccQK& acc_qk, IndexQK const& index_qk, ProblemSize const& problem_size) {
     const int off = offset(problem_size);
-    // all of the thread's keys within its first row's: nothing to mask (keys past Sk lie beyond)
-    if (get<1>(greatest(index_qk)) <= get<0>(least(index_qk)) + off) return;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(acc_qk); i++) {
       auto pos = index_qk(i);
       if (get<0>(pos) + off < get<1>(pos)) acc_qk(i) = -INFINITY;
+    }
+  }
+
+  // all of the thread's keys within its first row's: nothing to mask (keys past Sk lie beyond)
+  template <class AccQK, class IndexQK, class ProblemSize>
+  CUTLASS_DEVICE void before_softmax(AccQK& acc_qk, IndexQK const& index_qk, ProblemSize const& problem_size) {
+    if (get<1>(greatest(index_qk)) > get<0>(least(index_qk)) + offset(problem_size)) {
+      mask(acc_qk, index_qk, problem_size);
     }
   }
 };
@@ -102,9 +108,13 @@ struct Residual : cutlass::fmha::collective::ResidualFusion {
   }
 
   template <class AccQK, class IndexQK, class ProblemSize>
-  CUTLASS_DEVICE void before_softmax(AccQK& acc_qk, IndexQK const& index_qk, ProblemSize const& problem_size) {
-    if (get<1>(greatest(index_qk)) < get<3>(problem_size)) return;
+  CUTLASS_DEVICE void mask(AccQK& acc_qk, IndexQK const& index_qk, ProblemSize const& problem_size) {
     ResidualFusion::before_softmax(acc_qk, index_qk, problem_size);
+  }
+
+  template <class AccQK, class IndexQK, class ProblemSize>
+  CUTLASS_DEVICE void before_softmax(AccQK& acc_qk, IndexQK const& index_qk, ProblemSize const& problem_size) {
+    if (get<1>(greatest(index_qk)) >= get<3>(problem_size)) mask(acc_qk, index_qk, problem_size);
   }
 };
 
