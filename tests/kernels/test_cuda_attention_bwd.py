@@ -111,9 +111,9 @@ def test_gqa_layouts_and_scale(hq, hkv, transposed, causal):
 @pytest.mark.parametrize("sq,sk", [(8, 3), (16, 17), (112, 113), (1000, 1000), (8, 4097), (1000, 4097),
                                    (4096, 4097), (200, 16)])
 def test_ragged_lengths(sq, sk):
-    """Sq and Sk that are not multiples of the tiles (64 query rows a step, 128 keys a CTA);
-    Sq a multiple of 8, the kernels' contract; causal where Sq <= Sk. (One key makes dq and dk
-    zero, where a relative error says nothing.)"""
+    """Sq and Sk that are not multiples of the tiles (64 query rows a step at D=128, 128 at
+    D=64; 128 keys a CTA); Sq a multiple of 8, the kernels' contract; causal where Sq <= Sk.
+    (One key makes dq and dk zero, where a relative error says nothing.)"""
     for d in HDIMS:
         q, k, v = rand(1, 2, sq, d), rand(1, 2, sk, d), rand(1, 2, sk, d)
         check_backward(q, k, v, d ** -0.5, False)
