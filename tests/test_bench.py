@@ -164,6 +164,26 @@ def test_norm_ops_pick(tmp_path, capsys):
     assert "--configs is for the train, norm and attention suites" in capsys.readouterr().err
 
 
+def test_attention_max_seconds(monkeypatch, capsys, tmp_path):
+    """--max-seconds: the attention suite starts no grid point past the limit and returns the
+    points it timed (each check here advances the clock 10 s: two points before 25 s); the other
+    suites refuse the option."""
+    import argparse
+    from torch_flash.bench import attention
+    timed = []
+    monkeypatch.setattr(attention.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(attention.torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(attention, "_time_point", lambda d, s, b, causal, impls: timed.append((d, s, causal)) or [{}])
+    clock = iter(range(0, 1000, 10))
+    monkeypatch.setattr(attention.time, "monotonic", lambda: next(clock))
+    rows = attention.run(argparse.Namespace(max_seconds=25, configs=None, quick=False, targets=False))
+    assert timed == [(64, 1024, False), (64, 1024, True)] and len(rows) == 2
+    assert "--max-seconds 25 reached: 2 of 12 grid points timed" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["norm", "--max-seconds", "5", "--out", str(tmp_path)])
+    assert "--max-seconds is for the attention suite" in capsys.readouterr().err
+
+
 def test_attention_impls_pick():
     """--configs names the attention suite's implementations (the curated table's five fit a GPU
     call with FlashAttention 4's compilation); an unknown one is refused with the known names."""

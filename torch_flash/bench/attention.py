@@ -16,6 +16,7 @@ ratios medians of the rounds' ratios.
 from __future__ import annotations
 
 import functools
+import time
 from typing import Callable
 
 import torch
@@ -208,8 +209,12 @@ def run(args) -> list[dict]:
         points = [(d, s, TOKENS // s, causal) for d in HEAD_DIMS for s in SEQLENS
                   for causal in (False, True)]
     impls = frozenset(pick("attention", getattr(args, "configs", None), IMPLS, "implementation"))
-    rows = []
-    for d, s, b, causal in points:
+    max_seconds = getattr(args, "max_seconds", None)
+    start, rows = time.monotonic(), []
+    for i, (d, s, b, causal) in enumerate(points):
+        if max_seconds is not None and time.monotonic() - start > max_seconds:
+            print(f"attention: --max-seconds {max_seconds} reached: {i} of {len(points)} grid points timed", flush=True)
+            break
         rows += _time_point(d, s, b, causal, impls)
         torch.cuda.empty_cache()
     return rows
