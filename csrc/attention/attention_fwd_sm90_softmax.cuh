@@ -42,13 +42,19 @@ struct LazyRescaleSoftmax {
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < cute::size<1>(acc_mn); j++) row_max(i) = fmaxf(row_max(i), acc_mn(i, j));
     }
+    share_rows(tiled_mma, row_max, [](float a, float b) { return fmaxf(a, b); });
+  }
+
+  // values(i) = op over the values(i) of the threads sharing row i (a butterfly of shuffles)
+  template <class TiledMma, class RowValues, class Op>
+  CUTLASS_DEVICE static void share_rows(TiledMma const& tiled_mma, RowValues& values, Op op) {
     auto target = cutlass::fmha::collective::reduction_target_n(tiled_mma);
     cute::for_each(cute::make_seq<decltype(cute::rank(target))::value>{}, [&](auto r) {
       CUTLASS_PRAGMA_UNROLL
       for (int j = 1; j < cute::shape<r>(target); j *= 2) {
         CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < cute::size<0>(acc_mn); i++) {
-          row_max(i) = fmaxf(row_max(i), __shfl_xor_sync(0xffffffff, row_max(i), cute::stride<r>(target) * j));
+        for (int i = 0; i < cute::size(values); i++) {
+          values(i) = op(values(i), __shfl_xor_sync(0xffffffff, values(i), cute::stride<r>(target) * j));
         }
       }
     });
@@ -130,16 +136,7 @@ struct LazyRescaleSoftmax {
     auto& s_max = cute::get<0>(state);
     auto& a_sum = cute::get<1>(state);
     cute::Tensor pv_mn = cute::make_tensor(acc_pv.data(), cutlass::fmha::collective::layout_acc_mn(tiled_mma_pv, acc_pv.layout()));
-    auto target = cutlass::fmha::collective::reduction_target_n(tiled_mma_pv);
-    cute::for_each(cute::make_seq<decltype(cute::rank(target))::value>{}, [&](auto r) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 1; j < cute::shape<r>(target); j *= 2) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < cute::size(a_sum); i++) {
-          a_sum(i) += __shfl_xor_sync(0xffffffff, a_sum(i), cute::stride<r>(target) * j);
-        }
-      }
-    });
+    share_rows(tiled_mma_pv, a_sum, [](float a, float b) { return a + b; });
     auto lse = cute::make_fragment_like(a_sum);
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < cute::size(a_sum); i++) {
