@@ -44,6 +44,9 @@ using StrideLse = cute::tuple<_1, cute::tuple<int, int>>;
 // (unmasked), the rest of its trip needs the mask, which also hides keys past Sk (a partial
 // last key tile always lies there: the first row of a valid tile sees at most key Sk - 1).
 struct CausalBottomRight : cutlass::fmha::collective::DefaultFusion {
+  // its unmasked key steps: every key at or left of every row's diagonal
+  static constexpr bool kWholeStepsLeftOfDiagonal = true;
+
   template <class ProblemSize>
   CUTLASS_DEVICE static int offset(ProblemSize const& problem_size) {
     return get<3>(problem_size) - get<2>(problem_size);
@@ -94,6 +97,8 @@ struct CausalBottomRight : cutlass::fmha::collective::DefaultFusion {
 // but no masked step where Sk is a multiple of the key tile, and only in the threads that hold
 // such keys.
 struct Residual : cutlass::fmha::collective::ResidualFusion {
+  static constexpr bool kWholeStepsLeftOfDiagonal = false;
+
   template <class BlkCoord, class TileShape, class ProblemSize>
   CUTLASS_DEVICE int get_masked_trip_count(BlkCoord const&, TileShape const& tile_shape,
                                            ProblemSize const& problem_size) {

@@ -16,6 +16,8 @@
 #include "88_hopper_fmha/collective/fmha_collective_softmax.hpp"
 #include "88_hopper_fmha/collective/fmha_common.hpp"
 
+#include "attention/attention_sm90.cuh"
+
 namespace torch_flash::sm90 {
 
 constexpr float kRescaleLog2 = 8.f;
@@ -34,14 +36,26 @@ struct LazyRescaleSoftmax {
     return cute::make_tuple(s_max, a_sum);
   }
 
-  // row_max(i) = max(row_max(i), row i of acc_mn), over the threads sharing the row too
-  template <class AccMN, class TiledMma, class RowMax>
-  CUTLASS_DEVICE static void reduce_max(AccMN const& acc_mn, TiledMma const& tiled_mma, RowMax& row_max) {
+  // row_max(i) = max(row_max(i), row i of acc_mn), in this thread
+  template <class AccMN, class RowMax>
+  CUTLASS_DEVICE static void thread_max(AccMN const& acc_mn, RowMax& row_max) {
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < cute::size<0>(acc_mn); i++) {
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < cute::size<1>(acc_mn); j++) row_max(i) = fmaxf(row_max(i), acc_mn(i, j));
     }
+  }
+
+  // row_max(i) = max(row_max(i), row i of acc_mn), over the threads sharing the row too
+  template <class AccMN, class TiledMma, class RowMax>
+  CUTLASS_DEVICE static void reduce_max(AccMN const& acc_mn, TiledMma const& tiled_mma, RowMax& row_max) {
+    thread_max(acc_mn, row_max);
+    share_max(tiled_mma, row_max);
+  }
+
+  // row_max(i) = the maximum of the threads sharing row i
+  template <class TiledMma, class RowMax>
+  CUTLASS_DEVICE static void share_max(TiledMma const& tiled_mma, RowMax& row_max) {
     share_rows(tiled_mma, row_max, [](float a, float b) { return fmaxf(a, b); });
   }
 
@@ -60,16 +74,16 @@ struct LazyRescaleSoftmax {
     });
   }
 
-  // P = exp2(scale (S - m)) in place, its row sums added to a_sum (a row without keys so far,
-  // m = -inf, takes m = 0: its P is 0)
-  template <class AccMN, class State>
-  CUTLASS_DEVICE void exponentiate(AccMN& acc_mn, State& state) {
+  // P = exp2(scale (S + row_terms - m)) in place, its row sums added to a_sum (a row without
+  // keys so far, m = -inf, takes m = 0: its P is 0); row_terms: none, or the split bias's
+  template <class AccMN, class State, class... RowTerms>
+  CUTLASS_DEVICE void exponentiate(AccMN& acc_mn, State& state, RowTerms const&... row_terms) {
     auto& s_max = cute::get<0>(state);
     auto& a_sum = cute::get<1>(state);
     const float scale = params.scale_softmax_log2;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < cute::size<0>(acc_mn); i++) {
-      const float scale_max = scale * (s_max(i) == -INFINITY ? 0.f : s_max(i));
+      const float scale_max = scale * ((s_max(i) == -INFINITY ? 0.f : s_max(i)) - ... - row_terms(i));
       float sum = 0.f;
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < cute::size<1>(acc_mn); j++) {
@@ -102,18 +116,47 @@ struct LazyRescaleSoftmax {
   CUTLASS_DEVICE void step(AccQK& acc_qk, TiledMmaQK const& tiled_mma_qk, CountQK const& count_qk, State& state,
                            AccPV& acc_pv, TiledMmaPV const& tiled_mma_pv, ProblemShape const& problem_shape) {
     using cutlass::fmha::collective::layout_acc_mn;
-    if constexpr (kUseFusion) Fusion{}.before_softmax(acc_qk, count_qk, problem_shape);
     cute::Tensor acc_mn = cute::make_tensor(acc_qk.data(), layout_acc_mn(tiled_mma_qk, acc_qk.layout()));
     cute::Tensor pv_mn = cute::make_tensor(acc_pv.data(), layout_acc_mn(tiled_mma_pv, acc_pv.layout()));
     auto& s_max = cute::get<0>(state);
-    auto& a_sum = cute::get<1>(state);
-    const float scale = params.scale_softmax_log2;
-
     auto new_max = cute::make_fragment_like(s_max);
-    bool grows = false;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < cute::size(s_max); i++) new_max(i) = s_max(i);
+
+    if constexpr (kUseFusion) {
+      Fusion{}.before_softmax(acc_qk, count_qk, problem_shape);
+    } else if constexpr (kIsAlibi<Fusion>) {  // a key step the mask leaves whole: the bias alone
+      const float side = Fusion{}.side_of_diagonal(count_qk, problem_shape);
+      if (side != 0.f) {
+        // split: the scores hold the key terms, the maxima and exponents take the row terms
+        auto row_terms = cute::make_fragment_like(s_max);
+        Fusion{}.split_bias(acc_mn, cute::make_tensor(count_qk.data(), layout_acc_mn(tiled_mma_qk, count_qk.layout())),
+                            problem_shape, side, row_terms);
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < cute::size(s_max); i++) new_max(i) -= row_terms(i);
+        thread_max(acc_mn, new_max);
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < cute::size(s_max); i++) new_max(i) += row_terms(i);
+        share_max(tiled_mma_qk, new_max);
+        rescale(new_max, state, pv_mn);
+        exponentiate(acc_mn, state, row_terms);
+        return;
+      }
+      Fusion{}.bias(acc_qk, count_qk, problem_shape);
+    }
     reduce_max(acc_mn, tiled_mma_qk, new_max);
+    rescale(new_max, state, pv_mn);
+    exponentiate(acc_mn, state);
+  }
+
+  // The running maxima raised to new_max, and the output and row sums rescaled, where a row of
+  // the warp climbs past kRescaleLog2.
+  template <class RowMax, class State, class PvMN>
+  CUTLASS_DEVICE void rescale(RowMax const& new_max, State& state, PvMN& pv_mn) {
+    auto& s_max = cute::get<0>(state);
+    auto& a_sum = cute::get<1>(state);
+    const float scale = params.scale_softmax_log2;
+    bool grows = false;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < cute::size(s_max); i++) grows |= (new_max(i) - s_max(i)) * scale > kRescaleLog2;  // -inf - -inf: no
     if (__any_sync(0xffffffff, grows)) {
@@ -126,7 +169,6 @@ struct LazyRescaleSoftmax {
         for (int j = 0; j < cute::size<1>(pv_mn); j++) pv_mn(i, j) *= factor;
       }
     }
-    exponentiate(acc_mn, state);
   }
 
   // The output divided by the row sums (summed over the threads sharing a row first); the rows'

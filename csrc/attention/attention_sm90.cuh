@@ -58,27 +58,22 @@ struct AlibiProblem : ProblemShape {
 };
 
 // ALiBi on a mask: scores - slope * |i + Sk - Sq - j|, FlashAttention's distance to the
-// bottom-right diagonal. Forward (Residual, CausalBottomRight): on every key tile, all
-// trips counting as masked (the mainloop skips the fusion on unmasked ones), index pairs
-// (query, key). Backward (NoMaskBwd, CausalBottomRightBwd; kKeyFirst): pairs (key, query).
+// bottom-right diagonal. Forward (Residual, CausalBottomRight; index pairs (query, key)): the
+// mask's key steps, on which before_softmax masks and adds the bias, and its unmasked ones, on
+// which the softmax adds the bias alone (attention_fwd_sm90_softmax.cuh). Backward (NoMaskBwd,
+// CausalBottomRightBwd; kKeyFirst): before_softmax on every step, pairs (key, query).
 template <class Mask, bool kKeyFirst = false>
 struct Alibi : Mask {
-  template <class BlkCoord, class TileShape, class ProblemSize>
-  CUTLASS_DEVICE int get_unmasked_trip_count(BlkCoord const&, TileShape const&, ProblemSize const&) {
-    return 0;
-  }
-
-  template <class BlkCoord, class TileShape, class ProblemSize>
-  CUTLASS_DEVICE int get_masked_trip_count(BlkCoord const& blk_coord, TileShape const& tile_shape,
-                                           ProblemSize const& problem_size) {
-    return Mask::get_trip_count(blk_coord, tile_shape, problem_size);
-  }
-
   template <class AccQK, class IndexQK, class ProblemShape>
   CUTLASS_DEVICE void before_softmax(AccQK& acc_qk, IndexQK const& index_qk, AlibiProblem<ProblemShape> const& problem) {
     // every element, without the mask's test for threads it leaves whole: a branch around the
     // mask made the three-warpgroup D=64 forwards spill (116 bytes causal, nvcc 13.0)
     Mask::mask(acc_qk, index_qk, problem);
+    bias(acc_qk, index_qk, problem);
+  }
+
+  template <class AccQK, class IndexQK, class ProblemShape>
+  CUTLASS_DEVICE void bias(AccQK& acc_qk, IndexQK const& index_qk, AlibiProblem<ProblemShape> const& problem) {
     const int diag = cute::get<3>(problem) - cute::get<2>(problem);
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < cute::size(acc_qk); i++) {
@@ -87,6 +82,38 @@ struct Alibi : Mask {
       const int key = kKeyFirst ? cute::get<0>(pos) : cute::get<1>(pos);
       // in floats: a thread's few rows and keys convert once, each score then costs an add and an FMA
       acc_qk(i) += problem.bias_per_key * fabsf(float(row + diag) - float(key));
+    }
+  }
+
+  // Where the forward's scores of one warp lie against the rows' diagonals: 1 every key at or
+  // left of every row's, -1 at or right, 0 astride (a vote: the warp takes one path).
+  template <class IndexQK, class ProblemShape>
+  CUTLASS_DEVICE float side_of_diagonal(IndexQK const& index_qk, ProblemShape const& problem) {
+    if constexpr (Mask::kWholeStepsLeftOfDiagonal) return 1.f;  // the mask's whole steps
+    const int diag = cute::get<3>(problem) - cute::get<2>(problem);
+    auto first = least(index_qk), last = greatest(index_qk);
+    if (__all_sync(0xffffffff, cute::get<1>(last) <= cute::get<0>(first) + diag)) return 1.f;
+    if (__all_sync(0xffffffff, cute::get<1>(first) >= cute::get<0>(last) + diag)) return -1.f;
+    return 0.f;
+  }
+
+  // The bias of a forward key step on one side of every row's diagonal (side_of_diagonal), split:
+  // b |row + diag - key| = side b (row + diag - key0) - side b (key - key0), key0 the thread's
+  // first key. The scores (rows, keys) get the key terms, one FFMA each (key - key0 is a constant
+  // of the index layout), row_terms(i) the rest, which the softmax adds to row i once.
+  template <class AccMN, class IndexMN, class ProblemShape, class RowTerms>
+  CUTLASS_DEVICE void split_bias(AccMN& acc_mn, IndexMN const& index_mn, AlibiProblem<ProblemShape> const& problem,
+                                 float side, RowTerms& row_terms) {
+    const float b = side * problem.bias_per_key;
+    const int key0 = cute::get<1>(index_mn(0, 0));
+    const int diag = cute::get<3>(problem) - cute::get<2>(problem);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < cute::size<0>(acc_mn); i++) {
+      row_terms(i) = b * float(cute::get<0>(index_mn(i, 0)) + diag - key0);
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < cute::size<1>(acc_mn); j++) {
+        acc_mn(i, j) = fmaf(-b, float(cute::get<1>(index_mn(i, j)) - key0), acc_mn(i, j));
+      }
     }
   }
 };
