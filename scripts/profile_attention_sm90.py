@@ -1,8 +1,8 @@
 """One attention forward or backward of the standard grid's shape, repeated, for Nsight Compute
 to read the hardware counters of one launch (the GPU machine's Firecracker runtime has them):
 
-    ncu --clock-control none --launch-skip 3 --launch-count 1 \\
-        --kernel-name regex:'FmhaKernelTmaWarpSpecialized|flash' \\
+    ncu --clock-control none --launch-skip 3 --launch-count 1 --kernel-name-base demangled \\
+        --kernel-name regex:'FmhaKernelTmaWarpSpecialized|FlashAttention(Forward|Backward)Sm90' \\
         --section SpeedOfLight --section WarpStateStats --section SchedulerStats \\
         --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --csv \\
         python3 scripts/profile_attention_sm90.py bwd --impl cuda-sm90 --d 128 --s 4096 > $OUT/ncu.csv
@@ -10,7 +10,9 @@ to read the hardware counters of one launch (the GPU machine's Firecracker runti
 --impl: cuda-sm90 (torch_flash._C's Hopper kernels, called directly) or fa4 (flash-attn-4, where
 importable); bf16, 32k tokens, hidden 2048 (B = 32k / S, H = 2048 / D), q, k, v (B, S, H, D)
 buffers seen as (B, H, S, D), as torch_flash.bench.attention times them. Warm-up calls come
-first (FA4 compiles its kernels on the first), so skip a few launches.
+first (FA4 compiles its kernels on the first), so skip a few launches. The regex picks the main
+kernel by its demangled name (ours are all `device_kernel`): not the row sums before it nor the
+dq conversion after.
 """
 from __future__ import annotations
 

@@ -194,21 +194,23 @@ def _sm90_serves(q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: ref.Spec) -> 
     return True
 
 
-# Head dims whose Hopper backward runs by default where cuDNN's does not serve: at D=128 it ran
-# 1.13x-1.39x the Triton backward, at D=64 0.96x-1.03x (H200, 2026-11-28, bench attention:
-# docs/results/attention/2026-11-28_h200.json, columns cuda-sm90 and triton-det).
-SM90_BWD_DEFAULT_HDIMS = (128,)
-# Head dims whose Hopper backward goes before cuDNN's without a causal mask: at D=128 it ran
-# 1.08x / 1.04x / 1.03x the op's cuDNN path at 1k / 4k / 16k tokens (H200, 2026-11-28, same JSON,
-# columns cuda-sm90 and flash-op); causal, cuDNN's ran 1.00x-1.02x ours and stays first.
-SM90_BWD_BEFORE_CUDNN_HDIMS = (128,)
+# Head dims whose Hopper backward runs by default where cuDNN's does not serve: against FA4 in one
+# run each, D=128 0.82x-0.92x, D=64 (128-row tiles) 0.84x-0.93x (H200, 2026-11-29:
+# docs/results/attention/2026-11-29_h200.json, column cuda-sm90), the Triton backward 0.58x-0.70x
+# (H200, 2026-11-28, column triton-det of `git show 0309244:docs/results/attention/2026-11-28_h200.json`).
+SM90_BWD_DEFAULT_HDIMS = (64, 128)
+# Head dims whose Hopper backward goes before cuDNN's, by causal: in the 2026-11-29 run it ran
+# 1.03x-1.07x SDPA's cuDNN backward at D=64 (either mask), 0.99x-1.02x at D=128 without a mask
+# (the op's cuDNN path adds layout copies to SDPA's); D=128 causal, cuDNN's ran 1.02x-1.06x ours
+# and stays first.
+SM90_BWD_BEFORE_CUDNN_HDIMS = {False: (64, 128), True: (64,)}
 
 
 def _sm90_bwd_serves(grad_lse, q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: ref.Spec) -> bool:
     """Whether the Hopper backward of csrc/attention (flash.attention_bwd_sm90) serves this call:
     where the forward's kernel would (_sm90_serves), for a head dim it has (backward_hdims), no
-    lse gradient; unforced only for SM90_BWD_DEFAULT_HDIMS and outside deterministic mode (causal or
-    at other head dims it runs after cuDNN's backward, faster there). Under
+    lse gradient; unforced only for SM90_BWD_DEFAULT_HDIMS and outside deterministic mode (after
+    cuDNN's backward where SM90_BWD_BEFORE_CUDNN_HDIMS does not put it first). Under
     torch.use_deterministic_algorithms(True) the kernel adds dq in key-block order, bitwise
     reproducible, on request (use_backend("cuda"))."""
     forced = _dispatch.forced_backend()
@@ -433,8 +435,8 @@ def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
     includes them; the Triton backward computes it in its delta pass). The ALiBi slopes get no
     gradient.
     cuDNN's backward where it serves (cudnn_backward_serves), else the Hopper kernel where it
-    serves (_sm90_bwd_serves: D=128 unforced), else the Triton kernels; without a causal mask
-    the Hopper kernel goes first for SM90_BWD_BEFORE_CUDNN_HDIMS. cuDNN sums dq with atomic
+    serves (_sm90_bwd_serves: D 64 / 128 unforced), else the Triton kernels; the Hopper kernel
+    goes first for the head dims of SM90_BWD_BEFORE_CUDNN_HDIMS[causal]. cuDNN sums dq with atomic
     adds, not bitwise reproducible, so torch.use_deterministic_algorithms(True) turns it off;
     the Hopper kernel then adds dq in a fixed order, and the Triton path computes dq in its own
     pass."""
@@ -443,7 +445,7 @@ def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
                             dropout_p, dropout_seed, window_left, window_right, alibi_slopes, sinks)
         spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed,
                        alibi_slopes, sinks)
-        sm90_first = (not spec.causal and q.shape[-1] in SM90_BWD_BEFORE_CUDNN_HDIMS
+        sm90_first = (q.shape[-1] in SM90_BWD_BEFORE_CUDNN_HDIMS[spec.causal]
                       and _sm90_bwd_serves(grad_lse, q, k, v, attn_bias, spec))
         if not sm90_first and cudnn_backward_serves(grad_lse, q, k, v, attn_bias, spec):
             _dispatch.LAST["attention_backward"] = "cudnn"
