@@ -166,8 +166,8 @@ def test_norm_ops_pick(tmp_path, capsys):
 
 def test_attention_max_seconds(monkeypatch, capsys, tmp_path):
     """--max-seconds: the attention suite starts no grid point past the limit and returns the
-    points it timed (each check here advances the clock 10 s: two points before 25 s); the other
-    suites refuse the option."""
+    points it timed (each check here advances the clock 10 s: two points before 25 s); --hdims
+    keeps the grid's points of those head dims; the other suites refuse both options."""
     import argparse
     from torch_flash.bench import attention
     timed = []
@@ -179,9 +179,12 @@ def test_attention_max_seconds(monkeypatch, capsys, tmp_path):
     rows = attention.run(argparse.Namespace(max_seconds=25, configs=None, quick=False, targets=False))
     assert timed == [(64, 1024, False), (64, 1024, True)] and len(rows) == 2
     assert "--max-seconds 25 reached: 2 of 12 grid points timed" in capsys.readouterr().out
+    timed.clear()
+    attention.run(argparse.Namespace(max_seconds=None, hdims="128", configs=None, quick=False, targets=False))
+    assert timed == [(128, s, causal) for s in attention.SEQLENS for causal in (False, True)]
     with pytest.raises(SystemExit):
         main(["norm", "--max-seconds", "5", "--out", str(tmp_path)])
-    assert "--max-seconds is for the attention suite" in capsys.readouterr().err
+    assert "--max-seconds and --hdims are for the attention suite" in capsys.readouterr().err
 
 
 def test_attention_impls_pick():

@@ -43,6 +43,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--configs", help="train: configurations (see bench/train.py); norm: ops (rms_norm, "
                                      "layer_norm, add_rms_norm, add_layer_norm); attention: implementations "
                                      "(bench/attention.py IMPLS); comma-separated, default all")
+    p.add_argument("--hdims", help="attention: head dims of the grid, comma-separated (default: 64,128)")
     p.add_argument("--steps", type=int, help="train: timed steps a configuration (default: 10)")
     p.add_argument("--max-seconds", type=float,
                    help="attention: start no grid point after this many seconds (the JSON then holds "
@@ -86,8 +87,8 @@ def main(argv=None) -> None:
         p.error("--contexts and --steps are for the train suite")
     if args.suite not in ("train", "norm", "attention") and args.configs:
         p.error("--configs is for the train, norm and attention suites")
-    if args.suite != "attention" and args.max_seconds is not None:
-        p.error("--max-seconds is for the attention suite")
+    if args.suite != "attention" and (args.max_seconds is not None or args.hdims):
+        p.error("--max-seconds and --hdims are for the attention suite")
     if args.suite == "plot":
         if not args.files:
             p.error("plot: name one or more JSON files written by the bench")

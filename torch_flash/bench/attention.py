@@ -206,7 +206,8 @@ def run(args) -> list[dict]:
     if getattr(args, "quick", False):
         points = [(64, 1024, 2, True)]
     else:
-        points = [(d, s, TOKENS // s, causal) for d in HEAD_DIMS for s in SEQLENS
+        hdims = pick("attention", getattr(args, "hdims", None), HEAD_DIMS, "head dim")
+        points = [(d, s, TOKENS // s, causal) for d in hdims for s in SEQLENS
                   for causal in (False, True)]
     impls = frozenset(pick("attention", getattr(args, "configs", None), IMPLS, "implementation"))
     max_seconds = getattr(args, "max_seconds", None)
