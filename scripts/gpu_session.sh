@@ -2,8 +2,9 @@
 # One GPU session in one call (the GPU machine has no network and bills by the minute): install
 # the carried wheels, the peers (FlashAttention 4, quack) where their first part waits in /tmp
 # (see the CuTe DSL split of gpu-peers.sh: its run 1 copies part1 there), the package and, with
-# BUILD=1, torch_flash._C (FLASH_HDIMS, default 64,128; the built .so also left gzipped in $OUT
-# for later calls to carry); report the environment; run the GPU tests, the demo and the
+# BUILD=1, torch_flash._C (FLASH_HDIMS, default 64,128; KERNEL_OBJECTS=DIR links the kernel
+# objects exported there on a CPU machine, see docs/design.md; the built .so also left gzipped
+# in $OUT for later calls to carry); report the environment; run the GPU tests, the demo and the
 # benchmarks; leave logs and JSON in $OUT.
 # Usage: scripts/gpu_session.sh [suite[:seconds] ...]   (seconds: that suite's time limit;
 # BENCH_ARGS: more options for every suite, e.g. "--configs fa4,cuda-sm90,flash-op,sdpa-cudnn,triton-det")
@@ -22,7 +23,8 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 if [ "${BUILD:-0}" = 1 ]; then
   start=$SECONDS
-  python3 -m torch_flash build --hdims "${FLASH_HDIMS:-64,128}" > "$OUT/build.txt" 2>&1
+  python3 -m torch_flash build --hdims "${FLASH_HDIMS:-64,128}" ${KERNEL_OBJECTS:+--objects "$KERNEL_OBJECTS"} \
+    > "$OUT/build.txt" 2>&1
   echo "build: exit $?, $((SECONDS - start)) s" | tee -a "$OUT/build.txt"
   gzip -c torch_flash/_C*.so > "$OUT/_C.so.gz" 2>/dev/null
 fi

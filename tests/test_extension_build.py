@@ -1,5 +1,6 @@
 """The optional CUDA extension torch_flash._C: its build spec, the build and info commands, and
 loading (or not) at import. CPU-only and fast, except the marked ones; nvidia-cutlass optional."""
+import json
 import os
 import subprocess
 import sys
@@ -197,6 +198,40 @@ def test_check_commands(csrc):
     assert nvcc[0].endswith("nvcc") and "-gencode=arch=compute_90a,code=sm_90a" in nvcc and "-c" in nvcc
     cxx = commands[str(csrc / "module.cpp")]
     assert "-fsyntax-only" in cxx and f"-I{csrc}" in cxx
+
+
+def test_prebuilt_objects_are_linked_while_their_key_matches(csrc, tmp_path, capsys, monkeypatch):
+    """Kernel objects exported ahead (--export-objects) replace their sources in the extension
+    while the key matches; an edited source makes its own object stale, an edited header every
+    object; the shared sources always compile here."""
+    if _build._cuda_home() is None:
+        pytest.skip("no nvcc")
+    spec = _build.spec("64,128", csrc=str(csrc))
+    kernels = _build.kernel_sources(spec)
+    assert sorted(os.path.relpath(p, csrc) for p in kernels) == ["attention/fwd_hdim128.cu", "attention/fwd_hdim64.cu"]
+    objects = tmp_path / "objects"
+    objects.mkdir()
+    manifest = {}
+    for src in kernels:
+        obj = os.path.basename(src) + ".o"
+        (objects / obj).write_bytes(b"")
+        manifest[obj] = {"source": os.path.relpath(src, csrc), "key": _build.kernel_key(spec, src)}
+    (objects / _build.OBJECTS_MANIFEST).write_text(json.dumps(manifest))
+    assert sorted(_build.prebuilt_objects(spec, str(objects))) == sorted(kernels)
+
+    (csrc / "attention" / "fwd_hdim64.cu").write_text("// edited")
+    found = _build.prebuilt_objects(spec, str(objects))
+    assert list(found) == [str(csrc / "attention" / "fwd_hdim128.cu")]
+    assert "compiling attention/fwd_hdim64.cu (stale" in capsys.readouterr().out
+    from torch.utils import cpp_extension
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", _build._cuda_home())  # a CPU torch finds none
+    ext = _build.extension(spec, prebuilt=found)
+    assert str(csrc / "attention" / "fwd_hdim128.cu") not in ext.sources and str(csrc / "module.cpp") in ext.sources
+    assert ext.extra_objects == [str(objects / "fwd_hdim128.cu.o")]
+
+    (csrc / "attention" / "fwd.cuh").write_text("// edited")
+    assert _build.prebuilt_objects(spec, str(objects)) == {}
+    assert _build.prebuilt_objects(spec, str(tmp_path / "missing")) == {}
 
 
 @pytest.mark.slow

@@ -87,8 +87,9 @@ def _cuda_extension_rows() -> list[tuple[str, str]]:
              "not built: run python -m torch_flash build")]
 
 
-def build(hdims: str | None, jobs: int | None) -> int:
-    """Compile torch_flash._C in place (editable or installed package); 1 when it cannot be built."""
+def build(hdims: str | None, jobs: int | None, objects: str | None = None) -> int:
+    """Compile torch_flash._C in place (editable or installed package), linking the kernel objects
+    exported to `objects` that still match; 1 when it cannot be built."""
     import subprocess
 
     from torch_flash import _build
@@ -104,7 +105,7 @@ def build(hdims: str | None, jobs: int | None) -> int:
     print(spec.describe())
     print(f"  build dir {_build.build_dir(spec)}" + (f", {jobs} jobs" if jobs else ""), flush=True)
     try:
-        target = _build.build(spec, jobs)
+        target = _build.build(spec, jobs, objects=objects)
     except Exception as e:  # the compiler's own output is above
         print(f"python -m torch_flash build: failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
@@ -134,6 +135,8 @@ def main(argv=None) -> None:
                        "(needs a CUDA build of torch, nvcc and nvidia-cutlass)")
     b.add_argument("--hdims", help="comma list of head dims to build (overrides FLASH_HDIMS; default 64,128,256)")
     b.add_argument("--jobs", type=int, help="parallel compile jobs (MAX_JOBS; default: all cores)")
+    b.add_argument("--objects", metavar="DIR", help="link the kernel objects compiled ahead into DIR "
+                   "(python torch_flash/_build.py --export-objects DIR) where they still match")
     d = sub.add_parser("demo", help="a LLaMA-style model compiled with the flash backend: explain report, "
                        "numerics against eager, training step time against torch.compile")
     d.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -154,7 +157,7 @@ def main(argv=None) -> None:
     if args.cmd == "info":
         info()
     elif args.cmd == "build":
-        raise SystemExit(build(args.hdims, args.jobs))
+        raise SystemExit(build(args.hdims, args.jobs, args.objects))
     else:
         from torch_flash._demo import main as demo
         sizes = {f: getattr(args, f) for f in SIZE_FLAGS if getattr(args, f)}

@@ -4,6 +4,12 @@ The one place that knows its sources, flags, macros and include dirs, and whethe
 built here. Used by setup.py (which loads this file by path: pip's build isolation has no
 torch, so torch is only imported inside functions), by `python -m torch_flash build` and
 by scripts/check_csrc.sh (`python torch_flash/_build.py --check-commands DIR`).
+
+The kernel sources (one head dim each) include no torch header, so they can be compiled ahead
+on a machine without a GPU (`python torch_flash/_build.py --export-objects DIR`) and linked in
+by `python -m torch_flash build --objects DIR` where each object's key (its source, every
+header, the flags, CUTLASS's and nvcc's versions) still matches: the GPU machine then compiles
+only the torch bindings.
 """
 from __future__ import annotations
 
@@ -219,12 +225,15 @@ def why_not() -> str | None:
     return None
 
 
-def extension(s: Spec, relative_to: str | None = None):
-    """The setuptools CUDAExtension of `s` (sources relative to `relative_to`, as setup.py wants)."""
+def extension(s: Spec, relative_to: str | None = None, prebuilt: dict[str, str] | None = None):
+    """The setuptools CUDAExtension of `s` (sources relative to `relative_to`, as setup.py wants),
+    linking the objects of `prebuilt` (prebuilt_objects) instead of compiling their sources."""
     from torch.utils.cpp_extension import CUDAExtension
 
-    sources = [os.path.relpath(p, relative_to) if relative_to else p for p in s.sources]
+    prebuilt = prebuilt or {}
+    sources = [os.path.relpath(p, relative_to) if relative_to else p for p in s.sources if p not in prebuilt]
     return CUDAExtension(name=NAME, sources=sources, include_dirs=list(s.include_dirs),
+                         extra_objects=list(prebuilt.values()),
                          extra_compile_args={"cxx": list(s.cxx_flags), "nvcc": list(s.nvcc_flags)})
 
 
@@ -237,13 +246,14 @@ def build_dir(s: Spec) -> str:
     return os.path.join(_cache_root(), "build-" + hashlib.sha256(key.encode()).hexdigest()[:16])
 
 
-def build(s: Spec, jobs: int | None = None, dest: str = PACKAGE_DIR) -> str:
-    """Compile `s` in build_dir(s) and install the library into `dest` atomically (a running
-    process may have the old one mapped); returns its path."""
+def build(s: Spec, jobs: int | None = None, dest: str = PACKAGE_DIR, objects: str | None = None) -> str:
+    """Compile `s` in build_dir(s), linking the matching kernel objects exported to `objects`,
+    and install the library into `dest` atomically (a running process may have the old one
+    mapped); returns its path."""
     from setuptools import Distribution
     from torch.utils.cpp_extension import BuildExtension
 
-    ext = extension(s)
+    ext = extension(s, prebuilt=prebuilt_objects(s, objects) if objects else None)
     dist = Distribution({"name": "torch-flash", "ext_modules": [ext], "cmdclass": {"build_ext": BuildExtension}})
     cmd = dist.get_command_obj("build_ext")
     root = build_dir(s)
@@ -362,17 +372,112 @@ def check_commands(s: Spec, out_dir: str, files: list[str] | None = None) -> lis
     return commands
 
 
+OBJECTS_MANIFEST = "manifest.json"  # {object file name: {"source": path under csrc, "key": kernel_key}}
+
+
+def kernel_sources(s: Spec) -> list[str]:
+    """The sources of one head dim each: CUDA kernels without torch headers."""
+    return [p for p in s.sources if p.endswith(".cu") and _hdim_of(p) is not None]
+
+
+@functools.cache
+def _nvcc_version() -> str:
+    import subprocess
+
+    cuda = _cuda_home()
+    if cuda is None:
+        raise BuildError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
+    out = subprocess.run([os.path.join(cuda, "bin", "nvcc"), "--version"], capture_output=True, text=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def kernel_key(s: Spec, src: str) -> str:
+    """What a kernel object depends on: its source, every header under csrc/, the nvcc flags and
+    the versions of CUTLASS (with EXAMPLE_PATCHES) and nvcc."""
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
+
+    h = hashlib.sha256(json.dumps([s.nvcc_flags, COMMON_NVCC_FLAGS, s.cutlass_version, EXAMPLE_PATCHES,
+                                   _nvcc_version()]).encode())
+    headers = sorted(os.path.join(d, f) for d, _, files in os.walk(s.csrc) for f in files
+                     if f.endswith((".h", ".cuh", ".hpp")))
+    for path in [src, *headers]:
+        h.update(os.path.relpath(path, s.csrc).encode())
+        with open(path, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def export_objects(s: Spec, out_dir: str, jobs: int = 2) -> None:
+    """Compile kernel_sources(s) into out_dir, `jobs` at a time, with OBJECTS_MANIFEST."""
+    import subprocess
+    import time
+
+    os.makedirs(out_dir, exist_ok=True)
+    sources = kernel_sources(s)
+    manifest, running = {}, []
+    for i, (src, argv) in enumerate(check_commands(s, out_dir, sources)):
+        obj = os.path.basename(src) + ".o"
+        argv[argv.index("-o") + 1] = os.path.join(out_dir, obj)
+        manifest[obj] = {"source": os.path.relpath(src, s.csrc), "key": kernel_key(s, src)}
+        while len(running) >= jobs:
+            _finish(running.pop(0))
+        print(f"compiling {manifest[obj]['source']} ({i + 1}/{len(sources)})", flush=True)
+        running.append((src, subprocess.Popen(argv), time.monotonic()))
+    for job in running:
+        _finish(job)
+    with open(os.path.join(out_dir, OBJECTS_MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1)
+
+
+def _finish(job) -> None:
+    import time
+
+    src, proc, start = job
+    if proc.wait() != 0:
+        raise BuildError(f"nvcc failed on {src} (exit {proc.returncode})")
+    print(f"  {os.path.basename(src)}: {time.monotonic() - start:.0f} s", flush=True)
+
+
+def prebuilt_objects(s: Spec, directory: str) -> dict[str, str]:
+    """{kernel source: object in directory} for the sources whose exported object's key matches;
+    the others (printed, with why) are compiled as usual."""
+    try:
+        with open(os.path.join(directory, OBJECTS_MANIFEST)) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        print(f"prebuilt objects: none usable in {directory} ({e})", flush=True)
+        return {}
+    found = {}
+    for src in kernel_sources(s):
+        obj = os.path.basename(src) + ".o"
+        entry, path = manifest.get(obj), os.path.join(directory, obj)
+        if entry is None or not os.path.exists(path):
+            why = "not exported"
+        elif entry.get("key") != kernel_key(s, src):
+            why = "stale: a source, header, flag or compiler differs"
+        else:
+            found[src] = path
+            continue
+        print(f"prebuilt objects: compiling {os.path.relpath(src, s.csrc)} ({why})", flush=True)
+    return found
+
+
 def _main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python torch_flash/_build.py",
                                 description="print the build spec, or the compile-check commands")
     p.add_argument("--check-commands", metavar="DIR", help="print 'source<TAB>command' lines that "
                    "compile-check the sources, objects and helper headers going to DIR")
+    p.add_argument("--export-objects", metavar="DIR", help="compile the kernel sources into DIR for "
+                   "`python -m torch_flash build --objects DIR` on another machine (no GPU needed)")
     p.add_argument("--csrc", help="sources root (default: the package's or the checkout's csrc/)")
     p.add_argument("--hdims", help="comma list of head dims (default: $FLASH_HDIMS, else 64,128,256)")
     p.add_argument("files", nargs="*", help="check only these sources")
     args = p.parse_args(argv)
     try:
         s = spec(args.hdims, args.csrc, origin="--hdims" if args.hdims else "FLASH_HDIMS")
+        if args.export_objects:
+            export_objects(s, args.export_objects)
+            return 0
         if not args.check_commands:
             print(s.describe())
             return 0
