@@ -202,10 +202,13 @@ def test_check_commands(csrc):
 
 def test_prebuilt_objects_are_linked_while_their_key_matches(csrc, tmp_path, capsys, monkeypatch):
     """Kernel objects exported ahead (--export-objects) replace their sources in the extension
-    while the key matches; an edited source makes its own object stale, an edited header every
-    object; the shared sources always compile here."""
+    while the key matches; editing a csrc header makes stale the objects whose sources include
+    it, directly or not, and only those; the shared sources always compile here."""
     if _build._cuda_home() is None:
         pytest.skip("no nvcc")
+    (csrc / "attention" / "fwd_hdim64.cu").write_text('#include "fwd.cuh"\n')  # beside it
+    (csrc / "attention" / "fwd_hdim128.cu").write_text('#include "attention/fwd.h"\n')  # from csrc/
+    (csrc / "attention" / "fwd.cuh").write_text('#include "util.hpp"\n#include "cute/tensor.hpp"\n')
     spec = _build.spec("64,128", csrc=str(csrc))
     kernels = _build.kernel_sources(spec)
     assert sorted(os.path.relpath(p, csrc) for p in kernels) == ["attention/fwd_hdim128.cu", "attention/fwd_hdim64.cu"]
@@ -219,7 +222,7 @@ def test_prebuilt_objects_are_linked_while_their_key_matches(csrc, tmp_path, cap
     (objects / _build.OBJECTS_MANIFEST).write_text(json.dumps(manifest))
     assert sorted(_build.prebuilt_objects(spec, str(objects))) == sorted(kernels)
 
-    (csrc / "attention" / "fwd_hdim64.cu").write_text("// edited")
+    (csrc / "attention" / "util.hpp").write_text("// edited")
     found = _build.prebuilt_objects(spec, str(objects))
     assert list(found) == [str(csrc / "attention" / "fwd_hdim128.cu")]
     assert "compiling attention/fwd_hdim64.cu (stale" in capsys.readouterr().out
@@ -229,7 +232,7 @@ def test_prebuilt_objects_are_linked_while_their_key_matches(csrc, tmp_path, cap
     assert str(csrc / "attention" / "fwd_hdim128.cu") not in ext.sources and str(csrc / "module.cpp") in ext.sources
     assert ext.extra_objects == [str(objects / "fwd_hdim128.cu.o")]
 
-    (csrc / "attention" / "fwd.cuh").write_text("// edited")
+    (csrc / "attention" / "fwd.h").write_text("// edited")
     assert _build.prebuilt_objects(spec, str(objects)) == {}
     assert _build.prebuilt_objects(spec, str(tmp_path / "missing")) == {}
 

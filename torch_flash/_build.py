@@ -7,8 +7,8 @@ by scripts/check_csrc.sh (`python torch_flash/_build.py --check-commands DIR`).
 
 The kernel sources (one head dim each) include no torch header, so they can be compiled ahead
 on a machine without a GPU (`python torch_flash/_build.py --export-objects DIR`) and linked in
-by `python -m torch_flash build --objects DIR` where each object's key (its source, every
-header, the flags, CUTLASS's and nvcc's versions) still matches: the GPU machine then compiles
+by `python -m torch_flash build --objects DIR` where each object's key (its source and the csrc
+headers it includes, the flags, CUTLASS's and nvcc's versions) still matches: the GPU machine then compiles
 only the torch bindings.
 """
 from __future__ import annotations
@@ -391,16 +391,36 @@ def _nvcc_version() -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
+_QUOTED_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
+
+
+def _csrc_includes(csrc: str, src: str) -> list[str]:
+    """src and the files under csrc it includes with quotes, transitively (CUTLASS's headers lie
+    outside csrc: its version stands for them)."""
+    seen, todo = set(), [os.path.abspath(src)]
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        with open(path) as f:
+            for name in _QUOTED_INCLUDE.findall(f.read()):
+                for base in (os.path.dirname(path), csrc):
+                    candidate = os.path.abspath(os.path.join(base, name))
+                    if candidate.startswith(csrc + os.sep) and os.path.isfile(candidate):
+                        todo.append(candidate)
+                        break
+    return sorted(seen)
+
+
 def kernel_key(s: Spec, src: str) -> str:
-    """What a kernel object depends on: its source, every header under csrc/, the nvcc flags and
-    the versions of CUTLASS (with EXAMPLE_PATCHES) and nvcc."""
+    """What a kernel object depends on: its source and the csrc headers it includes, the nvcc
+    flags and the versions of CUTLASS (with EXAMPLE_PATCHES) and nvcc."""
     from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
 
     h = hashlib.sha256(json.dumps([s.nvcc_flags, COMMON_NVCC_FLAGS, s.cutlass_version, EXAMPLE_PATCHES,
                                    _nvcc_version()]).encode())
-    headers = sorted(os.path.join(d, f) for d, _, files in os.walk(s.csrc) for f in files
-                     if f.endswith((".h", ".cuh", ".hpp")))
-    for path in [src, *headers]:
+    for path in _csrc_includes(s.csrc, src):
         h.update(os.path.relpath(path, s.csrc).encode())
         with open(path, "rb") as f:
             h.update(f.read())
@@ -454,7 +474,7 @@ def prebuilt_objects(s: Spec, directory: str) -> dict[str, str]:
         if entry is None or not os.path.exists(path):
             why = "not exported"
         elif entry.get("key") != kernel_key(s, src):
-            why = "stale: a source, header, flag or compiler differs"
+            why = "stale: the source, a header it includes, a flag or a compiler differs"
         else:
             found[src] = path
             continue
