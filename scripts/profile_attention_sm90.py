@@ -12,7 +12,8 @@ importable); bf16, 32k tokens, hidden 2048 (B = 32k / S, H = 2048 / D), q, k, v 
 buffers seen as (B, H, S, D), as torch_flash.bench.attention times them. Warm-up calls come
 first (FA4 compiles its kernels on the first), so skip a few launches. The regex picks the main
 kernel by its demangled name (ours are all `device_kernel`): not the row sums before it nor the
-dq conversion after.
+dq conversion after. scripts/ncu_compare.py puts such CSVs side by side and files them as
+docs/results/profile_attention_sm90/<date>_<device>.json.
 """
 from __future__ import annotations
 
