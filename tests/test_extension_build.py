@@ -237,6 +237,25 @@ def test_prebuilt_objects_are_linked_while_their_key_matches(csrc, tmp_path, cap
     assert _build.prebuilt_objects(spec, str(tmp_path / "missing")) == {}
 
 
+def test_export_objects_compiles_only_what_changed(csrc, tmp_path, capsys):
+    """--export-objects writes each kernel's object and the manifest that prebuilt_objects reads;
+    run again, it keeps the objects whose key is unchanged and compiles the rest."""
+    if _build._cuda_home() is None:
+        pytest.skip("no nvcc")
+    (csrc / "attention" / "fwd_hdim64.cu").write_text("__global__ void k64() {}\n")
+    (csrc / "attention" / "fwd_hdim128.cu").write_text("__global__ void k128() {}\n")
+    spec = _build.spec("64,128", csrc=str(csrc))
+    out = tmp_path / "objects"
+    _build.export_objects(spec, str(out))
+    assert capsys.readouterr().out.count("compiling") == 2
+    assert sorted(_build.prebuilt_objects(spec, str(out))) == sorted(_build.kernel_sources(spec))
+    (csrc / "attention" / "fwd_hdim64.cu").write_text("__global__ void k64(int) {}\n")
+    _build.export_objects(spec, str(out))
+    printed = capsys.readouterr().out
+    assert "compiling attention/fwd_hdim64.cu" in printed and "attention/fwd_hdim128.cu: up to date" in printed
+    assert sorted(_build.prebuilt_objects(spec, str(out))) == sorted(_build.kernel_sources(spec))
+
+
 @pytest.mark.slow
 def test_installed_package_ships_the_sources(tmp_path, wheel):
     """A normal install carries csrc/ inside torch_flash, so `python -m torch_flash build` works there."""

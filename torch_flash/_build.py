@@ -428,24 +428,35 @@ def kernel_key(s: Spec, src: str) -> str:
 
 
 def export_objects(s: Spec, out_dir: str, jobs: int = 2) -> None:
-    """Compile kernel_sources(s) into out_dir, `jobs` at a time, with OBJECTS_MANIFEST."""
+    """Compile kernel_sources(s) into out_dir, `jobs` at a time, with OBJECTS_MANIFEST; objects
+    already there under the same key are kept."""
     import subprocess
     import time
 
     os.makedirs(out_dir, exist_ok=True)
+    manifest_path = os.path.join(out_dir, OBJECTS_MANIFEST)
+    try:
+        with open(manifest_path) as f:
+            previous = json.load(f)
+        os.remove(manifest_path)  # until every object below is whole again
+    except (OSError, ValueError):
+        previous = {}
     sources = kernel_sources(s)
     manifest, running = {}, []
     for i, (src, argv) in enumerate(check_commands(s, out_dir, sources)):
         obj = os.path.basename(src) + ".o"
         argv[argv.index("-o") + 1] = os.path.join(out_dir, obj)
         manifest[obj] = {"source": os.path.relpath(src, s.csrc), "key": kernel_key(s, src)}
+        if previous.get(obj) == manifest[obj] and os.path.exists(os.path.join(out_dir, obj)):
+            print(f"{manifest[obj]['source']}: up to date", flush=True)
+            continue
         while len(running) >= jobs:
             _finish(running.pop(0))
         print(f"compiling {manifest[obj]['source']} ({i + 1}/{len(sources)})", flush=True)
         running.append((src, subprocess.Popen(argv), time.monotonic()))
     for job in running:
         _finish(job)
-    with open(os.path.join(out_dir, OBJECTS_MANIFEST), "w") as f:
+    with open(manifest_path, "w") as f:
         json.dump(manifest, f, indent=1)
 
 
