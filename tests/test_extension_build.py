@@ -237,6 +237,27 @@ def test_prebuilt_objects_are_linked_while_their_key_matches(csrc, tmp_path, cap
     assert _build.prebuilt_objects(spec, str(tmp_path / "missing")) == {}
 
 
+def test_build_always_links(csrc, tmp_path, monkeypatch):
+    """build() has distutils relink every time (ninja still recompiles only what changed):
+    distutils' own up-to-date check sees neither the headers nor the prebuilt objects."""
+    import setuptools
+    from torch.utils import cpp_extension
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", _build._cuda_home() or "/usr/local/cuda")
+    monkeypatch.setattr(_build, "_cache_root", lambda: str(tmp_path / "cache"))
+    seen = {}
+
+    def run_command(self, name):  # instead of compiling: note the flag, leave an empty library
+        cmd = self.get_command_obj(name)
+        seen["force"] = cmd.force
+        path = cmd.get_ext_fullpath(_build.NAME)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        open(path, "wb").close()
+
+    monkeypatch.setattr(setuptools.Distribution, "run_command", run_command)
+    target = _build.build(_build.spec("64", csrc=str(csrc)), dest=str(tmp_path))
+    assert seen["force"] and os.path.exists(target)
+
+
 def test_export_objects_compiles_only_what_changed(csrc, tmp_path, capsys):
     """--export-objects writes each kernel's object and the manifest that prebuilt_objects reads;
     run again, it keeps the objects whose key is unchanged and compiles the rest."""

@@ -258,6 +258,9 @@ def build(s: Spec, jobs: int | None = None, dest: str = PACKAGE_DIR, objects: st
     cmd = dist.get_command_obj("build_ext")
     root = build_dir(s)
     cmd.build_temp, cmd.build_lib = os.path.join(root, "temp"), os.path.join(root, "lib")
+    # distutils skips the extension when no source is newer than the library, blind to the
+    # headers and to prebuilt objects; ninja still recompiles only what changed
+    cmd.force = True
     if jobs:
         os.environ["MAX_JOBS"] = str(jobs)  # read by torch's ninja backend
     dist.run_command("build_ext")
