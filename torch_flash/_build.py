@@ -8,8 +8,8 @@ by scripts/check_csrc.sh (`python torch_flash/_build.py --check-commands DIR`).
 The kernel sources (one head dim each) include no torch header, so they can be compiled ahead
 on a machine without a GPU (`python torch_flash/_build.py --export-objects DIR`) and linked in
 by `python -m torch_flash build --objects DIR` where each object's key (its source and the csrc
-headers it includes, the flags, CUTLASS's and nvcc's versions) still matches: the GPU machine then compiles
-only the torch bindings.
+headers it includes, the flags, CUTLASS's and nvcc's versions) still matches: the GPU machine
+then compiles only the torch bindings.
 """
 from __future__ import annotations
 
@@ -383,6 +383,21 @@ def kernel_sources(s: Spec) -> list[str]:
     return [p for p in s.sources if p.endswith(".cu") and _hdim_of(p) is not None]
 
 
+def _object_name(src: str) -> str:
+    return os.path.basename(src) + ".o"
+
+
+def _why_stale(manifest: dict, directory: str, src: str, key: str) -> str | None:
+    """Why directory's object of src, as its manifest lists it, cannot stand for a compile of src
+    whose kernel_key is `key`; None when it can."""
+    entry = manifest.get(_object_name(src))
+    if entry is None or not os.path.exists(os.path.join(directory, _object_name(src))):
+        return "not exported"
+    if entry.get("key") != key:
+        return "stale: the source, a header it includes, a flag or a compiler differs"
+    return None
+
+
 @functools.cache
 def _nvcc_version() -> str:
     import subprocess
@@ -447,10 +462,10 @@ def export_objects(s: Spec, out_dir: str, jobs: int = 2) -> None:
     sources = kernel_sources(s)
     manifest, running = {}, []
     for i, (src, argv) in enumerate(check_commands(s, out_dir, sources)):
-        obj = os.path.basename(src) + ".o"
+        obj = _object_name(src)
         argv[argv.index("-o") + 1] = os.path.join(out_dir, obj)
         manifest[obj] = {"source": os.path.relpath(src, s.csrc), "key": kernel_key(s, src)}
-        if previous.get(obj) == manifest[obj] and os.path.exists(os.path.join(out_dir, obj)):
+        if _why_stale(previous, out_dir, src, manifest[obj]["key"]) is None:
             print(f"{manifest[obj]['source']}: up to date", flush=True)
             continue
         while len(running) >= jobs:
@@ -483,16 +498,11 @@ def prebuilt_objects(s: Spec, directory: str) -> dict[str, str]:
         return {}
     found = {}
     for src in kernel_sources(s):
-        obj = os.path.basename(src) + ".o"
-        entry, path = manifest.get(obj), os.path.join(directory, obj)
-        if entry is None or not os.path.exists(path):
-            why = "not exported"
-        elif entry.get("key") != kernel_key(s, src):
-            why = "stale: the source, a header it includes, a flag or a compiler differs"
+        why = _why_stale(manifest, directory, src, kernel_key(s, src))
+        if why is None:
+            found[src] = os.path.join(directory, _object_name(src))
         else:
-            found[src] = path
-            continue
-        print(f"prebuilt objects: compiling {os.path.relpath(src, s.csrc)} ({why})", flush=True)
+            print(f"prebuilt objects: compiling {os.path.relpath(src, s.csrc)} ({why})", flush=True)
     return found
 
 
