@@ -7,7 +7,7 @@
 // example's own small kernels: sum(dO * O) per row before, the dQ buffer's conversion to dq's
 // dtype after. GQA runs one launch per query head of a group (as the forward does), each
 // into its own slice of dk and dv. The mainloop (attention_bwd_sm90_mainloop.cuh) splits dQ over
-// both warpgroups (by head dim at 128, by keys at 64) and, under
+// both warpgroups (by head dim at 128, by rows at 64) and, under
 // torch.use_deterministic_algorithms, adds each dQ tile's contributions in a fixed key-block order.
 #pragma once
 
@@ -42,7 +42,8 @@ using BwdStrideRow = cute::tuple<int, int, _1>;  // lse, sum(dO * O): (batch, he
 // BlockKV keys; before_softmax sees (key, query) index pairs. Every query tile is visited, the
 // ones that see none of the block's keys skipped (is_contributing: then all tiles before them).
 struct NoMaskBwd {
-  // Deterministic dQ: the key blocks add into a query tile in index order (see KeyBlockScheduler).
+  // Deterministic dQ: the key blocks add into a query tile in the order their CTAs reach it, each
+  // starting at its own tile (BwdMainloop::ArrivalTurns).
   static constexpr bool kReverseKeyBlocks = false;
 
   template <class BlkCoord, class TileShape, class ProblemSize>

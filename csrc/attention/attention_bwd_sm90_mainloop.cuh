@@ -3,23 +3,16 @@
 // 88_hopper_fmha's backward gives each consumer warpgroup half of the CTA's key block: both
 // compute S, dP, dV and dK of their half (four 64 x 64 x D GEMMs a query tile), and the second
 // warpgroup alone computes the query tile's whole dQ = dS K over the block's keys (two more), so
-// it runs six GEMMs to the first's four. Here both warpgroups share the dQ GEMM, five each
-// (DQSplit):
-//   kHeadDim  (D = 128) each warpgroup computes dQ for half of the head dim over all keys of the
-//             block; the dS halves are exchanged through shared memory as in the example.
-//   kRows     (128 query rows a step, D = 64) each computes dQ for half of the rows over all keys,
-//             with the same exchange.
-//   kKeys     (64 rows, D = 64: a half of D, 64 bytes, is narrower than a 128-byte swizzle atom)
-//             each computes dQ over its own keys from its own dS and K; the first writes its
-//             partial into the reducer's stage and the second adds its own (a fixed order:
-//             deterministic). No dS exchange.
+// it runs six GEMMs to the first's four. Here both warpgroups share the dQ GEMM, five each, over
+// all keys of the block from both warpgroups' dS, exchanged through shared memory (DQSplit):
+//   kHeadDim  (D = 128) each warpgroup computes dQ for half of the head dim;
+//   kRows     (128 query rows a step, D = 64) each computes dQ for half of the rows (half of
+//             D = 64, 64 bytes, would be narrower than a 128-byte swizzle atom).
+// dK = dS^T Q takes dS from registers, as dV = P^T dO takes P: both are issued before the
+// exchange, so the tensor cores have them while a warpgroup waits for the other's dS.
 // Named barriers (user ids):
-//   kDsReady         exchange: both warpgroups' dS of this query tile are in shared memory
-//   kDsFree + w      exchange: warpgroup w may overwrite its dS: the other one's dQ GEMM has read it
-//   kDsStored + w    kKeys: warpgroup w's dS of this query tile is in shared memory
-//   kDqPartial + s   kKeys: the first warpgroup's partial dQ is in reducer stage s (one barrier
-//                    a stage: the first may run a tile ahead, never two, as a stage is returned
-//                    only once the second has added into it)
+//   kDsReady         both warpgroups' dS of this query tile are in shared memory
+//   kDsFree + w      warpgroup w may overwrite its dS: the other one's dQ GEMM has read it
 // The reducer warp returns a dQ stage to the consumers only once its TMA reduction has read it
 // (the example's returned it one reduction early). Producer and epilogue are the example's.
 #pragma once
@@ -48,7 +41,6 @@ struct BwdMainloop
   using typename Base::PipelineStateQ;
   using typename Base::SharedStorage;
   using typename Base::TiledMmaND;
-  using typename Base::TiledMmaND_SS;
   using typename Base::TiledMmaNM;
   using typename Base::TileShapeMD;
   using typename Base::TileShapeND;
@@ -60,11 +52,9 @@ struct BwdMainloop
   static_assert(kQueryRows % kBwdQueryRows == 0);
   // How the warpgroups share the dQ GEMM (above). A GMMA operand slice of half the head dim must
   // span whole 128-byte swizzle atoms; half the rows must be a whole GMMA tile (64).
-  enum class DQSplit { kHeadDim, kRows, kKeys };
-  static constexpr DQSplit kSplit = kHeadDim / 2 * sizeof(Element) % 128 == 0 ? DQSplit::kHeadDim
-                                    : kQueryRows == 128                        ? DQSplit::kRows
-                                                                               : DQSplit::kKeys;
-  static constexpr bool kExchangeDS = kSplit != DQSplit::kKeys;  // each reads both warpgroups' dS
+  enum class DQSplit { kHeadDim, kRows };
+  static constexpr DQSplit kSplit = kHeadDim / 2 * sizeof(Element) % 128 == 0 ? DQSplit::kHeadDim : DQSplit::kRows;
+  static_assert(kSplit == DQSplit::kHeadDim || kQueryRows == 128, "dQ split: neither half of D nor of the rows");
   static constexpr int kDQRows = kSplit == DQSplit::kRows ? kQueryRows / 2 : kQueryRows;
   static constexpr int kDQCols = kSplit == DQSplit::kHeadDim ? kHeadDim / 2 : kHeadDim;
 
@@ -79,9 +69,7 @@ struct BwdMainloop
 
   static constexpr int kConsumerThreads = 2 * cutlass::NumThreadsPerWarpGroup;
   static constexpr int kDsReady = 0;  // user named-barrier ids (CUTLASS reserves the ones below)
-  static constexpr int kDsFree = 1;     // and 2
-  static constexpr int kDsStored = 3;   // and 4
-  static constexpr int kDqPartial = 5;  // and 6
+  static constexpr int kDsFree = 1;  // and 2
 
   // The dQ stage with the example's SW128 atoms stacked along rows first (it stacks them along D):
   // a TMA box then spans all rows of a 128-byte column slice, 4 reductions a tile at D = 128
@@ -122,6 +110,114 @@ struct BwdMainloop
     cute::prefetch_tma_descriptor(params.tma_red_dq_rows.get_tma_descriptor());
   }
 
+  // The query tiles of a CTA run from first_tile, wrapping around. Under deterministic dQ
+  // without a causal mask every key block adds into every tile in its turn: started together at
+  // tile 0, the CTAs of a head would queue there behind each other, so each starts at
+  // key block * tiles / key blocks instead and a tile's turns follow the order in which the CTAs
+  // reach it (ArrivalTurns). Elsewhere, and where key blocks * tiles passes 32 bits, from tile 0
+  // (the causal mask staggers the CTAs itself).
+  struct TileIter {
+    int tile, count;
+    CUTLASS_DEVICE int operator*() const { return tile; }
+    CUTLASS_DEVICE TileIter& operator++() {
+      tile = tile + 1 == count ? 0 : tile + 1;
+      return *this;
+    }
+  };
+
+  template <class ProblemShape>
+  static CUTLASS_DEVICE bool rotates(Params const& params, ProblemShape const& problem, int tiles) {
+    return !Fusion::kReverseKeyBlocks && params.dq_semaphore != nullptr &&
+           (long(key_blocks(problem)) + 1) * (tiles + 1) < (1l << 31);
+  }
+
+  template <class BlkCoord, class ProblemShape>
+  static CUTLASS_DEVICE int first_tile(BlkCoord const& blk, Params const& params, ProblemShape const& problem,
+                                       int tiles) {
+    return rotates(params, problem, tiles) ? get<1>(blk) * tiles / key_blocks(problem) : 0;
+  }
+
+  template <class ProblemShape>
+  static CUTLASS_DEVICE int key_blocks(ProblemShape const& problem) {
+    return ceil_div(int(get<3>(problem)), int(get<1>(TileShape{})));
+  }
+
+  // Key block n's turns when each block starts at first_tile: the blocks reach tile t in the order
+  // of how far into their sequence t lies ((t - start) mod tiles), ties by index. Starts rise with
+  // n, so those starting at or before t come first, the latest start first, then the others
+  // likewise. 32-bit arithmetic (rotates()): the reducer warp has 24 registers.
+  struct ArrivalTurns {
+    int blocks, tiles, start, offset;
+    CUTLASS_DEVICE ArrivalTurns(int n, int blocks, int tiles) : blocks(blocks), tiles(tiles), start(n * tiles / blocks) {
+      const int first = (start * blocks + tiles - 1) / tiles;  // the first and last blocks of this start
+      const int last = ((start + 1) * blocks + tiles - 1) / tiles - 1;
+      offset = n - first - 1 - last;
+    }
+    CUTLASS_DEVICE int operator()(int t) const {
+      const int started = min(blocks, ((t + 1) * blocks + tiles - 1) / tiles);  // the blocks starting <= t
+      return started + offset + (t < start ? blocks : 0);
+    }
+  };
+
+  // The producer warp, in the example's order (K0 Q0 lse0 V0 K1 dO0 sum(dO*O)0 V1, then Q, lse,
+  // dO and sum(dO * O) a query tile) over the CTA's tiles from first_tile, skipping those the
+  // mask leaves out. Only the elected lane loads and advances its tile iterator.
+  template <bool kLoadOuter, class BlkCoord, class ProblemShape, class LoadWarpBarrier>
+  CUTLASS_DEVICE void load_kv_maybe_q(int block_rank_in_cluster, BlkCoord const& blk_coord, Params const& params,
+                                      ProblemShape const& problem_size, MainloopPipeline& pipeline_inner,
+                                      PipelineState& write_inner, MainloopPipelineQ& pipeline_outer,
+                                      PipelineStateQ& write_outer, SharedStorage& storage, LoadWarpBarrier&, bool) {
+    static_assert(kLoadOuter, "one producer warp loads K, V and the query tiles");
+    const int lane_predicate = cute::elect_one_sync();
+    int outer_count = Base::NumMmaWarpGroups;
+    int inner_count = this->get_inner_tile_count(blk_coord, problem_size);
+    auto outer = cute::make_coord_iterator(outer_count);
+    TileIter inner{first_tile(blk_coord, params, problem_size, inner_count), inner_count};
+
+    typename Base::LoadQ load_q{params.tma_load_q, pipeline_inner, storage.smem_q};
+    typename Base::LoadDO load_do{params.tma_load_do, pipeline_inner, storage.smem_do};
+    typename Base::LoadK load_k{params.tma_load_k, pipeline_outer, storage.smem_k};
+    typename Base::LoadV load_v{params.tma_load_v, pipeline_outer, storage.smem_v};
+    typename Base::LoadLSE load_lse{params.tma_load_lse, pipeline_inner, storage.smem_lse};
+    typename Base::LoadODO load_odo{params.tma_load_odo, pipeline_inner, storage.smem_sumOdO};
+    auto state_q = load_q.init_state(block_rank_in_cluster, problem_size, TileShapeNM{}, blk_coord, inner_count);
+    auto state_do = load_do.init_state(block_rank_in_cluster, problem_size, TileShapeNM{}, blk_coord, inner_count);
+    auto state_k = load_k.init_state(_0{}, problem_size, TileShapeNM{}, blk_coord, outer_count);
+    auto state_v = load_v.init_state(_0{}, problem_size, TileShapeNM{}, blk_coord, outer_count);
+    auto state_lse = load_lse.init_state(_0{}, problem_size, TileShapeNM{}, blk_coord, outer_count);
+    auto state_odo = load_odo.init_state(_0{}, problem_size, TileShapeNM{}, blk_coord, outer_count);
+    outer_count *= 2;  // K and V
+    inner_count *= 4;  // Q, lse, dO and sum(dO * O)
+
+    auto skip_left_out = [&] {
+      while (inner_count > 0 && !Fusion{}.is_contributing(make_coord(*inner, get<1>(blk_coord)), TileShape{}, problem_size)) {
+        inner_count -= 4;
+        ++inner;
+      }
+    };
+    auto load_q_lse = [&] {
+      load_q.template step<false, false, true>(inner, state_q, write_inner, lane_predicate, inner_count);
+      load_lse.template step<false, true, false>(inner, state_lse, write_inner, lane_predicate, inner_count);
+    };
+    auto load_do_odo = [&] {
+      load_do.template step<false, false, true>(inner, state_do, write_inner, lane_predicate, inner_count);
+      load_odo.template step<true, true, false>(inner, state_odo, write_inner, lane_predicate, inner_count);
+    };
+    skip_left_out();
+    load_k.template step<false>(outer, state_k, write_outer, lane_predicate, outer_count);
+    load_q_lse();
+    load_v.template step<true>(outer, state_v, write_outer, lane_predicate, outer_count);
+    load_k.template step<false>(outer, state_k, write_outer, lane_predicate, outer_count);
+    load_do_odo();
+    load_v.template step<true>(outer, state_v, write_outer, lane_predicate, outer_count);
+    CUTLASS_PRAGMA_NO_UNROLL
+    while (inner_count > 0) {
+      skip_left_out();
+      load_q_lse();
+      load_do_odo();
+    }
+  }
+
   // The reducer warp: each dQ tile the consumers leave in a stage is added into the fp32 dQ
   // buffer by a TMA reduction; a stage goes back once its reduction has read it.
   template <class BlkCoord, class ProblemShape, class PipelineReducer, class PipelineStateReducer>
@@ -136,8 +232,8 @@ struct BwdMainloop
     Tensor tDQsDQ = tma.partition_S(sDQ);
     Tensor tDQgDQ = tma.partition_D(gDQ);
 
-    // The key blocks that add into a query tile are a prefix 0..last (the causal mask sees a
-    // prefix of them): this block's turn is its index, or last - index where they go last first.
+    // Deterministic turns: under the causal mask the key blocks that add into a query tile are a
+    // prefix 0..last, taken last first; without it all of them, in arrival order.
     const int key_block = get<1>(blk_coord);
     int* const locks = params.dq_semaphore == nullptr ? nullptr
         : params.dq_semaphore + get<2, 0>(blk_coord) * params.semaphore_batch_stride +
@@ -147,19 +243,26 @@ struct BwdMainloop
     // this warp runs on 24 registers).
     int previous = -1;
     const int tiles = this->get_inner_tile_count(blk_coord, problem_size);
-    for (int q_tile = 0; q_tile < tiles; ++q_tile) {
-      if (!Fusion{}.is_contributing(make_coord(q_tile, get<1>(blk_coord)), TileShape{}, problem_size)) continue;
+    TileIter q_tile{first_tile(blk_coord, params, problem_size, tiles), tiles};
+    // one tile: every block starts at tile 0, and a block's turn is its index
+    const ArrivalTurns turns(key_block, key_blocks(problem_size), rotates(params, problem_size, tiles) ? tiles : 1);
+    for (int i = 0; i < tiles; ++i, ++q_tile) {
+      if (!Fusion{}.is_contributing(make_coord(*q_tile, key_block), TileShape{}, problem_size)) continue;
       pipeline.consumer_wait(read);
       if (leader) {
         if (locks) {
-          int turn = key_block;
-          if constexpr (Fusion::kReverseKeyBlocks) turn = Fusion{}.last_key_block(q_tile, TileShape{}, problem_size) - key_block;
-          wait_for_turn(locks + q_tile, turn);
+          int turn;
+          if constexpr (Fusion::kReverseKeyBlocks) {
+            turn = Fusion{}.last_key_block(*q_tile, TileShape{}, problem_size) - key_block;
+          } else {
+            turn = turns(*q_tile);
+          }
+          wait_for_turn(locks + *q_tile, turn);
         }
-        copy(params.tma_red_dq_rows, tDQsDQ(_, _, _, read.index()), tDQgDQ(_, _, _, q_tile));
+        copy(params.tma_red_dq_rows, tDQsDQ(_, _, _, read.index()), tDQgDQ(_, _, _, *q_tile));
         tma_store_arrive();
         if (locks) {
-          pass_turn(locks + q_tile);
+          pass_turn(locks + *q_tile);
         } else {
           tma_store_wait<1>();  // the previous tile's reduction has read its stage
         }
@@ -189,15 +292,10 @@ struct BwdMainloop
     asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(lock) : "memory");
   }
 
-  // Explicit shared-memory accesses: through generic pointers the dQ stores lost their address
+  // An explicit shared-memory store: through generic pointers the dQ stores lost their address
   // space (generic ST, 64-bit addresses).
   static CUTLASS_DEVICE void st_shared(uint32_t dst, float2 v) {
     asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(dst), "f"(v.x), "f"(v.y) : "memory");
-  }
-  static CUTLASS_DEVICE float2 ld_shared(uint32_t src) {
-    float2 v;
-    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(src) : "memory");
-    return v;
   }
   // The dQ stage is swizzled within 1 KiB (SW128 of fp32): offsets a multiple of 1 KiB apart stay
   // as far apart once swizzled. kDqRep[i] is the first float2 of a thread's dQ view in i's class,
@@ -269,7 +367,7 @@ struct BwdMainloop
     Tensor tDPrDO = thr_nm.make_fragment_B(thr_nm.partition_B(
         make_tensor(make_smem_ptr(storage.smem_do.data()), typename Base::SmemLayoutDO{})));
 
-    // dV += P dO with P from registers; dK += dS Q with dS from shared memory.
+    // dV += P^T dO and dK += dS^T Q, P and dS from registers.
     auto thr_nd = mma_nd.get_thread_slice(thread_idx);
     Tensor tDVrDO = thr_nd.make_fragment_B(thr_nd.partition_B(
         make_tensor(make_smem_ptr(storage.smem_dop.data()), typename Base::SmemLayoutDOp{})));
@@ -285,12 +383,9 @@ struct BwdMainloop
     auto ds_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_nm);
     auto thr_ds_copy = ds_copy.get_thread_slice(thread_idx);
     Tensor tDSsDS = thr_ds_copy.partition_D(sDSt);
-    auto thr_nd_ss = TiledMmaND_SS{}.get_thread_slice(thread_idx);
-    Tensor tDKrDS = thr_nd_ss.make_fragment_A(thr_nd_ss.partition_A(sDSt));
 
     // kHeadDim: dQ[:, this warpgroup's half of D] = dS K, K (D, keys, stage) sliced to the half.
     // kRows: dQ[this warpgroup's half of the rows, :] = dS K, dS (rows, keys, wg) sliced to it.
-    // kKeys: dQ partial = dS K over this warpgroup's keys, all of D (the slices are whole).
     const int dq_row_part = kSplit == DQSplit::kRows ? wg_idx : 0;
     const int dq_col_part = kSplit == DQSplit::kHeadDim ? wg_idx : 0;
     TiledMmaDQ mma_dq;
@@ -320,25 +415,24 @@ struct BwdMainloop
     Tensor tScS = thr_nm.partition_C(cS);
     const int key_block = get<1>(wg_coord);
     tScS.data() = tScS.data() + E<0>{} * key_block * get<0>(TileShapeNM{});
+    const auto tScS_origin = tScS.data();
 
-    // ds_ready: the dS this warpgroup's GEMMs read is in shared memory (both halves with the
-    // exchange).
-    cutlass::arch::NamedBarrier ds_ready(kExchangeDS ? kConsumerThreads : cutlass::NumThreadsPerWarpGroup,
-                                         kExchangeDS ? kDsReady : kDsStored + wg_idx);
+    // ds_ready: both halves of dS are in shared memory for the dQ GEMMs.
+    cutlass::arch::NamedBarrier ds_ready(kConsumerThreads, kDsReady);
     cutlass::arch::NamedBarrier my_ds_free(kConsumerThreads, kDsFree + wg_idx);
     cutlass::arch::NamedBarrier other_ds_free(kConsumerThreads, kDsFree + 1 - wg_idx);
     // Nothing of the other's dS read yet; balanced by the sync after the loop.
-    if constexpr (kExchangeDS) other_ds_free.arrive();
+    other_ds_free.arrive();
 
     int tiles = this->get_inner_tile_count(wg_coord, problem_size);
-    int q_tile = 0;
+    TileIter q_tile{first_tile(blk_coord, params, problem_size, tiles), tiles};
     while (tiles > 0) {
-      while (tiles > 0 && !Fusion{}.is_contributing(make_coord(q_tile, get<1>(blk_coord)), TileShape{}, problem_size)) {
+      while (tiles > 0 && !Fusion{}.is_contributing(make_coord(*q_tile, get<1>(blk_coord)), TileShape{}, problem_size)) {
         --tiles;
         ++q_tile;
-        tScS.data() = tScS.data() + E<1>{} * get<1>(TileShapeNM{});
       }
       if (tiles == 0) break;
+      tScS.data() = tScS_origin + E<1>{} * (*q_tile * get<1>(TileShapeNM{}));
 
       Tensor tSrK_ = in_loop(tSrK);
       Tensor tSrQ_ = in_loop(tSrQ);
@@ -346,7 +440,6 @@ struct BwdMainloop
       Tensor tDPrDO_ = in_loop(tDPrDO);
       Tensor tDVrDO_ = in_loop(tDVrDO);
       Tensor tDKrQ_ = in_loop(tDKrQ);
-      Tensor tDKrDS_ = in_loop(tDKrDS);
       Tensor tDQrDS_ = in_loop(tDQrDS);
       Tensor tDQrK_ = in_loop(tDQrK);
 
@@ -386,7 +479,12 @@ struct BwdMainloop
 
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_DP);
-      Tensor acc_DS = make_fragment_like<Element>(acc_DP);
+      // dS in registers: the dK GEMM's A operand, in the accumulator's order (16-bit elements),
+      // and, published, the dQ GEMMs'.
+      Tensor op_DS = make_fragment_like<Element>(
+          cutlass::fmha::collective::convert_c_layout_to_a_layout(acc_DP.layout(), shape<1>(typename TiledMmaND::LayoutA_TV{})));
+      Tensor acc_DS = make_tensor(op_DS.data(), acc_DP.layout());
+      static_assert(sizeof(Element) == 2);
       // dS = P scale (dP - odo) as P fma(dP, scale, -scale odo): one FFMA and one FMUL a score
       // (-scale odo is the row's, shared by its keys) instead of an FADD and two FMULs.
       const float scale = params.scale_softmax;
@@ -395,15 +493,16 @@ struct BwdMainloop
 
       auto op_P = cutlass::fmha::collective::make_acc_into_op<Element>(acc_P, typename TiledMmaND::LayoutA_TV{});
       warpgroup_fence_operand(acc_DV);
+      warpgroup_fence_operand(acc_DK);
       warpgroup_fence_operand(op_P);
+      warpgroup_fence_operand(op_DS);
       warpgroup_arrive();
       cute::gemm(mma_nd, op_P, tDVrDO_(_, _, _, read_do.index()), acc_DV);
+      cute::gemm(mma_nd, op_DS, tDKrQ_(_, _, _, read_q.index()), acc_DK);
       warpgroup_commit_batch();
 
-      // Publish this warpgroup's dS (with the exchange once the other's dQ GEMM of the previous
-      // tile has read it; under kKeys only this warpgroup reads it, and its GEMMs of that tile
-      // are done).
-      if constexpr (kExchangeDS) my_ds_free.sync();
+      // Publish this warpgroup's dS once the other's dQ GEMM of the previous tile has read it.
+      my_ds_free.sync();
       copy(ds_copy, thr_ds_copy.retile_S(acc_DS), tDSsDS(_, _, _, wg_idx));
       cutlass::arch::fence_view_async_shared();
       ds_ready.sync();
@@ -411,26 +510,18 @@ struct BwdMainloop
       Tensor acc_DQ = partition_fragment_C(mma_dq, take<0, 2>(TileShapeDQ{}));
       warpgroup_fence_operand(acc_DQ);
       warpgroup_arrive();
-      if constexpr (kExchangeDS) {
-        cutlass::fmha::collective::gemm_zero_acc(mma_dq, tDQrDS_(_, _, _, 0), tDQrK_(_, _, _, k_stage[0]), acc_DQ);
-        cute::gemm(mma_dq, tDQrDS_(_, _, _, 1), tDQrK_(_, _, _, k_stage[1]), acc_DQ);
-      } else {
-        cutlass::fmha::collective::gemm_zero_acc(mma_dq, tDQrDS_(_, _, _, wg_idx), tDQrK_(_, _, _, read_k.index()), acc_DQ);
-      }
+      cutlass::fmha::collective::gemm_zero_acc(mma_dq, tDQrDS_(_, _, _, 0), tDQrK_(_, _, _, k_stage[0]), acc_DQ);
+      cute::gemm(mma_dq, tDQrDS_(_, _, _, 1), tDQrK_(_, _, _, k_stage[1]), acc_DQ);
       warpgroup_commit_batch();
 
+      warpgroup_wait<0>();  // dV, dK and dQ done
+      warpgroup_fence_operand(acc_DV);
       warpgroup_fence_operand(acc_DK);
-      warpgroup_arrive();
-      cute::gemm(TiledMmaND_SS{}, tDKrDS_(_, _, _, wg_idx), tDKrQ_(_, _, _, read_q.index()), acc_DK);
-      warpgroup_commit_batch();
-
-      warpgroup_wait<1>();  // dV and dQ done, dK may still run
       warpgroup_fence_operand(acc_DQ);
-      if constexpr (kExchangeDS) other_ds_free.arrive();
+      other_ds_free.arrive();
 
       // This warpgroup's part of the dQ tile into the reducer's stage; the reducer warp adds the
-      // whole tile into the fp32 dQ buffer once both warpgroups have committed. Under kKeys the
-      // second adds its partial to the first's, each thread to the elements its twin wrote.
+      // whole tile into the fp32 dQ buffer once both warpgroups have committed.
       pipeline_reducer.producer_acquire(smem_pipe_write_reducer);
       const int stage = smem_pipe_write_reducer.index();
       auto dq_dst = recast<float2>(tDQsDQ(_, _, _, stage));
@@ -445,35 +536,20 @@ struct BwdMainloop
             ? uint32_t(Swizzle<3, 4, 3>{}(dq_base + dq_dst.layout()(i) * sizeof(float2)))
             : dq_addr[kDqRep[i]] + (dq_dst.layout()(i) - dq_dst.layout()(kDqRep[i])) * sizeof(float2);
       }
-      if (kExchangeDS || wg_idx == 0) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(dq_src); i++) st_shared(dq_addr[i], dq_src(i));
-        if constexpr (!kExchangeDS) cutlass::arch::NamedBarrier::arrive(kConsumerThreads, kDqPartial + stage);
-      } else {
-        cutlass::arch::NamedBarrier::sync(kConsumerThreads, kDqPartial + stage);
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(dq_src); i++) {
-          float2 sum = ld_shared(dq_addr[i]);
-          sum.x += dq_src(i).x;
-          sum.y += dq_src(i).y;
-          st_shared(dq_addr[i], sum);
-        }
-      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(dq_src); i++) st_shared(dq_addr[i], dq_src(i));
       cutlass::arch::fence_view_async_shared();
       pipeline_reducer.producer_commit(smem_pipe_write_reducer);
       ++smem_pipe_write_reducer;
 
-      // dK has read Q: release Q and dO (and this warpgroup's dS, for the next tile).
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_DK);
+      // The GEMMs have read Q and dO: release them.
       pipeline_inner.consumer_release(read_q);
       pipeline_inner.consumer_release(read_do);
 
       --tiles;
       ++q_tile;
-      tScS.data() = tScS.data() + E<1>{} * get<1>(TileShapeNM{});
     }
-    if constexpr (kExchangeDS) my_ds_free.sync();
+    my_ds_free.sync();
 
     pipeline_outer.consumer_release(read_k);
     pipeline_outer.consumer_release(read_v);
