@@ -492,9 +492,14 @@ def _hopper() -> bool:
 
 
 def _count_cudnn(monkeypatch) -> list:
-    """Calls of cuDNN's backward, with TORCH_FLASH_CUDNN_BACKWARD=1 (as by default)."""
+    """Calls of cuDNN's backward, with TORCH_FLASH_CUDNN_BACKWARD=1 (as by default) and cuDNN's
+    backward ahead of the Hopper kernel at every head dim (by default the Hopper kernel goes
+    first at SM90_BWD_BEFORE_CUDNN_HDIMS; test_cuda_attention_bwd.py checks that order), with a
+    table of plans of its own."""
     from torch_flash.ops import attention as A
     monkeypatch.setenv("TORCH_FLASH_CUDNN_BACKWARD", "1")
+    monkeypatch.setattr(A, "SM90_BWD_BEFORE_CUDNN_HDIMS", {False: (), True: ()})
+    monkeypatch.setattr(A.BACKWARD_PLANS, "_plans", {})
     calls, real = [], A._cudnn_backward
     monkeypatch.setattr(A, "_cudnn_backward", lambda *args: calls.append(1) or real(*args))
     return calls
@@ -503,11 +508,12 @@ def _count_cudnn(monkeypatch) -> list:
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", CUDNN_CASES)
 def test_cudnn_backward(case, monkeypatch):
-    """By default, on an H100 or H200 the eager backward of a plain bf16 call is
-    cuDNN's: the op's gradients contiguous (as its fake promises) and within 2x of the
+    """On an H100 or H200 the eager backward of a plain bf16 call is cuDNN's where it goes
+    first (_count_cudnn): the op's gradients contiguous (as its fake promises) and within 2x of the
     deterministic Triton backward's error against float64, for an upstream gradient in HF's
     transposed layout too, eager and compiled (traced, the call is counted once); with
-    torch.use_deterministic_algorithms the Triton backward runs (bitwise reproducible)."""
+    torch.use_deterministic_algorithms cuDNN's does not run and the one that does (the Hopper
+    kernel's at D 64 / 128, else Triton's) is bitwise reproducible."""
     if not _hopper():
         pytest.skip("cuDNN's backward is taken on sm_90 only")
     b, hq, hkv, s, d, causal, bshd = case
