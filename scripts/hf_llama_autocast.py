@@ -7,15 +7,13 @@ the loss and of all parameter gradients (one vector) against eager in fp32 witho
 Needs transformers.
 Usage: python scripts/hf_llama_autocast.py OUT.json [--hidden H --heads N --kv-heads K]
 [--backends NAME ...] (defaults: the run in docs/results/hf_llama_autocast, head dim 64 with GQA; the backend
-"flash, no attention family" leaves SDPA to PyTorch; "flash, Triton backward" sets
-TORCH_FLASH_CUDNN_BACKWARD=0, off the cuDNN backward flash.attention takes by default).
+"flash, no attention family" leaves SDPA to PyTorch; "flash, Triton" runs the flash ops on their
+Triton kernels, torch_flash.use_backend("triton"), off the Hopper and cuDNN backwards).
 """
 import argparse
 import json
-import os
 import statistics
 import time
-from unittest import mock
 
 import torch
 import transformers
@@ -28,13 +26,13 @@ CONFIG = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num
               num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096, use_cache=False,
               attn_implementation="sdpa")
 BACKENDS = {"inductor": "inductor", "flash": "flash",
-            "flash, Triton backward": "flash",
+            "flash, Triton": "flash",
             "flash, no rotary family": torch_flash.backend(ops=["attention", "norm", "loss"]),
             "flash, no attention family": torch_flash.backend(ops=["rotary", "norm", "loss"])}
-# environment a backend compiles and runs under
-ENV = {"flash, Triton backward": {"TORCH_FLASH_CUDNN_BACKWARD": "0"}}
-# every backend traces afresh: the compile caches do not key on the environment, and "flash, Triton
-# backward" would get the graph "flash" traced with the cuDNN backward
+# the backend a configuration's flash ops run on (traced into its graph)
+FORCED = {"flash, Triton": "triton"}
+# every backend traces afresh: the compile caches do not key on the forced backend, and "flash,
+# Triton" would get the graph "flash" traced with the default backends
 torch._functorch.config.enable_autograd_cache = False
 torch._inductor.config.fx_graph_cache = False
 DEFAULT_BACKENDS = ["inductor", "flash", "flash, no rotary family"]
@@ -115,7 +113,7 @@ def main() -> None:
     print("eager autocast", out["eager_autocast"], flush=True)
     for name in args.backends:
         print(name, flush=True)
-        with mock.patch.dict(os.environ, ENV.get(name, {})):
+        with torch_flash.use_backend(FORCED.get(name)):
             row = dict(impl=name, **measure(model, ids, BACKENDS[name], reference))
         out["rows"].append(row)
         print(row, flush=True)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_flash  # noqa: F401  (registers the ops)
+from torch_flash.ops import attention as attention_ops
 from torch_flash.ops.attention import attention, attention_with_lse
 from torch_flash.reference import attention as ref
 from torch_flash.testing.samples.attention import CASES, make_bias, make_qkv, make_seed
@@ -492,16 +493,15 @@ def _hopper() -> bool:
 
 
 def _count_cudnn(monkeypatch) -> list:
-    """Calls of cuDNN's backward, with TORCH_FLASH_CUDNN_BACKWARD=1 (as by default) and cuDNN's
+    """Calls of cuDNN's backward, with CUDNN_BACKWARD on (as by default) and cuDNN's
     backward ahead of the Hopper kernel at every head dim (by default the Hopper kernel goes
     first at SM90_BWD_BEFORE_CUDNN_HDIMS; test_cuda_attention_bwd.py checks that order), with a
     table of plans of its own."""
-    from torch_flash.ops import attention as A
-    monkeypatch.setenv("TORCH_FLASH_CUDNN_BACKWARD", "1")
-    monkeypatch.setattr(A, "SM90_BWD_BEFORE_CUDNN_HDIMS", {False: (), True: ()})
-    monkeypatch.setattr(A.BACKWARD_PLANS, "_plans", {})
-    calls, real = [], A._cudnn_backward
-    monkeypatch.setattr(A, "_cudnn_backward", lambda *args: calls.append(1) or real(*args))
+    monkeypatch.setattr(attention_ops, "CUDNN_BACKWARD", True)
+    monkeypatch.setattr(attention_ops, "SM90_BWD_BEFORE_CUDNN_HDIMS", {False: (), True: ()})
+    monkeypatch.setattr(attention_ops.BACKWARD_PLANS, "_plans", {})
+    calls, real = [], attention_ops._cudnn_backward
+    monkeypatch.setattr(attention_ops, "_cudnn_backward", lambda *args: calls.append(1) or real(*args))
     return calls
 
 
@@ -579,9 +579,8 @@ def test_cudnn_backward_shares_no_graph_with_sdpa(sdpa_first, monkeypatch):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    monkeypatch.setenv("TORCH_FLASH_CUDNN_BACKWARD", "0")
-    triton = grads(lambda q, k, v: attention(q, k, v, causal=True))
-    monkeypatch.setenv("TORCH_FLASH_CUDNN_BACKWARD", "1")
+    with torch_flash.use_backend("triton"):
+        triton = grads(lambda q, k, v: attention(q, k, v, causal=True))
     order = [("sdpa", sdpa), ("flash", lambda q, k, v: attention(q, k, v, causal=True))]
     for name, fn in order if sdpa_first else order[::-1]:
         for got, ours, e, what in zip(grads(fn), triton, exact, ("dq", "dk", "dv")):
@@ -596,7 +595,7 @@ def test_cudnn_backward_only_where_it_agrees(monkeypatch, force_backend):
     Triton backward: causal with Sq != Sk (cuDNN's diagonal is top-left), softcap, a window,
     a bias, an lse gradient, fp32, k and v whose strides or addresses are not 16-byte aligned,
     use_backend("triton"); short causal calls, which ours runs faster on the H100; and
-    every call with TORCH_FLASH_CUDNN_BACKWARD=0."""
+    every call with TORCH_FLASH_CUDNN_BACKWARD=0 (CUDNN_BACKWARD off)."""
     if not _hopper():
         pytest.skip("cuDNN's backward is taken on sm_90 only")
     calls = _count_cudnn(monkeypatch)
@@ -629,9 +628,9 @@ def test_cudnn_backward_only_where_it_agrees(monkeypatch, force_backend):
     force_backend(None)
     run()
     assert calls == [1]
-    monkeypatch.setenv("TORCH_FLASH_CUDNN_BACKWARD", "0")
+    monkeypatch.setattr(attention_ops, "CUDNN_BACKWARD", False)
     run()
     assert calls == [1]
-    monkeypatch.delenv("TORCH_FLASH_CUDNN_BACKWARD")  # the default
+    monkeypatch.setattr(attention_ops, "CUDNN_BACKWARD", True)  # the default
     run()
     assert calls == [1, 1]

@@ -297,6 +297,10 @@ def _attention_with_lse(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Ten
 # tokens, d 64 / 128: 2.01 / 1.72 ms against 1.51 / 1.56), of 2k tokens faster ((4, 16, 2048,
 # 128): 0.48 ms against 0.72).
 CUDNN_CAUSAL_MIN_SEQLEN = 2048
+# TORCH_FLASH_CUDNN_BACKWARD=0 keeps cuDNN's backward off; read once at import, as
+# TORCH_FLASH_BACKEND (the eager fast path replays a signature's recorded backward without
+# asking again)
+CUDNN_BACKWARD = os.environ.get("TORCH_FLASH_CUDNN_BACKWARD", "1").strip() != "0"
 
 
 def cudnn_backward_serves(grad_lse, q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: ref.Spec) -> bool:
@@ -304,7 +308,7 @@ def cudnn_backward_serves(grad_lse, q: Tensor, k: Tensor, v: Tensor, attn_bias, 
     the lse of our forward as its own (equal to 1e-6 on the H100) and was checked there against
     float64 (tests/ops/test_attention.py): 1.1x-1.55x our Triton backward on the H200, 0.82x-0.90x
     FlashAttention 4's (docs/perf.md), but not bitwise reproducible. That is: unless
-    TORCH_FLASH_CUDNN_BACKWARD=0, not under torch.use_deterministic_algorithms(True), no forced
+    TORCH_FLASH_CUDNN_BACKWARD=0 (CUDNN_BACKWARD), not under torch.use_deterministic_algorithms(True), no forced
     backend, cuDNN's SDPA enabled, an sm_90
     GPU, fp16/bf16, one head dim <= 128 (a multiple of 8), Sq == Sk (cuDNN aligns the causal
     diagonal top-left, ours bottom-right), causal only from CUDNN_CAUSAL_MIN_SEQLEN keys, no
@@ -316,7 +320,7 @@ def cudnn_backward_serves(grad_lse, q: Tensor, k: Tensor, v: Tensor, attn_bias, 
     failed tests/test_large_index.py with a relative error of 0.25, where the same forward with
     the Triton backward passed (H200, torch 2.11)."""
     d, s = q.shape[-1], q.shape[2]
-    return (os.environ.get("TORCH_FLASH_CUDNN_BACKWARD") != "0" and q.device.type == "cuda"
+    return (CUDNN_BACKWARD and q.device.type == "cuda"
             and _dispatch.forced_backend() is None
             and not torch.are_deterministic_algorithms_enabled() and torch.backends.cuda.cudnn_sdp_enabled()
             and torch.cuda.get_device_capability(q.device) == (9, 0)
@@ -463,7 +467,7 @@ def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
     # with the global state cudnn_backward_serves reads
     values = (grad_out, grad_lse, q, k, v, attn_bias, out, lse, scale, causal, window_left, window_right, softcap,
               dropout_p, dropout_seed, bias_requires_grad, alibi_slopes, sinks,
-              os.environ.get("TORCH_FLASH_CUDNN_BACKWARD"),
+              CUDNN_BACKWARD,
               torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.cudnn_sdp_enabled())
     plan = BACKWARD_PLANS.get("attention_backward", values, make)
     if plan is not None and plan is not _CUDNN:
@@ -569,11 +573,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor] = Non
     softmax column that takes probability mass and adds no value; differentiable, included
     in lse. dropout_p drops attention probabilities with a seed drawn from torch's default
     generator. A query that sees no key gets zeros.
-    The backward of plain fp16/bf16 self-attention on a Hopper GPU runs cuDNN's
-    (ops.attention.cudnn_backward_serves; TORCH_FLASH_CUDNN_BACKWARD=0 turns it off), which
-    sums dq with atomic adds as SDPA's fastest backends do: not bitwise reproducible. Under
-    torch.use_deterministic_algorithms(True) the Triton backward runs instead, which is (as it
-    is everywhere else).
+    On a Hopper GPU the backward of plain fp16/bf16 self-attention runs the Hopper kernel
+    (csrc/attention) at D 64 and 128 where it goes first (ops.attention.SM90_BWD_BEFORE_CUDNN_HDIMS),
+    else cuDNN's (cudnn_backward_serves; TORCH_FLASH_CUDNN_BACKWARD=0 at start-up turns it off);
+    both add dq atomically, as SDPA's fastest backends do: not bitwise reproducible. Under
+    torch.use_deterministic_algorithms(True) the Triton backward runs, which is; so does the
+    Hopper kernel's, which adds dq in a fixed key-block order, under use_backend("cuda").
     """
     kw = op_kwargs("attention", scale, causal, window, softcap, dropout_p)
     # positional: the eager fast path records a gradient for positional tensors (sinks)
