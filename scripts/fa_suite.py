@@ -18,7 +18,8 @@ keeps N values of every parametrize (test_flash_attn.py alone takes minutes to c
 `--` go to pytest. The summary (stdout, and --summary FILE as Markdown, rewritten after every
 test) lists passed / failed / skipped per test function, with the skip reasons and each
 failure's first error line. Without a GPU the files are collected and imported, and every test
-is skipped.
+is skipped. `-- -n 8` spreads the tests over pytest-xdist workers: one process ran about one
+test in 7 s on the H200 machine, most of it compiling Triton kernels for the test's variant.
 """
 from __future__ import annotations
 
@@ -31,15 +32,18 @@ import sys
 import pytest
 
 
-class Summary:
-    """pytest plugin: optional random sampling, then outcomes per test function (written to
-    `path` after every test, so a run cut off by a time limit still leaves its counts)."""
+# how main() tells every process's Selection what to keep: "sample,seed,values"
+SELECT_ENV = "FA_SUITE_SELECT"
 
-    def __init__(self, sample: int | None, seed: int, values: int | None = None, path: str | None = None):
-        self.sample, self.seed, self.values, self.path = sample, seed, values, path
+
+class Selection:
+    """pytest plugin: --values, then --sample. Every process that collects needs it (the
+    workers of pytest-xdist collect for themselves): main() hands it over in FA_SUITE_SELECT,
+    which pytest_configure below reads where `-p fa_suite` loads this module."""
+
+    def __init__(self, sample: int | None, seed: int, values: int | None = None):
+        self.sample, self.seed, self.values = sample, seed, values
         self.rng = random.Random(seed)
-        self.counts = collections.defaultdict(collections.Counter)  # function -> outcome -> n
-        self.reasons = collections.defaultdict(collections.Counter)  # function -> skip reason / error -> n
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_generate_tests(self, metafunc):
@@ -63,6 +67,24 @@ class Summary:
             keep = set(random.Random(self.seed).sample(range(len(items)), self.sample))
             config.hook.pytest_deselected(items=[t for i, t in enumerate(items) if i not in keep])
             items[:] = [t for i, t in enumerate(items) if i in keep]
+
+
+def pytest_configure(config):
+    select = os.environ.get(SELECT_ENV)
+    if select:
+        sample, seed, values = (int(x) if x else None for x in select.split(","))
+        config.pluginmanager.register(Selection(sample, seed, values), "fa_suite_selection")
+
+
+class Summary:
+    """pytest plugin: outcomes per test function (written to `path` after every test, so a run
+    cut off by a time limit still leaves its counts); in the process that reports (under
+    pytest-xdist the controller)."""
+
+    def __init__(self, path: str | None = None):
+        self.path = path
+        self.counts = collections.defaultdict(collections.Counter)  # function -> outcome -> n
+        self.reasons = collections.defaultdict(collections.Counter)  # function -> skip reason / error -> n
 
     def pytest_runtest_logreport(self, report):
         if report.when != "call" and not (report.failed or report.skipped):
@@ -117,11 +139,17 @@ def main(argv=None) -> int:
     for path in args.paths:
         if not os.path.exists(path):
             parser.error(f"no such file or directory: {path}")
-    summary = Summary(args.sample, args.seed, args.values, args.summary)
+    summary = Summary(args.summary)
+    os.environ[SELECT_ENV] = ",".join("" if x is None else str(x) for x in (args.sample, args.seed, args.values))
+    # `-p fa_suite` (this file) in the workers too
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, here)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (here, os.environ.get("PYTHONPATH"))))
     # -c os.devnull: FlashAttention's own pytest configuration and conftests of this repository
     # stay out; -p loads the shim before the test modules import flash_attn
     rc = pytest.main(["-c", os.devnull, "--rootdir", os.path.dirname(os.path.abspath(args.paths[0])),
-                      "-p", "torch_flash.testing.fa_shim", "-q", *extra, *args.paths], plugins=[summary])
+                      "-p", "torch_flash.testing.fa_shim", "-p", "fa_suite", "-q", *extra, *args.paths],
+                     plugins=[summary])
     text = summary.markdown()
     print(text)
     return int(rc)

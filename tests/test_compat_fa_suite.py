@@ -65,7 +65,7 @@ def test_sample_and_bad_path():
     picks = []
     for _ in range(2):
         items = list(range(10))
-        fa_suite.Summary(3, seed=5).pytest_collection_modifyitems(config, items)
+        fa_suite.Selection(3, seed=5).pytest_collection_modifyitems(config, items)
         picks.append(items)
     assert len(picks[0]) == 3 and picks[0] == picks[1] and len(dropped) == 14
     proc = _run("scripts/fa_suite.py", "/nonexistent/test_x.py")
@@ -74,7 +74,8 @@ def test_sample_and_bad_path():
 
 def test_values_keeps_n_values_of_each_parametrize(tmp_path):
     """--values N: every parametrize keeps N of its values (ids with them), so a file whose
-    parameters multiply out to thousands of cases collects N**k per function."""
+    parameters multiply out to thousands of cases collects N**k per function, in one process or
+    over pytest-xdist workers."""
     path = tmp_path / "test_grid.py"
     path.write_text(textwrap.dedent('''
         import pytest
@@ -85,12 +86,13 @@ def test_values_keeps_n_values_of_each_parametrize(tmp_path):
         def test_grid(a, b, c):
             assert a in range(10) and b in (1, 2, 3) and c == 7
     '''))
-    summary = tmp_path / "summary.md"
-    proc = _run("scripts/fa_suite.py", str(path), "--values", "2", "--summary", str(summary))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    row = next(line for line in summary.read_text().splitlines() if "test_grid.py::test_grid |" in line)
-    passed, failed, skipped = (int(x) for x in row.split("|")[2:5])
-    assert passed + failed + skipped == 4 and failed == 0  # skipped on CPU: no GPU
+    for workers in ([], ["--", "-n", "2"]):  # pytest-xdist's workers select the same cases
+        summary = tmp_path / "summary.md"
+        proc = _run("scripts/fa_suite.py", str(path), "--values", "2", "--summary", str(summary), *workers)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        row = next(line for line in summary.read_text().splitlines() if "test_grid.py::test_grid |" in line)
+        passed, failed, skipped = (int(x) for x in row.split("|")[2:5])
+        assert passed + failed + skipped == 4 and failed == 0, workers  # skipped on CPU: no GPU
 
 
 def test_shim_names_are_compat_and_refuses_a_real_flash_attn():
