@@ -151,8 +151,9 @@ def test_flash_attention_backward_dispatch(s, causal):
     """flash.attention's backward runs this kernel on request (use_backend("cuda"), in either
     mode); by default first for SM90_BWD_BEFORE_CUDNN_HDIMS[causal], else cuDNN's
     where it serves (causal from CUDNN_CAUSAL_MIN_SEQLEN keys), else this kernel for the head
-    dims of SM90_BWD_DEFAULT_HDIMS, else Triton's; Triton's under
-    torch.use_deterministic_algorithms(True). The gradients agree with float64 every way."""
+    dims of SM90_BWD_DEFAULT_HDIMS, else Triton's; under torch.use_deterministic_algorithms(True)
+    this kernel's for SM90_BWD_DETERMINISTIC_HDIMS, else Triton's. The gradients agree with
+    float64 every way."""
     from torch_flash.ops import attention as attention_ops
     assert attention_ops.CUDNN_CAUSAL_MIN_SEQLEN == 2048
     unserved = {d: "cuda" if d in attention_ops.SM90_BWD_DEFAULT_HDIMS else "triton" for d in HDIMS}
@@ -170,8 +171,9 @@ def test_flash_attention_backward_dispatch(s, causal):
             default = "cuda"
         else:
             default = "cudnn" if not causal or s >= 2048 else unserved[d]
+        deterministic_default = "cuda" if d in attention_ops.SM90_BWD_DETERMINISTIC_HDIMS else "triton"
         for forced, deterministic, path in (("cuda", False, "cuda"), ("cuda", True, "cuda"),
-                                            (None, False, default), (None, True, "triton")):
+                                            (None, False, default), (None, True, deterministic_default)):
             torch.use_deterministic_algorithms(deterministic)
             try:
                 with torch_flash.use_backend(forced):

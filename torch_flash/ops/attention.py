@@ -204,19 +204,25 @@ SM90_BWD_DEFAULT_HDIMS = (64, 128)
 # (the op's cuDNN path adds layout copies to SDPA's); D=128 causal, cuDNN's ran 1.02x-1.06x ours
 # and stays first.
 SM90_BWD_BEFORE_CUDNN_HDIMS = {False: (64, 128), True: (64,)}
+# Head dims whose Hopper backward runs by default under torch.use_deterministic_algorithms (dq
+# added in key-block order): D=128 0.79x-0.92x SDPA's cuDNN backward (H200, 2026-11-29, column
+# cuda-sm90-det of `bench attention --hdims 128 --configs cuda-sm90,cuda-sm90-det,sdpa-cudnn`),
+# Triton's 0.66x-0.70x (column triton-det of the 2026-11-28 run above); at D=64 Triton's ran
+# 0.76x-0.85x cuDNN's, as fast as the Hopper kernel's deterministic mode would be.
+SM90_BWD_DETERMINISTIC_HDIMS = (128,)
 
 
 def _sm90_bwd_serves(grad_lse, q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: ref.Spec) -> bool:
     """Whether the Hopper backward of csrc/attention (flash.attention_bwd_sm90) serves this call:
     where the forward's kernel would (_sm90_serves), for a head dim it has (backward_hdims), no
-    lse gradient; unforced only for SM90_BWD_DEFAULT_HDIMS and outside deterministic mode (after
-    cuDNN's backward where SM90_BWD_BEFORE_CUDNN_HDIMS does not put it first). Under
-    torch.use_deterministic_algorithms(True) the kernel adds dq in key-block order, bitwise
-    reproducible, on request (use_backend("cuda"))."""
+    lse gradient; unforced only for SM90_BWD_DEFAULT_HDIMS (after cuDNN's backward where
+    SM90_BWD_BEFORE_CUDNN_HDIMS does not put it first), and under
+    torch.use_deterministic_algorithms(True), where the kernel adds dq in key-block order
+    (bitwise reproducible), for SM90_BWD_DETERMINISTIC_HDIMS."""
     forced = _dispatch.forced_backend()
     if grad_lse is not None or (forced != "cuda" and (
             forced is not None or q.shape[-1] not in SM90_BWD_DEFAULT_HDIMS
-            or torch.are_deterministic_algorithms_enabled())):
+            or (torch.are_deterministic_algorithms_enabled() and q.shape[-1] not in SM90_BWD_DETERMINISTIC_HDIMS))):
         return False
     info = _extension.build_info()
     # its dq accumulator and dk/dv are indexed in 32 bits (csrc/attention/attention.cpp)
@@ -577,8 +583,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor] = Non
     (csrc/attention) at D 64 and 128 where it goes first (ops.attention.SM90_BWD_BEFORE_CUDNN_HDIMS),
     else cuDNN's (cudnn_backward_serves; TORCH_FLASH_CUDNN_BACKWARD=0 at start-up turns it off);
     both add dq atomically, as SDPA's fastest backends do: not bitwise reproducible. Under
-    torch.use_deterministic_algorithms(True) the Triton backward runs, which is; so does the
-    Hopper kernel's, which adds dq in a fixed key-block order, under use_backend("cuda").
+    torch.use_deterministic_algorithms(True) the Hopper kernel adds dq in a fixed key-block
+    order at D=128 (SM90_BWD_DETERMINISTIC_HDIMS) and the Triton backward, reproducible as it
+    is, serves the rest.
     """
     kw = op_kwargs("attention", scale, causal, window, softcap, dropout_p)
     # positional: the eager fast path records a gradient for positional tensors (sinks)
