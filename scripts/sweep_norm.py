@@ -6,7 +6,7 @@ by default, about 10 GPU minutes each):
           accumulation (BWD_ROW_ACC), against quack's backward;
   wide    wider rows (WIDE_SHAPES): the forward's column block (the whole row in registers up
           to FWD_BLOCKS' widest, else its column loop) and the backward's column chunk
-          (BWD_CHUNK), against quack's kernels.
+          (BWD_CHUNK; a chunk as wide as the row is the one-pass kernel), against quack's.
 quack is timed where importable. Writes OUT/sweep_norm.json: the fraction of a device copy each
 setting reaches, with the autotuned num_warps, so that the defaults in
 torch_flash/kernels/triton/norm.py and norm_backward.py are chosen from measurements.
@@ -26,7 +26,7 @@ SHAPES = [(32768, 4096), (65536, 1024), (4096, 8192)]
 NARROW_SHAPES = [(1 << 21, 64), (1 << 19, 256), (65536, 1024)]
 WIDE_SHAPES = [(16384, 8192), (4096, 16384), (8192, 32768), (2048, 65536)]
 FWD_BLOCKS = (8192, 16384, 32768, 65536)
-BWD_BLOCKS = (2048, 4096, 8192)
+BWD_BLOCKS = (2048, 4096, 8192, 16384)  # 16384 at 16384 columns: the whole row in registers, one pass
 
 
 def _inputs(m, n, is_rms):
@@ -114,7 +114,7 @@ def sweep_wide(rows):
                 for blk in FWD_BLOCKS if blk <= n]
         runs += [("bwd", blk, lambda blk=blk: nb.norm_bwd(g, None, x, w, b, out_dtype=x.dtype, block_n=blk,
                                                                **stats, **kw))
-                 for blk in BWD_BLOCKS if blk < n]
+                 for blk in BWD_BLOCKS if blk <= n]
         quack = _quack(is_rms, False, [x, None, w, b], g)
         if quack is not None:
             runs += [("fwd", "quack", quack[0]), ("bwd", "quack", quack[1])]
