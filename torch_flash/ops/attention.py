@@ -205,10 +205,12 @@ SM90_BWD_DEFAULT_HDIMS = (64, 128)
 # and stays first.
 SM90_BWD_BEFORE_CUDNN_HDIMS = {False: (64, 128), True: (64,)}
 # Head dims whose Hopper backward runs by default under torch.use_deterministic_algorithms (dq
-# added in key-block order): D=128 0.79x-0.92x SDPA's cuDNN backward (H200, 2026-11-29, column
-# cuda-sm90-det of `bench attention --hdims 128 --configs cuda-sm90,cuda-sm90-det,sdpa-cudnn`),
-# Triton's 0.66x-0.70x (column triton-det of the 2026-11-28 run above); at D=64 Triton's ran
-# 0.76x-0.85x cuDNN's, as fast as the Hopper kernel's deterministic mode would be.
+# added in key-block order): at D=128 0.82x-0.96x its default mode
+# (docs/results/attention_deterministic/2026-11-29_h200.json, `bench attention --hdims 128
+# --configs cuda-sm90,cuda-sm90-det`), 0.80x-0.91x SDPA's cuDNN backward timed on the same
+# machine minutes before; Triton's 0.66x-0.70x cuDNN's (column triton-det of the 2026-11-28 run
+# above). At D=64 Triton's ran 0.76x-0.85x cuDNN's, about what the Hopper kernel's
+# deterministic mode would: D=64 stays on Triton until timed.
 SM90_BWD_DETERMINISTIC_HDIMS = (128,)
 
 
