@@ -302,8 +302,9 @@ def test_help_names_the_subcommand_and_plot(capsys):
 
 
 def test_committed_results_follow_the_schema_and_naming():
-    """docs/results/<suite>/<date>_<device>.json: the bench's schema, the date and device of
-    its env, one run per suite and device."""
+    """docs/results/<suite>[_<focus>]/<date>_<device>.json: the bench's schema, the date and
+    device of its env, one run per folder and device (a focus: a suite's run on part of its grid,
+    as attention_targets and attention_deterministic)."""
     files = _results()
     assert files
     seen = set()
@@ -314,7 +315,7 @@ def test_committed_results_follow_the_schema_and_naming():
         assert list(data)[:2] == ["suite", "env"] and list(data)[-1] == "rows", rel
         assert isinstance(data["rows"], list) and data["rows"], rel
         env = data["env"]
-        assert folder in (data["suite"], data["suite"] + "_targets"), rel
+        assert folder == data["suite"] or folder.startswith(data["suite"] + "_"), rel
         device = env["device"].split()[1].lower()  # "NVIDIA H100 80GB HBM3" -> h100
         assert name == f"{env['date'][:10]}_{device}.json", rel
         if not folder.startswith("sweep_"):  # tuning sweeps keep one run per date
