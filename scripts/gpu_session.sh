@@ -7,7 +7,8 @@
 # in $OUT for later calls to carry); report the environment; run the GPU tests, the demo and the
 # benchmarks; leave logs and JSON in $OUT.
 # Usage: scripts/gpu_session.sh [suite[:seconds] ...]   (seconds: that suite's time limit;
-# BENCH_ARGS: more options for every suite, e.g. "--configs fa4,cuda-sm90,flash-op,sdpa-cudnn,triton-det")
+# BENCH_ARGS: more options for every suite, e.g. "--configs fa4,cuda-sm90,flash-op,sdpa-cudnn,triton-det";
+# AB_SO: see below)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/site
@@ -36,7 +37,17 @@ if [ -n "${GPU_TESTS:-1}" ] && [ "${GPU_TESTS:-1}" != 0 ]; then
   timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q --dist loadgroup ${PYTEST_ARGS--x} -m cuda ${TESTS:-tests} 2>&1 |
     tee "$OUT/tests_full.txt" | tail -40 | tee "$OUT/tests.txt"
 fi
-for spec in "$@"; do
-  suite=${spec%%:*}; limit=${spec#*:}; [ "$limit" = "$spec" ] && limit=${BENCH_TIMEOUT:-240}
-  timeout "$limit" python3 -m torch_flash.bench "$suite" --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_$suite.txt"
-done
+bench() {  # bench OUTDIR SPEC...
+  local out=$1; shift
+  for spec in "$@"; do
+    suite=${spec%%:*}; limit=${spec#*:}; [ "$limit" = "$spec" ] && limit=${BENCH_TIMEOUT:-240}
+    timeout "$limit" python3 -m torch_flash.bench "$suite" --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench_$suite.txt"
+  done
+}
+bench "$OUT" "$@"
+# AB_SO=FILE.so.gz (another build of torch_flash._C, e.g. an earlier call's $OUT/_C.so.gz): the
+# same benchmarks again on that build, into $OUT/ab; then this build is put back
+if [ -n "${AB_SO:-}" ] && so=$(ls torch_flash/_C*.so 2>/dev/null | head -1) && [ -n "$so" ]; then
+  mkdir -p "$OUT/ab" && cp "$so" /tmp/_C.this.so && gunzip -c "$AB_SO" > "$so" && bench "$OUT/ab" "$@"
+  cp /tmp/_C.this.so "$so"
+fi
