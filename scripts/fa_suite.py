@@ -141,9 +141,8 @@ def main(argv=None) -> int:
             parser.error(f"no such file or directory: {path}")
     summary = Summary(args.summary)
     os.environ[SELECT_ENV] = ",".join("" if x is None else str(x) for x in (args.sample, args.seed, args.values))
-    # `-p fa_suite` (this file) in the workers too
+    # `-p fa_suite` (this file, on this process's path as the script's folder) in the workers too
     here = os.path.dirname(os.path.abspath(__file__))
-    sys.path.insert(0, here)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (here, os.environ.get("PYTHONPATH"))))
     # -c os.devnull: FlashAttention's own pytest configuration and conftests of this repository
     # stay out; -p loads the shim before the test modules import flash_attn

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import torch_flash
+from torch_flash.ops import attention as attention_ops
 from torch_flash.ops.attention import attention, attention_with_lse
 from torch_flash.ops.attention_decode import attention_decode
 from torch_flash.ops.attention_varlen import attention_varlen
@@ -414,8 +415,7 @@ def test_gpu_hopper_paths(forced, backward, force_backend, monkeypatch):
     info = torch_flash._extension.build_info()
     if torch.cuda.get_device_capability() != (9, 0) or not info or 128 not in info.get("backward_hdims", ()):
         pytest.skip("needs the Hopper kernels of torch_flash._C at head dim 128 on an sm_90 GPU")
-    from torch_flash.ops import attention as A
-    monkeypatch.setattr(A, "CUDNN_BACKWARD", True)
+    monkeypatch.setattr(attention_ops, "CUDNN_BACKWARD", True)
     if forced:
         force_backend(forced)
     # cuDNN's backward serves causal from 2048; at D=128 without a mask the Hopper one goes first
