@@ -317,6 +317,28 @@ struct BwdMainloop
     }
     return rep;
   }
+  // Under SW128 a warp's rows r and r ^ 1 (lanes 4r..4r+3) put their 32 bytes of a store in the same
+  // banks, and a 64-bit store serves a half-warp (rows 0-3, 4-7) a pass: two passes each. Odd rows
+  // therefore store their float2 16 columns over (64 bytes, kDqPartner[i]) where even rows store i's:
+  // the half-warp's rows then fill distinct banks.
+  template <class Layout>
+  static constexpr auto dq_partners(Layout layout) {
+    cute::array<int, size(Layout{})> partner{};
+    for (int i = 0; i < size(layout); ++i) {
+      partner[i] = -1;
+      for (int k = 0; k < size(layout); ++k) {
+        if (layout(k) == (layout(i) ^ (64 / int(sizeof(float2))))) partner[i] = k;
+      }
+    }
+    return partner;
+  }
+  template <class Partners>
+  static constexpr bool all_partnered(Partners const& partner) {
+    for (int i = 0; i < int(partner.size()); ++i) {
+      if (partner[i] < 0) return false;
+    }
+    return true;
+  }
 
   // A shared-memory operand's GMMA descriptors, re-derived in the loop from an opaque base: hoisted
   // out of it, the loop-invariant ones (K, V and dS, every k-block) outgrow the uniform registers
@@ -527,17 +549,23 @@ struct BwdMainloop
       auto dq_dst = recast<float2>(tDQsDQ(_, _, _, stage));
       auto dq_src = recast<float2>(acc_DQ);
       constexpr auto kDqRep = dq_reps(decltype(dq_dst.layout()){});
-      // The swizzle acts on the shared address (its window is aligned far beyond 1 KiB).
+      constexpr auto kDqPartner = dq_partners(decltype(dq_dst.layout()){});
+      static_assert(all_partnered(kDqPartner), "dQ store: a float2 with none 16 columns over in the thread's view");
+      // The swizzle acts on the shared address (its window is aligned far beyond 1 KiB); the odd
+      // rows' 64-byte flip commutes with it and with the 1 KiB steps between classes.
+      const bool odd_row = threadIdx.x & 4;
       const uint32_t dq_base = cute::cast_smem_ptr_to_uint(raw_pointer_cast(dq_dst.data()));
       uint32_t dq_addr[size(dq_dst)];
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(dq_dst); i++) {
         dq_addr[i] = kDqRep[i] == i
-            ? uint32_t(Swizzle<3, 4, 3>{}(dq_base + dq_dst.layout()(i) * sizeof(float2)))
+            ? uint32_t(Swizzle<3, 4, 3>{}(dq_base + dq_dst.layout()(i) * sizeof(float2))) ^ (odd_row ? 64u : 0u)
             : dq_addr[kDqRep[i]] + (dq_dst.layout()(i) - dq_dst.layout()(kDqRep[i])) * sizeof(float2);
       }
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(dq_src); i++) st_shared(dq_addr[i], dq_src(i));
+      for (int i = 0; i < size(dq_src); i++) {
+        st_shared(dq_addr[i], odd_row ? dq_src(kDqPartner[i]) : dq_src(i));
+      }
       cutlass::arch::fence_view_async_shared();
       pipeline_reducer.producer_commit(smem_pipe_write_reducer);
       ++smem_pipe_write_reducer;
