@@ -200,9 +200,10 @@ def _sm90_serves(q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: ref.Spec) -> 
 # (H200, 2026-11-28, column triton-det of `git show 0309244:docs/results/attention/2026-11-28_h200.json`).
 SM90_BWD_DEFAULT_HDIMS = (64, 128)
 # Head dims whose Hopper backward goes before cuDNN's, by causal: in the 2026-11-29 run it ran
-# 1.03x-1.07x SDPA's cuDNN backward at D=64 (either mask), 0.99x-1.02x at D=128 without a mask
-# (the op's cuDNN path adds layout copies to SDPA's); D=128 causal, cuDNN's ran 1.02x-1.06x ours
-# and stays first.
+# 1.03x-1.07x SDPA's cuDNN backward at D=64 (either mask); at D=128, with its dQ stores free of
+# bank conflicts (docs/results/attention_bwd/2026-11-29_h200.json), 1.01x-1.02x without a mask
+# (the op's cuDNN path adds layout copies to SDPA's) and 0.98x-1.00x causal, where cuDNN's stays
+# first.
 SM90_BWD_BEFORE_CUDNN_HDIMS = {False: (64, 128), True: (64,)}
 # Head dims whose Hopper backward runs by default under torch.use_deterministic_algorithms (dq
 # added in key-block order): at D=128 0.82x-0.96x its default mode
