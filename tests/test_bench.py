@@ -304,7 +304,7 @@ def test_help_names_the_subcommand_and_plot(capsys):
 def test_committed_results_follow_the_schema_and_naming():
     """docs/results/<suite>[_<focus>]/<date>_<device>.json: the bench's schema, the date and
     device of its env, one run per folder and device (a focus: a suite's run on part of its grid,
-    as attention_targets and attention_deterministic)."""
+    as attention_targets and attention_bwd)."""
     files = _results()
     assert files
     seen = set()

@@ -8,8 +8,9 @@
 //   kHeadDim  (D = 128) each warpgroup computes dQ for half of the head dim;
 //   kRows     (128 query rows a step, D = 64) each computes dQ for half of the rows (half of
 //             D = 64, 64 bytes, would be narrower than a 128-byte swizzle atom).
-// dK = dS^T Q takes dS from registers, as dV = P^T dO takes P: both are issued before the
-// exchange, so the tensor cores have them while a warpgroup waits for the other's dS.
+// dK = dS^T Q takes dS from registers, as dV = P^T dO takes P. dV is issued before the exchange,
+// so the tensor cores have it while a warpgroup waits for the other's dS; dK after the dQ GEMM,
+// so that it runs while the warpgroup stores its dQ (FlashAttention 4's order).
 // Named barriers (user ids):
 //   kDsReady         both warpgroups' dS of this query tile are in shared memory
 //   kDsFree + w      warpgroup w may overwrite its dS: the other one's dQ GEMM has read it
@@ -520,7 +521,6 @@ struct BwdMainloop
       warpgroup_fence_operand(op_DS);
       warpgroup_arrive();
       cute::gemm(mma_nd, op_P, tDVrDO_(_, _, _, read_do.index()), acc_DV);
-      cute::gemm(mma_nd, op_DS, tDKrQ_(_, _, _, read_q.index()), acc_DK);
       warpgroup_commit_batch();
 
       // Publish this warpgroup's dS once the other's dQ GEMM of the previous tile has read it.
@@ -535,10 +535,13 @@ struct BwdMainloop
       cutlass::fmha::collective::gemm_zero_acc(mma_dq, tDQrDS_(_, _, _, 0), tDQrK_(_, _, _, k_stage[0]), acc_DQ);
       cute::gemm(mma_dq, tDQrDS_(_, _, _, 1), tDQrK_(_, _, _, k_stage[1]), acc_DQ);
       warpgroup_commit_batch();
+      // dK last: its GEMM (dS from registers, Q from shared memory) runs under the dQ stores.
+      warpgroup_arrive();
+      cute::gemm(mma_nd, op_DS, tDKrQ_(_, _, _, read_q.index()), acc_DK);
+      warpgroup_commit_batch();
 
-      warpgroup_wait<0>();  // dV, dK and dQ done
+      warpgroup_wait<1>();  // dV and dQ done
       warpgroup_fence_operand(acc_DV);
-      warpgroup_fence_operand(acc_DK);
       warpgroup_fence_operand(acc_DQ);
       other_ds_free.arrive();
 
@@ -570,6 +573,9 @@ struct BwdMainloop
       pipeline_reducer.producer_commit(smem_pipe_write_reducer);
       ++smem_pipe_write_reducer;
 
+      warpgroup_wait<0>();  // dK done
+      warpgroup_fence_operand(acc_DK);
+      warpgroup_fence_operand(op_DS);
       // The GEMMs have read Q and dO: release them.
       pipeline_inner.consumer_release(read_q);
       pipeline_inner.consumer_release(read_do);

@@ -195,24 +195,18 @@ def _sm90_serves(q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: ref.Spec) -> 
 
 
 # Head dims whose Hopper backward runs by default where cuDNN's does not serve: against FA4 in one
-# run each, D=128 0.82x-0.92x, D=64 (128-row tiles) 0.84x-0.93x (H200, 2026-11-29:
-# docs/results/attention/2026-11-29_h200.json, column cuda-sm90), the Triton backward 0.58x-0.70x
-# (H200, 2026-11-28, column triton-det of `git show 0309244:docs/results/attention/2026-11-28_h200.json`).
+# run, D=128 0.88x-0.95x, D=64 0.88x-0.96x, the Triton backward 0.57x-0.64x (H200, 2026-11-29:
+# docs/results/attention/2026-11-29_h200.json, columns cuda-sm90 and triton).
 SM90_BWD_DEFAULT_HDIMS = (64, 128)
-# Head dims whose Hopper backward goes before cuDNN's, by causal: in the 2026-11-29 run it ran
-# 1.03x-1.07x SDPA's cuDNN backward at D=64 (either mask); at D=128, with its dQ stores free of
-# bank conflicts (docs/results/attention_bwd/2026-11-29_h200.json), 1.01x-1.02x without a mask
-# (the op's cuDNN path adds layout copies to SDPA's) and 0.98x-1.00x causal, where cuDNN's stays
-# first.
+# Head dims whose Hopper backward goes before cuDNN's, by causal: in that run 1.06x-1.13x SDPA's
+# cuDNN backward at D=64 (either mask); at D=128 1.01x-1.05x without a mask (the op's cuDNN path
+# adds layout copies to SDPA's) and 0.98x-1.01x causal, where cuDNN's stays first.
 SM90_BWD_BEFORE_CUDNN_HDIMS = {False: (64, 128), True: (64,)}
 # Head dims whose Hopper backward runs by default under torch.use_deterministic_algorithms (dq
-# added in key-block order): at D=128 0.82x-0.96x its default mode
-# (docs/results/attention_deterministic/2026-11-29_h200.json, `bench attention --hdims 128
-# --configs cuda-sm90,cuda-sm90-det`), 0.80x-0.91x SDPA's cuDNN backward timed on the same
-# machine minutes before; Triton's 0.66x-0.70x cuDNN's (column triton-det of the 2026-11-28 run
-# above). At D=64 Triton's ran 0.76x-0.85x cuDNN's, about what the Hopper kernel's
-# deterministic mode would: D=64 stays on Triton until timed.
-SM90_BWD_DETERMINISTIC_HDIMS = (128,)
+# added in key-block order): in that run (column cuda-sm90-det) 0.77x-0.95x its default mode at
+# D=128 and 0.83x-0.97x at D=64, and 0.99x-1.49x the Triton backward's deterministic mode
+# (column triton-det; level only at D=64 causal 1k).
+SM90_BWD_DETERMINISTIC_HDIMS = (64, 128)
 
 
 def _sm90_bwd_serves(grad_lse, q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: ref.Spec) -> bool:
@@ -587,8 +581,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor] = Non
     else cuDNN's (cudnn_backward_serves; TORCH_FLASH_CUDNN_BACKWARD=0 at start-up turns it off);
     both add dq atomically, as SDPA's fastest backends do: not bitwise reproducible. Under
     torch.use_deterministic_algorithms(True) the Hopper kernel adds dq in a fixed key-block
-    order at D=128 (SM90_BWD_DETERMINISTIC_HDIMS) and the Triton backward, reproducible as it
-    is, serves the rest.
+    order at D 64 and 128 (SM90_BWD_DETERMINISTIC_HDIMS) and the Triton backward, reproducible as
+    it is, serves the rest.
     """
     kw = op_kwargs("attention", scale, causal, window, softcap, dropout_p)
     # positional: the eager fast path records a gradient for positional tensors (sinks)
