@@ -166,25 +166,45 @@ def test_norm_ops_pick(tmp_path, capsys):
 
 def test_attention_max_seconds(monkeypatch, capsys, tmp_path):
     """--max-seconds: the attention suite starts no grid point past the limit and returns the
-    points it timed (each check here advances the clock 10 s: two points before 25 s); --hdims
-    keeps the grid's points of those head dims; the other suites refuse both options."""
+    points it timed (each check here advances the clock 10 s: the first point, then two more
+    before 25 s); --hdims
+    keeps the grid's points of those head dims; the other suites refuse --hdims, train
+    --max-seconds."""
     import argparse
-    from torch_flash.bench import attention
+    from torch_flash.bench import _common, attention
     timed = []
     monkeypatch.setattr(attention.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(attention.torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(attention, "_time_point", lambda d, s, b, causal, impls: timed.append((d, s, causal)) or [{}])
     clock = iter(range(0, 1000, 10))
-    monkeypatch.setattr(attention.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(_common.time, "monotonic", lambda: next(clock))
     rows = attention.run(argparse.Namespace(max_seconds=25, configs=None, quick=False, targets=False))
-    assert timed == [(64, 1024, False), (64, 1024, True)] and len(rows) == 2
-    assert "--max-seconds 25 reached: 2 of 12 grid points timed" in capsys.readouterr().out
+    assert timed == [(64, 1024, False), (64, 1024, True), (64, 4096, False)] and len(rows) == 3
+    assert "--max-seconds 25 reached: 3 of 12 grid points timed" in capsys.readouterr().out
     timed.clear()
     attention.run(argparse.Namespace(max_seconds=None, hdims="128", configs=None, quick=False, targets=False))
     assert timed == [(128, s, causal) for s in attention.SEQLENS for causal in (False, True)]
     with pytest.raises(SystemExit):
-        main(["norm", "--max-seconds", "5", "--out", str(tmp_path)])
-    assert "--max-seconds and --hdims are for the attention suite" in capsys.readouterr().err
+        main(["norm", "--hdims", "64", "--out", str(tmp_path)])
+    assert "--hdims is for the attention suite" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--max-seconds", "5", "--out", str(tmp_path)])
+    assert "--max-seconds is for the suites other than train" in capsys.readouterr().err
+
+
+def test_max_seconds_cuts_every_suite_and_keeps_its_rows(monkeypatch, capsys, tmp_path):
+    """--max-seconds on a suite other than attention (the norm smoke run on CPU, its clock
+    advanced 10 s a check): the grid stops after the first point and the JSON holds its rows."""
+    from torch_flash.bench import _common, norm
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    clock = iter(range(0, 1000, 10))
+    monkeypatch.setattr(_common.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(norm, "_pick_ops", lambda spec: norm.OPS[:2])
+    main(["norm", "--max-seconds", "5", "--out", str(tmp_path)])
+    assert "norm: --max-seconds 5 reached: 1 of 2 grid points timed" in capsys.readouterr().out
+    with open(tmp_path / "norm.json") as f:
+        rows = json.load(f)["rows"]
+    assert rows and {r["op"] for r in rows} == {"rms_norm"}
 
 
 def test_attention_impls_pick():

@@ -46,8 +46,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--hdims", help="attention: head dims of the grid, comma-separated (default: 64,128)")
     p.add_argument("--steps", type=int, help="train: timed steps a configuration (default: 10)")
     p.add_argument("--max-seconds", type=float,
-                   help="attention: start no grid point after this many seconds (the JSON then holds "
-                        "the points timed so far)")
+                   help="all but train: start no grid point after this many seconds (the JSON then "
+                        "holds the points timed so far)")
     return p
 
 
@@ -87,8 +87,10 @@ def main(argv=None) -> None:
         p.error("--contexts and --steps are for the train suite")
     if args.suite not in ("train", "norm", "attention") and args.configs:
         p.error("--configs is for the train, norm and attention suites")
-    if args.suite != "attention" and (args.max_seconds is not None or args.hdims):
-        p.error("--max-seconds and --hdims are for the attention suite")
+    if args.suite != "attention" and args.hdims:
+        p.error("--hdims is for the attention suite")
+    if args.suite == "train" and args.max_seconds is not None:
+        p.error("--max-seconds is for the suites other than train (its --steps bounds it)")
     if args.suite == "plot":
         if not args.files:
             p.error("plot: name one or more JSON files written by the bench")

@@ -9,7 +9,8 @@ import json
 import platform
 import statistics
 import sys
-from typing import Callable
+import time
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -165,6 +166,19 @@ def pick(suite: str, spec: str | None, known, what: str) -> list:
         raise SystemExit(f"{suite}: unknown {what} {', '.join(unknown) or '(none given)'}; "
                          f"known: {', '.join(map(str, known))}")
     return keys
+
+
+def within_budget(suite: str, args, points: Iterable) -> Iterator:
+    """The points of a suite's grid, the first always, the next while --max-seconds
+    (args.max_seconds; None: no limit) has not passed since the first started: a GPU call's time
+    limit then cuts the grid, not the JSON."""
+    points = list(points)
+    limit, start = getattr(args, "max_seconds", None), time.monotonic()
+    for i, point in enumerate(points):
+        if i and limit is not None and time.monotonic() - start > limit:
+            print(f"{suite}: --max-seconds {limit:g} reached: {i} of {len(points)} grid points timed", flush=True)
+            return
+        yield point
 
 
 def report_unavailable(name: str, e: Exception) -> None:

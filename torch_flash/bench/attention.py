@@ -16,13 +16,12 @@ ratios medians of the rounds' ratios.
 from __future__ import annotations
 
 import functools
-import time
 from typing import Callable
 
 import torch
 
 from .. import _extension
-from ._common import median_or_none, median_ratio, pick, report_unavailable, time_rounds
+from ._common import median_or_none, median_ratio, pick, report_unavailable, time_rounds, within_budget
 
 TOKENS, HIDDEN = 32 * 1024, 2048
 HEAD_DIMS, SEQLENS = (64, 128), (1024, 4096, 16384)
@@ -210,12 +209,8 @@ def run(args) -> list[dict]:
         points = [(d, s, TOKENS // s, causal) for d in hdims for s in SEQLENS
                   for causal in (False, True)]
     impls = frozenset(pick("attention", getattr(args, "configs", None), IMPLS, "implementation"))
-    max_seconds = getattr(args, "max_seconds", None)
-    start, rows = time.monotonic(), []
-    for i, (d, s, b, causal) in enumerate(points):
-        if max_seconds is not None and time.monotonic() - start > max_seconds:
-            print(f"attention: --max-seconds {max_seconds} reached: {i} of {len(points)} grid points timed", flush=True)
-            break
+    rows = []
+    for d, s, b, causal in within_budget("attention", args, points):
         rows += _time_point(d, s, b, causal, impls)
         torch.cuda.empty_cache()
     return rows

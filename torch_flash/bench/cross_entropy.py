@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ._common import (compile_fresh, copy_bandwidth, median_or_none, optional_peer, peak_memory, per_stream,
-                      time_rounds)
+                      time_rounds, within_budget)
 from .norm import TIMINGS
 
 # a failed capture leaks its graph's memory pool, so these are not tried (the next shapes would OOM)
@@ -136,7 +136,7 @@ def run(args) -> list[dict]:
     liger = _liger()
     quack = optional_peer("quack", "cross_entropy")
     rows: list[dict] = []
-    for n, v in shapes:
+    for n, v in within_budget("cross_entropy", args, shapes):
         compiled = compile_fresh(_eager)
         x = torch.randn(n, v, device=device, dtype=torch.bfloat16) * 4
         t = torch.randint(0, v, (n,), device=device)

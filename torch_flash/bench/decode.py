@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ._common import within_budget
 from .norm import plot_bars, time_impls
 
 HQ, HKV, HEAD_DIM, PAGE = 32, 8, 128, 256
@@ -68,7 +69,7 @@ def run(args) -> list[dict]:
     flags = dict(scale=None, causal=True, window_left=-1, window_right=-1, softcap=0.0,
                  rotary_interleaved=False)
     rows: list[dict] = []
-    for batch, seqlen in points:
+    for batch, seqlen in within_budget("decode", args, points):
         def r(*shape):
             return torch.randn(*shape, device=device, dtype=dt)
         q, kn, vn = r(batch, hq, 1, d), r(batch, hkv, 1, d), r(batch, hkv, 1, d)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch._library.triton import set_wrap_triton_enabled
 
-from ._common import compile_fresh, median_or_none, optional_peer, peak_memory, time_rounds
+from ._common import compile_fresh, median_or_none, optional_peer, peak_memory, time_rounds, within_budget
 from .cross_entropy import measure, no_grad, plot_rows, with_grad
 
 # (tokens, hidden, vocabulary): LLaMA-3 8B's lm-head, then 70B's, whose 8192 tokens all fit
@@ -147,7 +147,7 @@ def run(args) -> list[dict]:
     shapes = CPU_SHAPES if device == "cpu" else (QUICK if args.quick else SHAPES)
     liger, quack = _liger(), _quack()
     rows: list[dict] = []
-    for n, hid, v in shapes:
+    for n, hid, v in within_budget("linear_cross_entropy", args, shapes):
         compiled = compile_fresh(_eager)
         ours = _ours(device)
         h, w, t = _inputs(n, hid, v, device)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from ..testing.llama import rms_norm as _naive_rms  # HF LlamaRMSNorm
 from ._common import (compile_fresh, copy_bandwidth, median_or_none, optional_peer, over_retained_graphs,
-                      per_stream, pick, report_unavailable, time_rounds)
+                      per_stream, pick, report_unavailable, time_rounds, within_budget)
 
 SHAPES = [(1 << 21, 64), (1 << 19, 256), (65536, 1024), (32768, 4096), (16384, 8192), (4096, 16384),
           (2048, 65536)]
@@ -221,33 +221,33 @@ def run(args) -> list[dict]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = CPU_SHAPES if device == "cpu" else (QUICK if args.quick else SHAPES)
     rows: list[dict] = []
-    for op, is_rms, residual in _pick_ops(getattr(args, "configs", None)):
+    for (op, is_rms, residual), shape in within_budget(
+            "norm", args, [(op, shape) for op in _pick_ops(getattr(args, "configs", None)) for shape in shapes]):
         liger = _liger(is_rms, residual)
-        for shape in shapes:
-            compiled = _compile_baseline(_naive(is_rms), device)
-            m, n = shape
-            x = torch.randn(shape, device=device, dtype=torch.bfloat16)
-            r = torch.randn_like(x) if residual else None
-            w = torch.randn(n, device=device, dtype=torch.bfloat16)
-            b = None if is_rms else torch.randn(n, device=device, dtype=torch.bfloat16)
-            g = torch.randn_like(x)
-            grads = (g, torch.randn_like(x)) if residual else g
-            inputs = [x, r, w, b]
-            pairs = {"eager": autograd_pair(_eager(is_rms), inputs, grads),
-                     "compile": autograd_pair(compiled, inputs, grads),
-                     "liger": None if liger is None else autograd_pair(liger, inputs, grads),
-                     "quack": _quack(is_rms, residual, inputs, grads)}
-            ours = _ours(op, x, r, w, b, g, grads[1] if residual else None)
-            params = 1 if is_rms else 2  # weight (and bias) vectors
-            e = x.element_size()
-            tensors = 2 if residual else 1  # x (and residual): in, y (and residual out): out
-            fwd_bytes = 2 * tensors * m * n * e + params * n * e
-            bwd_bytes = (3 + residual) * m * n * e + (1 + params) * n * e  # dy (, dresidual), x: in; dx: out
-            for pass_, i, nbytes in (("forward", 0, fwd_bytes), ("backward", 1, bwd_bytes)):
-                impls = {"ours": ours[i], **{k: None if p is None else p[i] for k, p in pairs.items()}}
-                for timing in TIMINGS[device]:
-                    time_impls(rows, impls, nbytes, device, graph=timing == "graph", op=op, shape=list(shape),
-                               timing=timing, **{"pass": pass_})
+        compiled = _compile_baseline(_naive(is_rms), device)
+        m, n = shape
+        x = torch.randn(shape, device=device, dtype=torch.bfloat16)
+        r = torch.randn_like(x) if residual else None
+        w = torch.randn(n, device=device, dtype=torch.bfloat16)
+        b = None if is_rms else torch.randn(n, device=device, dtype=torch.bfloat16)
+        g = torch.randn_like(x)
+        grads = (g, torch.randn_like(x)) if residual else g
+        inputs = [x, r, w, b]
+        pairs = {"eager": autograd_pair(_eager(is_rms), inputs, grads),
+                 "compile": autograd_pair(compiled, inputs, grads),
+                 "liger": None if liger is None else autograd_pair(liger, inputs, grads),
+                 "quack": _quack(is_rms, residual, inputs, grads)}
+        ours = _ours(op, x, r, w, b, g, grads[1] if residual else None)
+        params = 1 if is_rms else 2  # weight (and bias) vectors
+        e = x.element_size()
+        tensors = 2 if residual else 1  # x (and residual): in, y (and residual out): out
+        fwd_bytes = 2 * tensors * m * n * e + params * n * e
+        bwd_bytes = (3 + residual) * m * n * e + (1 + params) * n * e  # dy (, dresidual), x: in; dx: out
+        for pass_, i, nbytes in (("forward", 0, fwd_bytes), ("backward", 1, bwd_bytes)):
+            impls = {"ours": ours[i], **{k: None if p is None else p[i] for k, p in pairs.items()}}
+            for timing in TIMINGS[device]:
+                time_impls(rows, impls, nbytes, device, graph=timing == "graph", op=op, shape=list(shape),
+                           timing=timing, **{"pass": pass_})
     return rows
 
 

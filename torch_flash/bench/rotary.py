@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..testing.llama import rotate_half
-from ._common import compile_fresh, optional_peer
+from ._common import compile_fresh, optional_peer, within_budget
 from .norm import TIMINGS, autograd_pair, plot_bars, time_impls
 
 HEADS, HEAD_DIM = 32, 128
@@ -56,7 +56,7 @@ def run(args) -> list[dict]:
     liger = _liger()
     quack = _quack()
     rows: list[dict] = []
-    for batch, seqlen in shapes:
+    for batch, seqlen in within_budget("rotary", args, shapes):
         compiled = compile_fresh(_hf_rope)
         q, k, gq, gk = (torch.randn(batch, seqlen, heads, HEAD_DIM, device=device, dtype=torch.bfloat16)
                         .transpose(1, 2) for _ in range(4))
