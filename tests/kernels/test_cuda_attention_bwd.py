@@ -149,7 +149,7 @@ def test_deterministic_mode_is_bitwise_reproducible(sq, sk, hq, hkv, causal):
 @pytest.mark.parametrize("s,causal", [(2048, True), (1024, True), (1024, False)])
 def test_flash_attention_backward_dispatch(s, causal):
     """flash.attention's backward runs this kernel on request (use_backend("cuda"), in either
-    mode); by default first for SM90_BWD_BEFORE_CUDNN_HDIMS[causal], else cuDNN's
+    mode); by default first for SM90_BWD_BEFORE_CUDNN_HDIMS, else cuDNN's
     where it serves (causal from CUDNN_CAUSAL_MIN_SEQLEN keys), else this kernel for the head
     dims of SM90_BWD_DEFAULT_HDIMS, else Triton's; under torch.use_deterministic_algorithms(True)
     this kernel's for SM90_BWD_DETERMINISTIC_HDIMS, else Triton's. The gradients agree with
@@ -167,7 +167,7 @@ def test_flash_attention_backward_dispatch(s, causal):
             out = torch_flash.attention(*leaves, causal=causal)
             return torch.autograd.grad(out, leaves, dout)
 
-        if d in attention_ops.SM90_BWD_BEFORE_CUDNN_HDIMS[causal]:
+        if d in attention_ops.SM90_BWD_BEFORE_CUDNN_HDIMS:
             default = "cuda"
         else:
             default = "cudnn" if not causal or s >= 2048 else unserved[d]

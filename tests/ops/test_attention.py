@@ -498,7 +498,7 @@ def _count_cudnn(monkeypatch) -> list:
     first at SM90_BWD_BEFORE_CUDNN_HDIMS; test_cuda_attention_bwd.py checks that order), with a
     table of plans of its own."""
     monkeypatch.setattr(attention_ops, "CUDNN_BACKWARD", True)
-    monkeypatch.setattr(attention_ops, "SM90_BWD_BEFORE_CUDNN_HDIMS", {False: (), True: ()})
+    monkeypatch.setattr(attention_ops, "SM90_BWD_BEFORE_CUDNN_HDIMS", ())
     monkeypatch.setattr(attention_ops.BACKWARD_PLANS, "_plans", {})
     calls, real = [], attention_ops._cudnn_backward
     monkeypatch.setattr(attention_ops, "_cudnn_backward", lambda *args: calls.append(1) or real(*args))

@@ -198,10 +198,12 @@ def _sm90_serves(q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: ref.Spec) -> 
 # run, D=128 0.88x-0.95x, D=64 0.88x-0.96x, the Triton backward 0.57x-0.64x (H200, 2026-11-29:
 # docs/results/attention/2026-11-29_h200.json, columns cuda-sm90 and triton).
 SM90_BWD_DEFAULT_HDIMS = (64, 128)
-# Head dims whose Hopper backward goes before cuDNN's, by causal: in that run 1.06x-1.13x SDPA's
-# cuDNN backward at D=64 (either mask); at D=128 1.01x-1.05x without a mask (the op's cuDNN path
-# adds layout copies to SDPA's) and 0.98x-1.01x causal, where cuDNN's stays first.
-SM90_BWD_BEFORE_CUDNN_HDIMS = {False: (64, 128), True: (64,)}
+# Head dims whose Hopper backward goes before cuDNN's: in that run 1.06x-1.13x SDPA's cuDNN
+# backward at D=64 (either mask); at D=128 1.01x-1.05x without a mask and 0.98x-1.01x causal,
+# where the op through cuDNN's ran 0.96x / 1.00x the kernel (442 / 517 against 459 / 518
+# TFLOP/s at S 4k / 16k, column flash-op before this choice: its cuDNN path adds layout copies
+# to SDPA's).
+SM90_BWD_BEFORE_CUDNN_HDIMS = (64, 128)
 # Head dims whose Hopper backward runs by default under torch.use_deterministic_algorithms (dq
 # added in key-block order): in that run (column cuda-sm90-det) 0.77x-0.95x its default mode at
 # D=128 and 0.83x-0.97x at D=64, and 0.99x-1.49x the Triton backward's deterministic mode
@@ -443,7 +445,7 @@ def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
     gradient.
     cuDNN's backward where it serves (cudnn_backward_serves), else the Hopper kernel where it
     serves (_sm90_bwd_serves: D 64 / 128 unforced), else the Triton kernels; the Hopper kernel
-    goes first for the head dims of SM90_BWD_BEFORE_CUDNN_HDIMS[causal]. cuDNN sums dq with atomic
+    goes first for the head dims of SM90_BWD_BEFORE_CUDNN_HDIMS. cuDNN sums dq with atomic
     adds, not bitwise reproducible, so torch.use_deterministic_algorithms(True) turns it off;
     the Hopper kernel then adds dq in a fixed order, and the Triton path computes dq in its own
     pass."""
@@ -452,7 +454,7 @@ def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor,
                             dropout_p, dropout_seed, window_left, window_right, alibi_slopes, sinks)
         spec = spec_of(q, scale, causal, window_left, window_right, softcap, dropout_p, dropout_seed,
                        alibi_slopes, sinks)
-        sm90_first = (q.shape[-1] in SM90_BWD_BEFORE_CUDNN_HDIMS[spec.causal]
+        sm90_first = (q.shape[-1] in SM90_BWD_BEFORE_CUDNN_HDIMS
                       and _sm90_bwd_serves(grad_lse, q, k, v, attn_bias, spec))
         if not sm90_first and cudnn_backward_serves(grad_lse, q, k, v, attn_bias, spec):
             _dispatch.LAST["attention_backward"] = "cudnn"
