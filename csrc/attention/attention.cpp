@@ -273,6 +273,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_sm90(const at::Tens
   TORCH_CHECK(lse.sizes() == q.sizes().slice(0, 3) && lse.scalar_type() == at::kFloat && lse.device() == q.device(),
               kBwdOp, "lse must be float32 of shape ", shape(q.sizes().slice(0, 3)), ", got ", shape(lse.sizes()),
               ", ", lse.scalar_type());
+  // Deterministic dQ without the causal mask: a head's key blocks (kBwdKeysPerCta keys each) take
+  // turns in the order they reach a query tile, which needs all of them resident at once, one CTA
+  // an SM; with more the kernel would wait forever.
+  constexpr int64_t kBwdKeysPerCta = 128;  // the tile shapes of attention_bwd_sm90_hdim*.cu
+  if (at::globalContext().deterministicAlgorithms() && !causal) {
+    const int64_t sms = device_attribute(cudaDevAttrMultiProcessorCount, device);
+    TORCH_CHECK((seqlen_k + kBwdKeysPerCta - 1) / kBwdKeysPerCta <= sms, kBwdOp,
+                "under torch.use_deterministic_algorithms(True) without a causal mask at most ",
+                num(sms * kBwdKeysPerCta), " keys on this GPU (", num(sms), " SMs), got seqlen_k ", num(seqlen_k));
+  }
   c10::cuda::CUDAGuard guard(q.device());
   const auto grad_out_ = tma_ready(grad_out), out_ = tma_ready(out), lse_ = tma_ready(lse);
   const int64_t group = heads_q / heads_kv;

@@ -220,3 +220,25 @@ def test_bad_inputs_raise(bad, match):
     with pytest.raises(RuntimeError, match="attention_bwd_sm90.*" + match):
         torch.ops.flash.attention_bwd_sm90(*bad(torch.randn_like(out), q, k, v, out, lse), 0.125, False)
     torch.cuda.synchronize()  # and the device is still fine
+
+
+def test_deterministic_without_mask_refuses_more_key_blocks_than_sms():
+    """Under torch.use_deterministic_algorithms without the causal mask a head's key blocks take
+    turns that need all of them resident at once (one CTA an SM, 128 keys each): a call with more
+    is refused with an error naming the limit (the kernel would wait forever), and
+    flash.attention's backward takes Triton's there."""
+    d = HDIMS[0]
+    sk = (torch.cuda.get_device_properties(0).multi_processor_count + 1) * 128
+    q, k, v = rand(1, 1, 64, d), rand(1, 1, sk, d), rand(1, 1, sk, d)
+    out, lse = torch.ops.flash.attention_fwd_sm90(q, k, v, d ** -0.5, False)
+    dout = torch.randn_like(out)
+    torch.use_deterministic_algorithms(True)
+    try:
+        with pytest.raises(RuntimeError, match="attention_bwd_sm90.*without a causal mask at most"):
+            torch.ops.flash.attention_bwd_sm90(dout, q, k, v, out, lse, d ** -0.5, False)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        torch.autograd.grad(torch_flash.attention(*leaves), leaves, dout)
+        assert _dispatch.LAST["attention_backward"] == "triton"
+    finally:
+        torch.use_deterministic_algorithms(False)
+    torch.cuda.synchronize()

@@ -209,6 +209,8 @@ SM90_BWD_BEFORE_CUDNN_HDIMS = (64, 128)
 # D=128 and 0.83x-0.97x at D=64, and 0.99x-1.49x the Triton backward's deterministic mode
 # (column triton-det; level only at D=64 causal 1k).
 SM90_BWD_DETERMINISTIC_HDIMS = (64, 128)
+# Keys a CTA of the Hopper backward takes (the tile shapes of csrc/attention/attention_bwd_sm90_hdim*.cu).
+SM90_BWD_KEYS_PER_CTA = 128
 
 
 def _sm90_bwd_serves(grad_lse, q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: ref.Spec) -> bool:
@@ -222,6 +224,12 @@ def _sm90_bwd_serves(grad_lse, q: Tensor, k: Tensor, v: Tensor, attn_bias, spec:
     if grad_lse is not None or (forced != "cuda" and (
             forced is not None or q.shape[-1] not in SM90_BWD_DEFAULT_HDIMS
             or (torch.are_deterministic_algorithms_enabled() and q.shape[-1] not in SM90_BWD_DETERMINISTIC_HDIMS))):
+        return False
+    # Deterministic dQ without the causal mask: a head's key blocks (SM90_BWD_KEYS_PER_CTA keys
+    # each) take turns in the order they reach a query tile, which needs all of them resident at
+    # once, one CTA an SM; with more, the kernel would wait forever (attention.cpp refuses them).
+    if (torch.are_deterministic_algorithms_enabled() and not spec.causal
+            and -(-k.shape[2] // SM90_BWD_KEYS_PER_CTA) > _dispatch.sm_count(q.device)):
         return False
     info = _extension.build_info()
     # its dq accumulator and dk/dv are indexed in 32 bits (csrc/attention/attention.cpp)
