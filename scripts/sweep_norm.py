@@ -1,12 +1,14 @@
 """Sweep the norm kernels' launch heuristics on the GPU, bf16. Parts (TORCH_FLASH_SWEEP=a,b; all
-by default, about 10 GPU minutes each):
+by default, about 10 GPU minutes each but prefetch, about 2):
   tiles   rows of up to 8192 (SHAPES): rows per program tile (TILE) and, for the backward,
           programs per SM;
   narrow  short rows (NARROW_SHAPES): the backward's tile, programs per SM and dW/dB
           accumulation (BWD_ROW_ACC), against quack's backward;
   wide    wider rows (WIDE_SHAPES): the forward's column block (the whole row in registers up
           to FWD_BLOCKS' widest, else its column loop) and the backward's column chunk
-          (BWD_CHUNK; a chunk as wide as the row is the one-pass kernel), against quack's.
+          (BWD_CHUNK; a chunk as wide as the row is the one-pass kernel), against quack's;
+  prefetch  the backward with and without loading the next row tile ahead (BWD_PREFETCH),
+          default tiles, RMSNorm and LayerNorm (from saved statistics, as its op calls it).
 quack is timed where importable. Writes OUT/sweep_norm.json: the fraction of a device copy each
 setting reaches, with the autotuned num_warps, so that the defaults in
 torch_flash/kernels/triton/norm.py and norm_backward.py are chosen from measurements.
@@ -26,7 +28,8 @@ SHAPES = [(32768, 4096), (65536, 1024), (4096, 8192)]
 NARROW_SHAPES = [(1 << 21, 64), (1 << 19, 256), (65536, 1024)]
 WIDE_SHAPES = [(16384, 8192), (4096, 16384), (8192, 32768), (2048, 65536)]
 FWD_BLOCKS = (8192, 16384, 32768, 65536)
-BWD_BLOCKS = (2048, 4096, 8192, 16384)  # 16384 at 16384 columns: the whole row in registers, one pass
+BWD_BLOCKS = (2048, 4096, 8192, 16384)
+PREFETCH_SHAPES = [(4096, 8192), (16384, 8192), (32768, 4096), (65536, 1024), (4096, 16384)]  # 16384 at 16384 columns: the whole row in registers, one pass
 
 
 def _inputs(m, n, is_rms):
@@ -131,8 +134,27 @@ def sweep_wide(rows):
             print(rows[-1], flush=True)
 
 
+def sweep_prefetch(rows):
+    """The backward with and without the next row tile loaded ahead (BWD_PREFETCH)."""
+    default = nb.BWD_PREFETCH
+    for (m, n), is_rms in itertools.product(PREFETCH_SHAPES, (True, False)):
+        x, g, w, b, kw = _inputs(m, n, is_rms)
+        nbytes = 3 * x.numel() * 2
+        ceiling = copy_bandwidth(nbytes)
+        _, _, mean, rstd = norm.norm_fwd(x, w, b, None, residual_in_fp32=False, stats=True, **kw)
+        stats = {} if is_rms else dict(mean=mean, rstd=rstd)
+        for prefetch in (True, False):
+            nb.BWD_PREFETCH = prefetch
+            nb._norm_bwd_kernel.cache.clear()
+            ms = median_ms(lambda: nb.norm_bwd(g, None, x, w, b, out_dtype=x.dtype, **stats, **kw))
+            rows.append(dict(op="rms" if is_rms else "ln", shape=[m, n], pass_="bwd", prefetch=prefetch, ms=ms,
+                             frac=_frac(nbytes, ms, ceiling), warps=nb._norm_bwd_kernel.best_config.num_warps))
+            print(rows[-1], flush=True)
+    nb.BWD_PREFETCH = default
+
+
 def main(out):
-    parts = {"tiles": sweep_tiles, "narrow": sweep_narrow, "wide": sweep_wide}
+    parts = {"tiles": sweep_tiles, "narrow": sweep_narrow, "wide": sweep_wide, "prefetch": sweep_prefetch}
     rows = []
     for part in pick("TORCH_FLASH_SWEEP", os.environ.get("TORCH_FLASH_SWEEP"), parts, "part"):
         parts[part](rows)

@@ -300,3 +300,12 @@ def test_cuda_large(shape, is_rms):
 def test_cuda_add_fp32_residual():
     case = (True, FP32, True, BF16, False, True, 1.0, BF16)
     _check_forward(case, *_inputs(case, (2, 2048, 4096), device="cuda"))
+
+
+@pytest.mark.parametrize("case", [CASES[i] for i in (0, 6)], ids=[CASE_IDS[i] for i in (0, 6)])
+def test_backward_without_prefetch(case, monkeypatch):
+    """BWD_PREFETCH off (scripts/sweep_norm.py times both): each row tile loaded when it is
+    worked on, whole rows and column chunks."""
+    monkeypatch.setattr(KB, "BWD_PREFETCH", False)
+    _check_backward(case, None, monkeypatch)
+    _check_backward(case, 32, monkeypatch)

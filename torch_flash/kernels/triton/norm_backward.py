@@ -37,6 +37,11 @@ BWD_MAX_PROGRAMS_PER_SM = 2
 # the end, instead of a cross-warp sum every tile: 0.83-0.90 of copy against 0.27-0.74 at 64-256
 # columns, 0.65-0.87 against 0.58-0.74 at 1024 (H200, scripts/sweep_norm.py narrow).
 BWD_ROW_ACC = True
+# Load each row tile's successor while the current one is worked on (Triton does not pipeline
+# these loads itself). At 8192 columns on 16 warps the prefetched tile makes the kernel spill in
+# an sm_90 compile (Triton 3.9: 111 spill instructions for RMSNorm, 218 for LayerNorm from saved
+# statistics; without it 0 and 42): scripts/sweep_norm.py (part prefetch) times both.
+BWD_PREFETCH = True
 
 
 @triton.jit
@@ -209,14 +214,15 @@ def _split_sums(PART, rows, row_mask, N, eps, mean, rstd, IS_RMS: tl.constexpr, 
     return mean, rstd, c1, c2
 
 
-@triton.autotune(configs=_configs((4, 8, 16, 32)), key=["N", "BLOCK_N", "ROWS"])
+@triton.autotune(configs=_configs((4, 8, 16, 32)), key=["N", "BLOCK_N", "ROWS", "PREFETCH"])
 @triton.jit
 def _norm_bwd_kernel(G, GR, X, W, MEAN, RSTD, PART, DX, DWP, DBP, M, N, stride_g, stride_gr, stride_x,
                      stride_dx, eps, weight_offset,
                      IS_RMS: tl.constexpr, HAS_GRES: tl.constexpr, HAS_W: tl.constexpr,
                      HAS_DW: tl.constexpr, HAS_DB: tl.constexpr, CAST_BEFORE_W: tl.constexpr,
                      ROUND: tl.constexpr, HAS_STATS: tl.constexpr, CHUNKS: tl.constexpr,
-                     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, ROW_ACC: tl.constexpr):
+                     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, ROW_ACC: tl.constexpr,
+                     PREFETCH: tl.constexpr):
     """dx and the dW/dB partials of a column chunk held in registers (the whole row where
     CHUNKS = 1, else the row sums come from PART, as _split_sums reads them): program (p, c)
     owns rows [p*M//P, (p+1)*M//P) (at least one, as P <= M), chunk c and chunk c's columns of
@@ -238,25 +244,30 @@ def _norm_bwd_kernel(G, GR, X, W, MEAN, RSTD, PART, DX, DWP, DBP, M, N, stride_g
     else:
         dw = tl.zeros([BLOCK_N], dtype=tl.float32)
         db = tl.zeros([BLOCK_N], dtype=tl.float32)
-    rows = row_start + tl.arange(0, ROWS)
-    mask = (rows < row_end)[:, None] & col_mask[None, :]
-    x_next = tl.load(_ptrs(X, rows, cols, stride_x), mask=mask, other=0.0)
-    g_next = tl.load(_ptrs(G, rows, cols, stride_g), mask=mask, other=0.0)
-    mean_next, rstd_next = _saved_stats(MEAN, RSTD, rows, rows < row_end, HAS_STATS)
+    if PREFETCH:
+        rows = row_start + tl.arange(0, ROWS)
+        mask = (rows < row_end)[:, None] & col_mask[None, :]
+        x_next = tl.load(_ptrs(X, rows, cols, stride_x), mask=mask, other=0.0)
+        g_next = tl.load(_ptrs(G, rows, cols, stride_g), mask=mask, other=0.0)
+        mean_next, rstd_next = _saved_stats(MEAN, RSTD, rows, rows < row_end, HAS_STATS)
     for r0 in range(row_start, row_end, ROWS):
         rows = r0 + tl.arange(0, ROWS)
         row_mask = rows < row_end
         mask = row_mask[:, None] & col_mask[None, :]
-        x = x_next.to(tl.float32)
-        g = g_next.to(tl.float32)
-        mean, rstd = mean_next, rstd_next
+        if PREFETCH:
+            x = x_next.to(tl.float32)
+            g = g_next.to(tl.float32)
+            mean, rstd = mean_next, rstd_next
+        else:
+            x = _tile(X, rows, cols, mask, stride_x)
+            g = _tile(G, rows, cols, mask, stride_g)
+            mean, rstd = _saved_stats(MEAN, RSTD, rows, row_mask, HAS_STATS)
         gr = _residual_grad(GR, rows, cols, mask, stride_gr, HAS_GRES)
-        # Prefetch the next tile (Triton does not pipeline these loads itself): one program
-        # per SM is all the registers allow, so its loads must overlap its own math.
-        next_mask = (rows + ROWS < row_end)[:, None] & col_mask[None, :]
-        x_next = tl.load(_ptrs(X, rows + ROWS, cols, stride_x), mask=next_mask, other=0.0)
-        g_next = tl.load(_ptrs(G, rows + ROWS, cols, stride_g), mask=next_mask, other=0.0)
-        mean_next, rstd_next = _saved_stats(MEAN, RSTD, rows + ROWS, rows + ROWS < row_end, HAS_STATS)
+        if PREFETCH:  # one program per SM is all the registers allow: its loads overlap its math
+            next_mask = (rows + ROWS < row_end)[:, None] & col_mask[None, :]
+            x_next = tl.load(_ptrs(X, rows + ROWS, cols, stride_x), mask=next_mask, other=0.0)
+            g_next = tl.load(_ptrs(G, rows + ROWS, cols, stride_g), mask=next_mask, other=0.0)
+            mean_next, rstd_next = _saved_stats(MEAN, RSTD, rows + ROWS, rows + ROWS < row_end, HAS_STATS)
         if HAS_DB:
             wo = _weight(W, cols, col_mask, weight_offset, HAS_W)
         if CHUNKS == 1:
@@ -331,7 +342,7 @@ class NormBwd:
                            HAS_DW=weight is not None, HAS_DB=bias is not None, CAST_BEFORE_W=cast_before_weight,
                            ROUND=_ROUND_CODE.get(out_dtype, 0), HAS_STATS=rstd is not None,
                            CHUNKS=next_power_of_2(chunks), BLOCK_N=block, ROWS=rows_per_tile,
-                           ROW_ACC=BWD_ROW_ACC and rows_per_tile > 1)
+                           ROW_ACC=BWD_ROW_ACC and rows_per_tile > 1, PREFETCH=BWD_PREFETCH)
         self.sums_consts = {k: self.consts[k] for k in ("IS_RMS", "HAS_W", "HAS_STATS", "CHUNKS", "BLOCK_N",
                                                          "ROWS")}
         self.sums_grid = (cdiv(m, rows_per_tile), self.consts["CHUNKS"])  # chunks past the row: zeros
