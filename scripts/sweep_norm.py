@@ -40,6 +40,16 @@ def _inputs(m, n, is_rms):
     return x, torch.randn_like(x), w, b, dict(eps=1e-6, is_rms=is_rms, weight_offset=0.0, cast_before_weight=False)
 
 
+def _bwd_inputs(m, n, is_rms):
+    """_inputs plus the backward's byte count, its copy ceiling and the statistics its op passes
+    (LayerNorm's saved mean and rstd; RMSNorm recomputes)."""
+    x, g, w, b, kw = _inputs(m, n, is_rms)
+    nbytes = 3 * x.numel() * 2
+    _, _, mean, rstd = norm.norm_fwd(x, w, b, None, residual_in_fp32=False, stats=True, **kw)
+    stats = {} if is_rms else dict(mean=mean, rstd=rstd)
+    return x, g, w, b, kw, nbytes, copy_bandwidth(nbytes), stats
+
+
 def _frac(nbytes, ms, ceiling):
     return nbytes / (ms * 1e-3) / ceiling
 
@@ -81,11 +91,7 @@ def sweep_narrow(rows):
     from torch_flash.bench.norm import _quack
     defaults = norm.TILE, nb._bwd_programs, nb.BWD_ROW_ACC
     for (m, n), is_rms in itertools.product(NARROW_SHAPES, (True, False)):
-        x, g, w, b, kw = _inputs(m, n, is_rms)
-        nbytes = 3 * x.numel() * 2
-        ceiling = copy_bandwidth(nbytes)
-        _, _, mean, rstd = norm.norm_fwd(x, w, b, None, residual_in_fp32=False, stats=True, **kw)
-        stats = {} if is_rms else dict(mean=mean, rstd=rstd)
+        x, g, w, b, kw, nbytes, ceiling, stats = _bwd_inputs(m, n, is_rms)
         for tile, per_sm, row_acc in itertools.product((2048, 4096, 8192), (2, 4, 8), (False, True)):
             norm.TILE, nb.BWD_ROW_ACC = tile, row_acc
             nb._bwd_programs = _programs_per_sm(per_sm)
@@ -138,11 +144,7 @@ def sweep_prefetch(rows):
     """The backward with and without the next row tile loaded ahead (BWD_PREFETCH)."""
     default = nb.BWD_PREFETCH
     for (m, n), is_rms in itertools.product(PREFETCH_SHAPES, (True, False)):
-        x, g, w, b, kw = _inputs(m, n, is_rms)
-        nbytes = 3 * x.numel() * 2
-        ceiling = copy_bandwidth(nbytes)
-        _, _, mean, rstd = norm.norm_fwd(x, w, b, None, residual_in_fp32=False, stats=True, **kw)
-        stats = {} if is_rms else dict(mean=mean, rstd=rstd)
+        x, g, w, b, kw, nbytes, ceiling, stats = _bwd_inputs(m, n, is_rms)
         for prefetch in (True, False):
             nb.BWD_PREFETCH = prefetch
             nb._norm_bwd_kernel.cache.clear()
