@@ -28,8 +28,8 @@ SHAPES = [(32768, 4096), (65536, 1024), (4096, 8192)]
 NARROW_SHAPES = [(1 << 21, 64), (1 << 19, 256), (65536, 1024)]
 WIDE_SHAPES = [(16384, 8192), (4096, 16384), (8192, 32768), (2048, 65536)]
 FWD_BLOCKS = (8192, 16384, 32768, 65536)
-BWD_BLOCKS = (2048, 4096, 8192, 16384)
-PREFETCH_SHAPES = [(4096, 8192), (16384, 8192), (32768, 4096), (65536, 1024), (4096, 16384)]  # 16384 at 16384 columns: the whole row in registers, one pass
+BWD_BLOCKS = (2048, 4096, 8192, 16384)  # 16384 at 16384 columns: the whole row in registers, one pass
+PREFETCH_SHAPES = [(4096, 8192), (16384, 8192), (32768, 4096), (65536, 1024), (4096, 16384)]
 
 
 def _inputs(m, n, is_rms):
