@@ -39,8 +39,8 @@ using BwdStride = cute::tuple<int, int, int, _1>;
 using BwdStrideRow = cute::tuple<int, int, _1>;  // lse, sum(dO * O): (batch, head, 1)
 
 // The backward's coordinates: a query tile m of BlockQO rows against the CTA's key block n of
-// BlockKV keys; before_softmax sees (key, query) index pairs. Every query tile is visited, the
-// ones that see none of the block's keys skipped (is_contributing: then all tiles before them).
+// BlockKV keys; before_softmax sees (key, query) index pairs. The tiles that see the block's keys
+// are a suffix, from first_query_tile on; only those are visited.
 struct NoMaskBwd {
   // Deterministic dQ: the key blocks add into a query tile in the order their CTAs reach it, each
   // starting at its own tile (BwdMainloop::ArrivalTurns).
@@ -51,9 +51,9 @@ struct NoMaskBwd {
     return ceil_div(get<2>(problem), get<0>(tile));
   }
 
-  template <class BlkCoord, class TileShape, class ProblemSize>
-  CUTLASS_DEVICE bool is_contributing(BlkCoord const&, TileShape const&, ProblemSize const&) {
-    return true;
+  template <class TileShape, class ProblemSize>
+  CUTLASS_DEVICE int first_query_tile(int, TileShape const&, ProblemSize const&) {
+    return 0;
   }
 
   // Keys past Sk are zeros (TMA fills them), which contribute nothing to dQ; their dK and dV rows
@@ -71,9 +71,12 @@ struct CausalBottomRightBwd : NoMaskBwd {
   // first, CTAs of later key blocks starting first: a block's first tiles then wait for no one.
   static constexpr bool kReverseKeyBlocks = true;
 
-  template <class BlkCoord, class TileShape, class ProblemSize>
-  CUTLASS_DEVICE bool is_contributing(BlkCoord const& blk, TileShape const& tile, ProblemSize const& problem) {
-    return get<1>(blk) <= last_key_block(get<0>(blk), tile, problem);
+  // The first query tile that sees key block n: the first whose last row i has n * BlockKV <=
+  // i + Sk - Sq (in closed form: testing the tiles one by one cost about 2 % of the backward).
+  template <class TileShape, class ProblemSize>
+  CUTLASS_DEVICE int first_query_tile(int n, TileShape const& tile, ProblemSize const& problem) {
+    const int row = n * int(get<1>(tile)) - (int(get<3>(problem)) - int(get<2>(problem)));  // sees key n * BlockKV first
+    return row > 0 ? row / int(get<0>(tile)) : 0;
   }
 
   // The last key block query tile m sees (-1: none).

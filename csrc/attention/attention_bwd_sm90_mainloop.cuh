@@ -138,6 +138,12 @@ struct BwdMainloop
     return rotates(params, problem, tiles) ? get<1>(blk) * tiles / key_blocks(problem) : 0;
   }
 
+  // The tiles before the first that sees the CTA's key block (the causal mask's; never rotated).
+  template <class BlkCoord, class ProblemShape>
+  static CUTLASS_DEVICE int skipped_tiles(BlkCoord const& blk, ProblemShape const& problem, int tiles) {
+    return min(tiles, Fusion{}.first_query_tile(get<1>(blk), TileShape{}, problem));
+  }
+
   template <class ProblemShape>
   static CUTLASS_DEVICE int key_blocks(ProblemShape const& problem) {
     return ceil_div(int(get<3>(problem)), int(get<1>(TileShape{})));
@@ -171,9 +177,11 @@ struct BwdMainloop
     static_assert(kLoadOuter, "one producer warp loads K, V and the query tiles");
     const int lane_predicate = cute::elect_one_sync();
     int outer_count = Base::NumMmaWarpGroups;
-    int inner_count = this->get_inner_tile_count(blk_coord, problem_size);
+    const int tiles = this->get_inner_tile_count(blk_coord, problem_size);
+    const int skipped = skipped_tiles(blk_coord, problem_size, tiles);
+    int inner_count = tiles - skipped;
     auto outer = cute::make_coord_iterator(outer_count);
-    TileIter inner{first_tile(blk_coord, params, problem_size, inner_count), inner_count};
+    TileIter inner{first_tile(blk_coord, params, problem_size, tiles) + skipped, tiles};
 
     typename Base::LoadQ load_q{params.tma_load_q, pipeline_inner, storage.smem_q};
     typename Base::LoadDO load_do{params.tma_load_do, pipeline_inner, storage.smem_do};
@@ -190,12 +198,6 @@ struct BwdMainloop
     outer_count *= 2;  // K and V
     inner_count *= 4;  // Q, lse, dO and sum(dO * O)
 
-    auto skip_left_out = [&] {
-      while (inner_count > 0 && !Fusion{}.is_contributing(make_coord(*inner, get<1>(blk_coord)), TileShape{}, problem_size)) {
-        inner_count -= 4;
-        ++inner;
-      }
-    };
     auto load_q_lse = [&] {
       load_q.template step<false, false, true>(inner, state_q, write_inner, lane_predicate, inner_count);
       load_lse.template step<false, true, false>(inner, state_lse, write_inner, lane_predicate, inner_count);
@@ -204,7 +206,6 @@ struct BwdMainloop
       load_do.template step<false, false, true>(inner, state_do, write_inner, lane_predicate, inner_count);
       load_odo.template step<true, true, false>(inner, state_odo, write_inner, lane_predicate, inner_count);
     };
-    skip_left_out();
     load_k.template step<false>(outer, state_k, write_outer, lane_predicate, outer_count);
     load_q_lse();
     load_v.template step<true>(outer, state_v, write_outer, lane_predicate, outer_count);
@@ -213,7 +214,6 @@ struct BwdMainloop
     load_v.template step<true>(outer, state_v, write_outer, lane_predicate, outer_count);
     CUTLASS_PRAGMA_NO_UNROLL
     while (inner_count > 0) {
-      skip_left_out();
       load_q_lse();
       load_do_odo();
     }
@@ -241,14 +241,15 @@ struct BwdMainloop
               get<2, 1>(blk_coord) * params.semaphore_head_stride;
 
     // The stage to return once the next reduction has been issued, -1 for none (an index only:
-    // this warp runs on 24 registers).
+    // this warp runs on 24 registers). Deterministic turns return each stage as soon as its
+    // reduction has completed, which passing the turn waits for anyway.
     int previous = -1;
     const int tiles = this->get_inner_tile_count(blk_coord, problem_size);
-    TileIter q_tile{first_tile(blk_coord, params, problem_size, tiles), tiles};
+    const int skipped = skipped_tiles(blk_coord, problem_size, tiles);
+    TileIter q_tile{first_tile(blk_coord, params, problem_size, tiles) + skipped, tiles};
     // one tile: every block starts at tile 0, and a block's turn is its index
     const ArrivalTurns turns(key_block, key_blocks(problem_size), rotates(params, problem_size, tiles) ? tiles : 1);
-    for (int i = 0; i < tiles; ++i, ++q_tile) {
-      if (!Fusion{}.is_contributing(make_coord(*q_tile, key_block), TileShape{}, problem_size)) continue;
+    for (int i = skipped; i < tiles; ++i, ++q_tile) {
       pipeline.consumer_wait(read);
       if (leader) {
         if (locks) {
@@ -269,8 +270,12 @@ struct BwdMainloop
         }
       }
       __syncwarp();
-      if (previous >= 0) pipeline.consumer_release(PipelineStateReducer(previous, 0, 0));
-      previous = read.index();
+      if (locks) {  // pass_turn waited for the reduction: its stage is free
+        pipeline.consumer_release(read);
+      } else {
+        if (previous >= 0) pipeline.consumer_release(PipelineStateReducer(previous, 0, 0));
+        previous = read.index();
+      }
       ++read;
     }
     if (leader) tma_store_wait<0>();
@@ -447,14 +452,10 @@ struct BwdMainloop
     // Nothing of the other's dS read yet; balanced by the sync after the loop.
     other_ds_free.arrive();
 
-    int tiles = this->get_inner_tile_count(wg_coord, problem_size);
-    TileIter q_tile{first_tile(blk_coord, params, problem_size, tiles), tiles};
-    while (tiles > 0) {
-      while (tiles > 0 && !Fusion{}.is_contributing(make_coord(*q_tile, get<1>(blk_coord)), TileShape{}, problem_size)) {
-        --tiles;
-        ++q_tile;
-      }
-      if (tiles == 0) break;
+    const int total = this->get_inner_tile_count(wg_coord, problem_size);
+    const int skipped = skipped_tiles(blk_coord, problem_size, total);
+    TileIter q_tile{first_tile(blk_coord, params, problem_size, total) + skipped, total};
+    for (int tiles = total - skipped; tiles > 0; --tiles, ++q_tile) {
       tScS.data() = tScS_origin + E<1>{} * (*q_tile * get<1>(TileShapeNM{}));
 
       Tensor tSrK_ = in_loop(tSrK);
@@ -579,9 +580,6 @@ struct BwdMainloop
       // The GEMMs have read Q and dO: release them.
       pipeline_inner.consumer_release(read_q);
       pipeline_inner.consumer_release(read_do);
-
-      --tiles;
-      ++q_tile;
     }
     my_ds_free.sync();
 
