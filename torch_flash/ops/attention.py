@@ -195,19 +195,18 @@ def _sm90_serves(q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: ref.Spec) -> 
 
 
 # Head dims whose Hopper backward runs by default where cuDNN's does not serve: against FA4 in one
-# run, D=128 0.88x-0.95x, D=64 0.88x-0.96x, the Triton backward 0.57x-0.64x (H200, 2026-11-29:
+# run, D=128 0.92x-0.97x, D=64 0.89x-0.97x, the Triton backward 0.55x-0.66x (H200, 2026-11-29:
 # docs/results/attention/2026-11-29_h200.json, columns cuda-sm90 and triton).
 SM90_BWD_DEFAULT_HDIMS = (64, 128)
-# Head dims whose Hopper backward goes before cuDNN's: in that run 1.06x-1.13x SDPA's cuDNN
-# backward at D=64 (either mask); at D=128 1.01x-1.05x without a mask and 0.98x-1.01x causal,
-# where the op through cuDNN's ran 0.96x / 1.00x the kernel (442 / 517 against 459 / 518
-# TFLOP/s at S 4k / 16k, column flash-op before this choice: its cuDNN path adds layout copies
-# to SDPA's).
+# Head dims whose Hopper backward goes before cuDNN's: in that run 1.05x-1.13x SDPA's cuDNN
+# backward at D=64 and 1.03x-1.07x at D=128 (either mask); the op through cuDNN's adds layout
+# copies to SDPA's (0.96x / 1.00x the kernel at D=128 causal S 4k / 16k in the 16:56 run, filed
+# at a973319).
 SM90_BWD_BEFORE_CUDNN_HDIMS = (64, 128)
 # Head dims whose Hopper backward runs by default under torch.use_deterministic_algorithms (dq
-# added in key-block order): in that run (column cuda-sm90-det) 0.77x-0.95x its default mode at
-# D=128 and 0.83x-0.97x at D=64, and 0.99x-1.49x the Triton backward's deterministic mode
-# (column triton-det; level only at D=64 causal 1k).
+# added in key-block order): in that run (column cuda-sm90-det) 0.79x-0.91x its default mode at
+# D=128 and 0.83x-0.96x at D=64, and 1.04x-1.47x the Triton backward's deterministic mode
+# (column triton-det).
 SM90_BWD_DETERMINISTIC_HDIMS = (64, 128)
 # Keys a CTA of the Hopper backward takes (the tile shapes of csrc/attention/attention_bwd_sm90_hdim*.cu).
 SM90_BWD_KEYS_PER_CTA = 128
