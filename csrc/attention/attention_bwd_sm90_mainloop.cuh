@@ -375,11 +375,14 @@ struct BwdMainloop
     clear(acc_DK);
 
     // This warpgroup's K and V sit in outer stages 2w and 2w + 1; the other's K two stages on.
-    pipeline_outer.consumer_wait(smem_pipe_read_outer);
+    // smem_pipe_read_outer stays where it is: the kernel's advances around compute already add
+    // up to one work item's outer loads (the example's compute moved it two more, which left a
+    // CTA's second item reading the wrong stages).
     PipelineStateQ read_k = smem_pipe_read_outer;
-    ++smem_pipe_read_outer;
-    pipeline_outer.consumer_wait(smem_pipe_read_outer);
-    PipelineStateQ read_v = smem_pipe_read_outer;
+    PipelineStateQ read_v = read_k;
+    ++read_v;
+    pipeline_outer.consumer_wait(read_k);
+    pipeline_outer.consumer_wait(read_v);
     PipelineStateQ read_k_other = read_k;
     read_k_other.advance(2);
 
@@ -585,7 +588,6 @@ struct BwdMainloop
 
     pipeline_outer.consumer_release(read_k);
     pipeline_outer.consumer_release(read_v);
-    ++smem_pipe_read_outer;
     pipeline_reducer.producer_tail(smem_pipe_write_reducer);
     warpgroup_fence_operand(acc_DK);
     warpgroup_fence_operand(acc_DV);
