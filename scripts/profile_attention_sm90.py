@@ -14,6 +14,10 @@ first (FA4 compiles its kernels on the first), so skip a few launches. The regex
 kernel by its demangled name (ours are all `device_kernel`): not the row sums before it nor the
 dq conversion after. scripts/ncu_compare.py puts such CSVs side by side and files them as
 docs/results/profile_attention_sm90/<date>_<device>.json.
+
+--breakdown (no ncu): the device time of every kernel of one call, averaged over --calls calls
+under torch.profiler, e.g. how much of a backward the row sums, the dq buffer's zeros and the
+dq conversion around the main kernel take, for ours and FA4's alike.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ def main() -> None:
     ap.add_argument("--s", type=int, default=4096)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--breakdown", action="store_true", help="print each kernel's device time a call")
     args = ap.parse_args()
     d, s, causal = args.d, args.s, args.causal
     b, h = TOKENS // s, HIDDEN // d
@@ -61,6 +66,25 @@ def main() -> None:
         call()
     torch.cuda.synchronize()
     print(f"{args.impl} {args.pass_} d={d} s={s} b={b} h={h} {'causal' if causal else 'full'}: {args.calls} calls")
+    if args.breakdown:
+        breakdown(call, args.calls)
+
+
+def breakdown(call, calls: int) -> None:
+    """Each kernel's device time a call (mean over `calls` profiled calls), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    # kernels only: host-side ops carry their kernels' time too, but none of their own
+    rows = [(e.self_device_time_total / calls, e.count / calls, e.key) for e in prof.key_averages()
+            if e.self_device_time_total > 0]
+    total = sum(us for us, _, _ in rows)
+    for us, count, name in sorted(rows, reverse=True):
+        print(f"{us:10.1f} us {us / total:6.1%} {count:4.1f}x  {name[:110]}")
+    print(f"{total:10.1f} us a call in all")
 
 
 if __name__ == "__main__":
