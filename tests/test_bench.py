@@ -167,9 +167,8 @@ def test_norm_ops_pick(tmp_path, capsys):
 def test_attention_max_seconds(monkeypatch, capsys, tmp_path):
     """--max-seconds: the attention suite starts no grid point past the limit and returns the
     points it timed (each check here advances the clock 10 s: the first point, then two more
-    before 25 s); --hdims
-    keeps the grid's points of those head dims; the other suites refuse --hdims, train
-    --max-seconds."""
+    before 25 s); --hdims keeps the grid's points of those head dims; the other suites refuse
+    --hdims, train --max-seconds."""
     import argparse
     from torch_flash.bench import _common, attention
     timed = []
