@@ -254,7 +254,7 @@ at::Tensor tma_ready(const at::Tensor& t) {
 
 // The gradients of attention_fwd_sm90: grad_out and out (B, Hq, Sq, D), lse (B, Hq, Sq) fp32 as
 // the forward returned them, its alibi_slopes (or none) -> dq laid out like q, dk and dv like k (empty_like_layout: the
-// epilogue stores both alike). dq is summed over the key blocks by TMA reductions: in any order
+// epilogue stores both alike). dq is summed over the key blocks by bulk reductions: in any order
 // by default, in a fixed key-block order (bitwise reproducible) under
 // torch.use_deterministic_algorithms(True).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_sm90(const at::Tensor& grad_out, const at::Tensor& q,
@@ -291,7 +291,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_sm90(const at::Tens
   at::Tensor dk_out = empty_like_layout(k), dv_out = at::empty_like(dk_out);
   auto dk = group == 1 ? dk_out.unsqueeze(0) : at::empty({group, batch, heads_kv, seqlen_k, head_dim}, q.options());
   auto dv = group == 1 ? dv_out.unsqueeze(0) : at::empty_like(dk);
-  auto dq_acc = at::zeros({batch, heads_q, seqlen_q, head_dim}, q.options().dtype(at::kFloat));
+  const int64_t rows_acc = (seqlen_q + kBwdQueryRowsMax - 1) / kBwdQueryRowsMax * kBwdQueryRowsMax;
+  auto dq_acc = at::zeros({batch, heads_q, rows_acc, head_dim}, q.options().dtype(at::kFloat));
   auto sum_odo = at::empty({batch, heads_q, seqlen_q}, q.options().dtype(at::kFloat));
   at::Tensor dq_semaphore;
   if (at::globalContext().deterministicAlgorithms()) {
@@ -318,7 +319,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_sm90(const at::Tens
   p.seqlen_q = to_int(seqlen_q, "seqlen_q", kBwdOp);
   p.seqlen_k = to_int(seqlen_k, "seqlen_k", kBwdOp);
   p.head_dim = to_int(head_dim, "head_dim", kBwdOp);
-  to_int(dq_acc.numel(), "B * Hq * Sq * D", kBwdOp);
+  to_int(dq_acc.numel(), "B * Hq * Sq * D (Sq rounded up to 128)", kBwdOp);
   to_int(dk[0].numel(), "B * Hkv * Sk * D", kBwdOp);
   auto strides = [&](const at::Tensor& t, const char* name, int& b, int& h, int& r) {
     b = to_int(t.stride(0), name, kBwdOp);

@@ -2,13 +2,14 @@
 // the nvidia-cutlass package: a CTA per key block, its two consumer warpgroups holding dK and dV
 // of half the block in registers while a producer warp streams Q, dO, lse and sum(dO * O) tiles
 // by TMA; the softmax recomputed from the lse; dQ of each query tile added into an fp32 buffer
-// by a TMA reduction from a warp of its own), instantiated for torch-flash's layouts with the
+// by bulk reductions from a warp of its own), instantiated for torch-flash's layouts with the
 // softmax scale as an argument and the causal mask aligned bottom-right. Around it, the
-// example's own small kernels: sum(dO * O) per row before, the dQ buffer's conversion to dq's
-// dtype after. GQA runs one launch per query head of a group (as the forward does), each
-// into its own slice of dk and dv. The mainloop (attention_bwd_sm90_mainloop.cuh) splits dQ over
-// both warpgroups (by head dim at 128, by rows at 64) and, under
-// torch.use_deterministic_algorithms, adds each dQ tile's contributions in a fixed key-block order.
+// example's sum(dO * O) per row before, and after it the dQ buffer's conversion to dq's dtype
+// (BwdConvertDq: the buffer holds each tile in the mainloop's thread order). GQA runs one launch
+// per query head of a group (as the forward does), each into its own slice of dk and dv. The
+// mainloop (attention_bwd_sm90_mainloop.cuh) splits dQ over both warpgroups (by head dim at 128,
+// by rows at 64) and, under torch.use_deterministic_algorithms, adds each dQ tile's
+// contributions in a fixed key-block order.
 #pragma once
 
 #include <algorithm>
@@ -21,7 +22,6 @@
 #include "88_hopper_fmha/collective/fmha_collective_bwd_tma_warpspecialized.hpp"
 #include "88_hopper_fmha/collective/fmha_epilogue_bwd.hpp"
 #include "88_hopper_fmha/collective/fmha_fusion.hpp"
-#include "88_hopper_fmha/kernel/fmha_kernel_bwd_convert.hpp"
 #include "88_hopper_fmha/kernel/fmha_kernel_bwd_sum_OdO.hpp"
 #include "88_hopper_fmha/kernel/fmha_kernel_tma_warpspecialized.hpp"
 #include "88_hopper_fmha/kernel/fmha_tile_scheduler.hpp"
@@ -142,6 +142,68 @@ struct KeyBlockScheduler {
   }
 };
 
+// dq in q's dtype from dq_acc, whose tiles hold their floats in the order BwdMainloop's dQ stage
+// has them (Dq: that mainloop; thread t of warpgroup part p put its dQ fragment's floats 4v..4v+3
+// at p * kDqPart + (v * 128 + t) * 4). A CTA a (query tile, head, batch): each thread takes its
+// floats back to (row, column) through the same GEMM's partition of an identity tensor into
+// shared memory, then the tile leaves row by row, 16 bytes a thread; rows past seqlen_q are not
+// written.
+template <class Element, class Dq>
+struct BwdConvertDq {
+  struct Params {
+    const float* dq_acc;
+    long acc_batch_stride, acc_head_stride;  // floats
+    Element* dq;
+    int batch_stride, head_stride, row_stride;  // elements
+    int seqlen_q;
+  };
+  static constexpr int kThreads = 2 * cutlass::NumThreadsPerWarpGroup;
+  // Rows 16 bytes apart beyond the head dim: the accumulator layout's 8 rows of a warp's store
+  // then fall in distinct banks.
+  static constexpr int kPitch = Dq::kHeadDim + 8;
+  static constexpr int kVectors = Dq::kHeadDim / 8;  // 16-byte pieces a row
+
+  CUTLASS_DEVICE void operator()(Params const& p) const {
+    __shared__ alignas(16) Element tile[Dq::kQueryRows * kPitch];
+    const int part = threadIdx.x / cutlass::NumThreadsPerWarpGroup;
+    const int thread = threadIdx.x % cutlass::NumThreadsPerWarpGroup;
+    Tensor coord = typename Dq::TiledMmaDQ{}.get_thread_slice(thread).partition_C(
+        make_identity_tensor(make_shape(Int<Dq::kDQRows>{}, Int<Dq::kDQCols>{})));
+    static_assert(decltype(size(coord))::value % 4 == 0);
+    const float* src = p.dq_acc + blockIdx.z * p.acc_batch_stride + blockIdx.y * p.acc_head_stride +
+                       long(blockIdx.x) * Dq::kDqStage + part * Dq::kDqPart + thread * 4;
+    const bool by_rows = Dq::kSplit == Dq::DQSplit::kRows;
+    const int row0 = by_rows ? part * Dq::kDQRows : 0;
+    const int col0 = by_rows ? 0 : part * Dq::kDQCols;
+    CUTLASS_PRAGMA_UNROLL
+    for (int v = 0; v < size(coord) / 4; v++) {
+      const float4 x = *reinterpret_cast<const float4*>(src + v * cutlass::NumThreadsPerWarpGroup * 4);
+      const float values[4] = {x.x, x.y, x.z, x.w};
+      CUTLASS_PRAGMA_UNROLL
+      for (int e = 0; e < 4; e++) {
+        const int row = row0 + get<0>(coord(4 * v + e)), col = col0 + get<1>(coord(4 * v + e));
+        tile[row * kPitch + col] = Element(values[e]);
+      }
+    }
+    __syncthreads();
+    Element* dst = p.dq + blockIdx.z * long(p.batch_stride) + blockIdx.y * long(p.head_stride);
+    const int first_row = blockIdx.x * Dq::kQueryRows;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = threadIdx.x; i < Dq::kQueryRows * kVectors; i += kThreads) {
+      const int r = i / kVectors, c = i % kVectors * 8;
+      if (first_row + r < p.seqlen_q) {
+        *reinterpret_cast<uint4*>(dst + long(first_row + r) * p.row_stride + c) =
+            *reinterpret_cast<const uint4*>(tile + r * kPitch + c);
+      }
+    }
+  }
+};
+
+template <class Op>
+__global__ void __launch_bounds__(Op::kThreads) run_op(typename Op::Params const params) {
+  Op{}(params);
+}
+
 // TileShape: (query rows per step, keys per CTA, head dim).
 template <class Element, class Fusion, class TileShape>
 struct BwdKernel {
@@ -151,7 +213,7 @@ struct BwdKernel {
   using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
       Mainloop, Epilogue, cutlass::fmha::kernel::TileSchedulerBwdAdapter<KeyBlockScheduler>>;
   using SumOdO = cutlass::fmha::kernel::FmhaKernelBwdSumOdO<Element, float>;
-  using Convert = cutlass::fmha::kernel::FmhaKernelBwdConvert<Element, float>;
+  using Convert = BwdConvertDq<Element, BwdMainloop<Element, TileShape, Fusion>>;
 };
 
 template <class Kernel>
@@ -170,7 +232,7 @@ void run_bwd(const AttentionBwdSm90Params& p, cudaStream_t stream) {
   const int sq = p.seqlen_q, d = p.head_dim, q_tiles = ceil_div(sq, int(get<0>(TileShape{})));
   const cute::tuple<int, int, int, int, int> all_heads{p.batch, p.heads_q, sq, p.seqlen_k, d};
   const BwdStrideRow row_stride{p.heads_q * sq, sq, _1{}};  // sum_odo (B, Hq, Sq)
-  const BwdStride acc_stride{p.heads_q * sq * d, sq * d, d, _1{}};  // dq_acc (B, Hq, Sq, D)
+  const int acc_head = ceil_div(sq, kBwdQueryRowsMax) * kBwdQueryRowsMax * d;  // dq_acc's floats a head
 
   typename K::SumOdO::Arguments sum_args{
       all_heads,
@@ -198,9 +260,10 @@ void run_bwd(const AttentionBwdSm90Params& p, cudaStream_t stream) {
           {p.grad_out_batch_stride, p.grad_out_head_stride * group, p.grad_out_row_stride, _1{}},
           p.lse + long(g) * p.lse_head_stride, {p.lse_batch_stride, p.lse_head_stride * group, _1{}},
           p.sum_odo + long(g) * sq, {p.heads_q * sq, sq * group, _1{}},
-          p.dq_acc + long(g) * sq * d, {p.heads_q * sq * d, sq * d * group, d, _1{}}},
+          p.dq_acc + long(g) * acc_head, {p.heads_q * acc_head, acc_head * group, d, _1{}}},
          p.dq_semaphore == nullptr ? nullptr : p.dq_semaphore + long(g) * q_tiles,
-         p.heads_q * q_tiles, q_tiles * group},
+         p.heads_q * q_tiles, q_tiles * group,
+         p.dq_acc + long(g) * acc_head, long(p.heads_q) * acc_head, long(acc_head) * group},
         p.scale};
     typename Mainloop::Arguments mainloop_args;
     if constexpr (kIsAlibi<Fusion>) {  // query heads g, g + G, ...
@@ -226,11 +289,12 @@ void run_bwd(const AttentionBwdSm90Params& p, cudaStream_t stream) {
     check_cuda(cudaGetLastError(), "backward kernel launch");
   }
 
-  typename K::Convert::Arguments convert_args{
-      all_heads, p.dq_acc, acc_stride, nullptr, acc_stride, nullptr, acc_stride,
-      static_cast<Element*>(p.dq), {p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride, _1{}},
-      nullptr, acc_stride, nullptr, acc_stride};  // dk, dv: not converted
-  launch_simple<typename K::Convert>(K::Convert::to_underlying_arguments(convert_args, nullptr), stream, "dq conversion");
+  const typename K::Convert::Params convert{p.dq_acc, long(p.heads_q) * acc_head, acc_head,
+                                            static_cast<Element*>(p.dq), p.dq_batch_stride, p.dq_head_stride,
+                                            p.dq_row_stride, sq};
+  run_op<typename K::Convert>
+      <<<dim3(q_tiles, p.heads_q, p.batch), K::Convert::kThreads, 0, stream>>>(convert);
+  check_cuda(cudaGetLastError(), "dq conversion");
 }
 
 // Every dtype x mask variant of one head dim, each with ALiBi.

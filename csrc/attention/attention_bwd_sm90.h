@@ -10,11 +10,13 @@ namespace torch_flash {
 // lse (B, Hq, Sq) fp32 natural log, as the forward wrote it. Strides in elements, the last dim
 // contiguous. dq (B, Hq, Sq, D); dk/dv (B, Hkv, Sk, D) for each of G = Hq / Hkv query heads of a
 // group: member g holds the gradients of heads g, g + G, ..., at dkv_member_stride elements
-// from member 0, summed by the caller where G > 1. The workspace: dq_acc (B, Hq, Sq, D) fp32
-// zeroed, sum_odo (B, Hq, Sq) fp32, both contiguous.
-// The fewest query rows of a backward tile (64 or 128 a head dim): dQ is reduced one tile at a
-// time, and dq_semaphore holds a counter for each tile of this many rows.
+// from member 0, summed by the caller where G > 1. The workspace: dq_acc (B, Hq, Sq rounded up
+// to kBwdQueryRowsMax, D) fp32 zeroed (each query tile's floats in the kernel's own order),
+// sum_odo (B, Hq, Sq) fp32, both contiguous.
+// The fewest and the most query rows of a backward tile (64 or 128 a head dim): dQ is reduced one
+// tile at a time, and dq_semaphore holds a counter for each tile of kBwdQueryRows rows.
 constexpr int kBwdQueryRows = 64;
+constexpr int kBwdQueryRowsMax = 128;
 
 struct AttentionBwdSm90Params {
   const void* q;

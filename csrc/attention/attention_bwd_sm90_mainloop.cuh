@@ -14,7 +14,7 @@
 // Named barriers (user ids):
 //   kDsReady         both warpgroups' dS of this query tile are in shared memory
 //   kDsFree + w      warpgroup w may overwrite its dS: the other one's dQ GEMM has read it
-// The reducer warp returns a dQ stage to the consumers only once its TMA reduction has read it
+// The reducer warp returns a dQ stage to the consumers only once its bulk reductions have read it
 // (the example's returned it one reduction early). Producer and epilogue are the example's.
 #pragma once
 
@@ -72,43 +72,37 @@ struct BwdMainloop
   static constexpr int kDsReady = 0;  // user named-barrier ids (CUTLASS reserves the ones below)
   static constexpr int kDsFree = 1;  // and 2
 
-  // The dQ stage with the example's SW128 atoms stacked along rows first (it stacks them along D):
-  // a TMA box then spans all rows of a 128-byte column slice, 4 reductions a tile at D = 128
-  // instead of 32, whose coordinates made the reducer warp (24 registers) spill.
-  using SmemLayoutDQ = decltype(tile_to_shape(typename Base::SmemAtomDQ{},
-                                              make_shape(get<0>(TileShapeMD{}), get<1>(TileShapeMD{}), _2{}),
-                                              Step<_1, _2, _3>{}));
-  static_assert(cosize_v<SmemLayoutDQ> == cosize_v<typename Base::SmemLayoutDQ>);
-  using TMA_DQ = decltype(make_tma_copy(SM90_TMA_REDUCE_ADD{},
-                                        make_tensor((const float*)nullptr, make_shape(1, 1, 1, 1), make_stride(0, _1{}, 0, 0)),
-                                        SmemLayoutDQ{}(_, _, _0{})));
+  // The dQ stage in thread order: warpgroup w's part (kDQRows x kDQCols floats) at w * kDqPart,
+  // its thread t's accumulator floats 4v..4v+3 at (v * 128 + t) * 4 (128-bit stores, consecutive
+  // threads in consecutive banks); the dq_acc buffer holds each tile in the same order, added by
+  // one bulk reduction a part, and BwdConvertDq puts the rows back.
+  static constexpr int kDqPart = kDQRows * kDQCols;
+  static constexpr int kDqStage = 2 * kDqPart;
+  static_assert(kDqStage == get<0>(TileShapeMD{}) * get<1>(TileShapeMD{}));
+  static_assert(2 * kDqStage == cosize_v<typename Base::SmemLayoutDQ>, "two dQ stages");
 
-  // dq_semaphore (B, H, query tiles) int32 zeros, or null: each dQ tile then takes the key
-  // blocks' reductions in a fixed order (torch.use_deterministic_algorithms), each CTA waiting
-  // until its predecessors have added theirs. Strides in elements.
+  // dq_acc: fp32 zeros, a (batch, head)'s query tiles one after another at its batch and head
+  // strides (floats), kDqStage floats each in the stage's order. dq_semaphore (B, H, query
+  // tiles) int32 zeros, or null: each dQ tile then takes the key blocks' reductions in a fixed
+  // order (torch.use_deterministic_algorithms), each CTA waiting until its predecessors have
+  // added theirs. Strides in elements.
   struct Arguments : Base::Arguments {
     int* dq_semaphore;
     int semaphore_batch_stride, semaphore_head_stride;
+    float* dq_acc;
+    long dq_acc_batch_stride, dq_acc_head_stride;
   };
   struct Params : Base::Params {
-    TMA_DQ tma_red_dq_rows;
     int* dq_semaphore;
     int semaphore_batch_stride, semaphore_head_stride;
+    float* dq_acc;
+    long dq_acc_batch_stride, dq_acc_head_stride;
   };
 
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape const& problem, Arguments const& args, void* workspace) {
-    TMA_DQ tma_red_dq_rows = make_tma_copy(
-        SM90_TMA_REDUCE_ADD{}, make_tensor(args.ptr_dQ, select<2, 4, 0, 1>(problem), select<2, 3, 0, 1>(args.dDQ)),
-        SmemLayoutDQ{}(_, _, _0{}));
-    return {Base::to_underlying_arguments(problem, args, workspace), tma_red_dq_rows, args.dq_semaphore,
-            args.semaphore_batch_stride, args.semaphore_head_stride};
-  }
-
-  // The example prefetches its loads' descriptors only.
-  static CUTLASS_DEVICE void prefetch_tma_descriptors(Params const& params) {
-    Base::prefetch_tma_descriptors(params);
-    cute::prefetch_tma_descriptor(params.tma_red_dq_rows.get_tma_descriptor());
+    return {Base::to_underlying_arguments(problem, args, workspace), args.dq_semaphore, args.semaphore_batch_stride,
+            args.semaphore_head_stride, args.dq_acc, args.dq_acc_batch_stride, args.dq_acc_head_stride};
   }
 
   // The query tiles of a CTA run from first_tile, wrapping around. Under deterministic dQ
@@ -220,18 +214,14 @@ struct BwdMainloop
   }
 
   // The reducer warp: each dQ tile the consumers leave in a stage is added into the fp32 dQ
-  // buffer by a TMA reduction; a stage goes back once its reduction has read it.
+  // buffer by one bulk reduction a warpgroup's part; a stage goes back once they have read it.
   template <class BlkCoord, class ProblemShape, class PipelineReducer, class PipelineStateReducer>
   CUTLASS_DEVICE void reduce(BlkCoord const& blk_coord, Params const& params, ProblemShape const& problem_size,
                              PipelineReducer& pipeline, PipelineStateReducer& read, SharedStorage& storage) {
     const bool leader = cute::elect_one_sync();
-    Tensor mDQ = params.tma_red_dq_rows.get_tma_tensor(select<2, 4, 0, 1>(problem_size));
-    Tensor gDQ = local_tile(mDQ, TileShapeMD{}, make_coord(_, _, _), Step<_1, _1, Underscore>{})(
-        _, _, _, _0{}, get<2, 0>(blk_coord), get<2, 1>(blk_coord));  // (rows, D, query tile)
-    Tensor sDQ = make_tensor(make_smem_ptr(storage.smem_dq.data()), SmemLayoutDQ{});
-    auto tma = params.tma_red_dq_rows.get_slice(_0{});
-    Tensor tDQsDQ = tma.partition_S(sDQ);
-    Tensor tDQgDQ = tma.partition_D(gDQ);
+    float* const dq_acc = params.dq_acc + get<2, 0>(blk_coord) * params.dq_acc_batch_stride +
+                          get<2, 1>(blk_coord) * params.dq_acc_head_stride;
+    const uint32_t stages = cute::cast_smem_ptr_to_uint(storage.smem_dq.data());
 
     // Deterministic turns: under the causal mask the key blocks that add into a query tile are a
     // prefix 0..last, taken last first; without it all of them, in arrival order.
@@ -261,7 +251,11 @@ struct BwdMainloop
           }
           wait_for_turn(locks + *q_tile, turn);
         }
-        copy(params.tma_red_dq_rows, tDQsDQ(_, _, _, read.index()), tDQgDQ(_, _, _, *q_tile));
+        CUTLASS_PRAGMA_UNROLL
+        for (int part = 0; part < 2; ++part) {
+          bulk_reduce_add(dq_acc + long(*q_tile) * kDqStage + part * kDqPart,
+                          stages + (read.index() * kDqStage + part * kDqPart) * uint32_t(sizeof(float)));
+        }
         tma_store_arrive();
         if (locks) {
           pass_turn(locks + *q_tile);
@@ -288,62 +282,21 @@ struct BwdMainloop
     do {
       asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(lock) : "memory");
     } while (seen != turn);
-    asm volatile("fence.proxy.async.global;" ::: "memory");  // before the TMA reduction
+    asm volatile("fence.proxy.async.global;" ::: "memory");  // before the bulk reductions
   }
 
-  // Once this thread's TMA reductions have completed (not only read shared memory).
+  // Once this thread's bulk reductions have completed (not only read shared memory).
   static CUTLASS_DEVICE void pass_turn(int* lock) {
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
     asm volatile("fence.proxy.async.global;" ::: "memory");
     asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(lock) : "memory");
   }
 
-  // An explicit shared-memory store: through generic pointers the dQ stores lost their address
-  // space (generic ST, 64-bit addresses).
-  static CUTLASS_DEVICE void st_shared(uint32_t dst, float2 v) {
-    asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(dst), "f"(v.x), "f"(v.y) : "memory");
-  }
-  // The dQ stage is swizzled within 1 KiB (SW128 of fp32): offsets a multiple of 1 KiB apart stay
-  // as far apart once swizzled. kDqRep[i] is the first float2 of a thread's dQ view in i's class,
-  // so only those addresses are swizzled at run time and the others are an immediate from them.
-  static_assert(std::is_same_v<decltype(SmemLayoutDQ{}.layout_a()), Swizzle<3, 4, 3>>);
-  static constexpr int kDqPeriod = 1024 / sizeof(float2);
-  template <class Layout>
-  static constexpr auto dq_reps(Layout layout) {
-    static_assert(is_static<Layout>::value);
-    cute::array<int, size(Layout{})> rep{};
-    for (int i = 0; i < size(layout); ++i) {
-      rep[i] = i;
-      for (int k = 0; k < i; ++k) {
-        if ((layout(i) - layout(k)) % kDqPeriod == 0) {
-          rep[i] = k;
-          break;
-        }
-      }
-    }
-    return rep;
-  }
-  // Under SW128 a warp's rows r and r ^ 1 (lanes 4r..4r+3) put their 32 bytes of a store in the same
-  // banks, and a 64-bit store serves a half-warp (rows 0-3, 4-7) a pass: two passes each. Odd rows
-  // therefore store their float2 16 columns over (64 bytes, kDqPartner[i]) where even rows store i's:
-  // the half-warp's rows then fill distinct banks.
-  template <class Layout>
-  static constexpr auto dq_partners(Layout layout) {
-    cute::array<int, size(Layout{})> partner{};
-    for (int i = 0; i < size(layout); ++i) {
-      partner[i] = -1;
-      for (int k = 0; k < size(layout); ++k) {
-        if (layout(k) == (layout(i) ^ (64 / int(sizeof(float2))))) partner[i] = k;
-      }
-    }
-    return partner;
-  }
-  template <class Partners>
-  static constexpr bool all_partnered(Partners const& partner) {
-    for (int i = 0; i < int(partner.size()); ++i) {
-      if (partner[i] < 0) return false;
-    }
-    return true;
+  // One warpgroup's part of a dQ stage added into dq_acc (a bulk copy, completed by the bulk
+  // group as the tensor reductions are).
+  static CUTLASS_DEVICE void bulk_reduce_add(float* dst, uint32_t src) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+                 ::"l"(dst), "r"(src), "n"(kDqPart * int(sizeof(float))) : "memory");
   }
 
   // A shared-memory operand's GMMA descriptors, re-derived in the loop from an opaque base: hoisted
@@ -428,9 +381,9 @@ struct BwdMainloop
     Tensor sKpPart = local_tile(sKp, make_shape(Int<kDQCols>{}, size<1>(sKp), size<2>(sKp)),
                                 make_coord(dq_col_part, _0{}, _0{}));
     Tensor tDQrK = thr_dq.make_fragment_B(thr_dq.partition_B(sKpPart));
-    Tensor sDQ = make_tensor(make_smem_ptr(storage.smem_dq.data()), SmemLayoutDQ{});
-    Tensor tDQsDQ = thr_dq.partition_C(local_tile(sDQ, make_shape(Int<kDQRows>{}, Int<kDQCols>{}, size<2>(sDQ)),
-                                                  make_coord(dq_row_part, dq_col_part, _0{})));
+    // This thread's first float of its part of dQ stage 0 (the stage's thread order, above).
+    const uint32_t dq_thread = cute::cast_smem_ptr_to_uint(storage.smem_dq.data()) +
+                               uint32_t((wg_idx * kDqPart + thread_idx * 4) * sizeof(float));
     const int k_stage[2] = {wg_idx == 0 ? read_k.index() : read_k_other.index(),
                             wg_idx == 1 ? read_k.index() : read_k_other.index()};
 
@@ -552,26 +505,14 @@ struct BwdMainloop
       // This warpgroup's part of the dQ tile into the reducer's stage; the reducer warp adds the
       // whole tile into the fp32 dQ buffer once both warpgroups have committed.
       pipeline_reducer.producer_acquire(smem_pipe_write_reducer);
-      const int stage = smem_pipe_write_reducer.index();
-      auto dq_dst = recast<float2>(tDQsDQ(_, _, _, stage));
-      auto dq_src = recast<float2>(acc_DQ);
-      constexpr auto kDqRep = dq_reps(decltype(dq_dst.layout()){});
-      constexpr auto kDqPartner = dq_partners(decltype(dq_dst.layout()){});
-      static_assert(all_partnered(kDqPartner), "dQ store: a float2 with none 16 columns over in the thread's view");
-      // The swizzle acts on the shared address (its window is aligned far beyond 1 KiB); the odd
-      // rows' 64-byte flip commutes with it and with the 1 KiB steps between classes.
-      const bool odd_row = threadIdx.x & 4;
-      const uint32_t dq_base = cute::cast_smem_ptr_to_uint(raw_pointer_cast(dq_dst.data()));
-      uint32_t dq_addr[size(dq_dst)];
+      static_assert(decltype(size(acc_DQ))::value % 4 == 0);
+      const uint32_t dq_stage = dq_thread + uint32_t(smem_pipe_write_reducer.index() * kDqStage * sizeof(float));
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(dq_dst); i++) {
-        dq_addr[i] = kDqRep[i] == i
-            ? uint32_t(Swizzle<3, 4, 3>{}(dq_base + dq_dst.layout()(i) * sizeof(float2))) ^ (odd_row ? 64u : 0u)
-            : dq_addr[kDqRep[i]] + (dq_dst.layout()(i) - dq_dst.layout()(kDqRep[i])) * sizeof(float2);
-      }
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(dq_src); i++) {
-        st_shared(dq_addr[i], odd_row ? dq_src(kDqPartner[i]) : dq_src(i));
+      for (int v = 0; v < size(acc_DQ) / 4; v++) {
+        const uint32_t dst = dq_stage + uint32_t(v * cutlass::NumThreadsPerWarpGroup * 4 * sizeof(float));
+        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(dst), "f"(acc_DQ(4 * v)), "f"(acc_DQ(4 * v + 1)),
+                     "f"(acc_DQ(4 * v + 2)), "f"(acc_DQ(4 * v + 3))
+                     : "memory");
       }
       cutlass::arch::fence_view_async_shared();
       pipeline_reducer.producer_commit(smem_pipe_write_reducer);
