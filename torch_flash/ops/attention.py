@@ -195,12 +195,12 @@ def _sm90_serves(q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: ref.Spec) -> 
 
 
 # Head dims whose Hopper backward runs by default where cuDNN's does not serve: against FA4 in one
-# run, D=128 0.92x-0.97x, D=64 0.89x-0.97x, the Triton backward 0.55x-0.66x (H200, 2026-11-29:
+# run, D=128 0.94x-0.99x, D=64 0.92x-1.00x, the Triton backward 0.55x-0.67x (H200, 2026-11-29:
 # docs/results/attention/2026-11-29_h200.json, columns cuda-sm90 and triton).
 SM90_BWD_DEFAULT_HDIMS = (64, 128)
-# Head dims whose Hopper backward goes before cuDNN's: in that run 1.05x-1.13x SDPA's cuDNN
-# backward at D=64 and 1.03x-1.07x at D=128 (either mask); the op through cuDNN's adds layout
-# copies to SDPA's (0.96x / 1.00x the kernel at D=128 causal S 4k / 16k in the 16:56 run, filed
+# Head dims whose Hopper backward goes before cuDNN's: in that run 1.10x-1.17x SDPA's cuDNN
+# backward at D=64 and 1.06x-1.10x at D=128 (either mask); the op through cuDNN's adds layout
+# copies to SDPA's (0.96x / 1.00x the kernel at D=128 causal S 4k / 16k in an earlier run, filed
 # at a973319).
 SM90_BWD_BEFORE_CUDNN_HDIMS = (64, 128)
 # Head dims whose Hopper backward runs by default under torch.use_deterministic_algorithms (dq
