@@ -18,7 +18,8 @@ squared norms all-reduced):
 - linear_cross_entropy: flash.linear_cross_entropy with the whole vocabulary over token shards,
   loss and gradients all-reduced as data parallelism does;
 - timing (no check): ring attention forward + backward per step on N devices against one
-  device at the same total sequence (medians; CUDA events on GPUs).
+  device, at the same total sequence (strong scaling) and at the one device's sequence on every
+  rank (weak scaling; medians; CUDA events on GPUs).
 
 Writes DIR/rank{r}.json: {"rank", "world", "device", "torch", "checks": [{"name", "what", "err",
 "tol", "ok"}], "timing": [...]}; the test asserts every check's ok.
@@ -378,6 +379,21 @@ def _median_ms(fn, device, warmup: int, iters: int, sync=None) -> float:
     return statistics.median(times)
 
 
+def _kernel_ms(step, calls: int = 3) -> tuple[float, float]:
+    """Device time a step of this rank's kernels under torch.profiler: (compute, NCCL), ms.
+    A ring step's time minus its compute is the communication left exposed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            step()
+        torch.cuda.synchronize()
+    ms = {"compute": 0.0, "nccl": 0.0}
+    for e in prof.key_averages():  # kernels only: host-side ops have no device time of their own
+        ms["nccl" if "nccl" in e.key.lower() else "compute"] += e.self_device_time_total / 1e3 / calls
+    return ms["compute"], ms["nccl"]
+
+
 def _fwd_bwd(attn, q, k, v, g):
     def step():
         torch.autograd.grad(attn(q, k, v), (q, k, v), g)
@@ -386,13 +402,17 @@ def _fwd_bwd(attn, q, k, v, g):
 
 def timing_section(device, sizes, seq: int) -> list:
     """Ring attention forward + backward (causal, B=1, bf16 on GPUs) per step on all ranks, the
-    slowest rank's median, against torch_flash.attention on rank 0's device alone over the same
-    total sequence; both layouts."""
+    slowest rank's median, against torch_flash.attention on rank 0's device alone over seq
+    tokens; both layouts, at two scalings: strong (the ring over the same seq tokens, speedup =
+    one device's time / the ring's) and weak (seq tokens a rank, world * seq in all; efficiency =
+    the ring's throughput / world x one device's, issue 38's target)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     heads, d = sizes["t_heads"], sizes["t_dim"]
     dtype = BF16 if device.type == "cuda" else FP32
-    flops = 4 * heads * seq * seq * d / 2 * 3.5  # causal forward, backward 2.5x forward
     g = _gen(device, "timing", rank)
+
+    def flops(s):  # causal forward, backward 2.5x forward
+        return 4 * heads * s * s * d / 2 * 3.5
 
     def make(s):
         return [_randn(g, 1, heads, s, d, dtype=dtype).requires_grad_() for _ in range(4)]
@@ -403,26 +423,37 @@ def timing_section(device, sizes, seq: int) -> list:
                                    device, sizes["warmup"], sizes["iters"]))
         del q, k, v, go
     dist.all_reduce(single_ms)  # rank 0's to every rank
+    one_ms = single_ms.item()
     rows = []
-    for layout in ("zigzag", "contiguous"):
-        q, k, v, go = make(seq // world)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+    for scaling, total in (("strong", seq), ("weak", world * seq)):
+        for layout in ("zigzag", "contiguous"):
+            q, k, v, go = make(total // world)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
 
-        def ring(q, k, v):
-            return context_parallel_attention(q, k, v, causal=True, layout=layout)
-        mine = _median_ms(_fwd_bwd(ring, q, k, v, go), device, sizes["warmup"], sizes["iters"], sync=dist.barrier)
-        slowest = torch.tensor(mine, dtype=FP64, device=device)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        ring_ms, one_ms = slowest.item(), single_ms.item()
-        rows.append({
-            "what": "ring attention fwd+bwd per step", "layout": layout, "causal": True, "world": world,
-            "seq_total": seq, "batch": 1, "heads": heads, "head_dim": d, "dtype": str(dtype),
-            "ring_ms": ring_ms, "ring_ms_this_rank": mine, "single_device_ms": one_ms,
-            "speedup": one_ms / ring_ms, "ring_tflops": flops / ring_ms / 1e9, "single_tflops": flops / one_ms / 1e9,
-            "peak_mem_gib_this_rank": (torch.cuda.max_memory_allocated(device) / 2**30
-                                       if device.type == "cuda" else None),
-        })
+            def ring(q, k, v):
+                return context_parallel_attention(q, k, v, causal=True, layout=layout)
+            step = _fwd_bwd(ring, q, k, v, go)
+            mine = _median_ms(step, device, sizes["warmup"], sizes["iters"], sync=dist.barrier)
+            compute_ms, nccl_ms = _kernel_ms(step) if device.type == "cuda" else (None, None)
+            del q, k, v, go, step
+            slowest = torch.tensor([mine, mine - (compute_ms or 0.0)], dtype=FP64, device=device)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            ring_ms, exposed_ms = slowest.tolist()
+            ring_tflops, single_tflops = flops(total) / ring_ms / 1e9, flops(seq) / one_ms / 1e9
+            rows.append({
+                "what": "ring attention fwd+bwd per step", "scaling": scaling, "layout": layout, "causal": True,
+                "world": world, "seq_total": total, "seq_single": seq, "batch": 1, "heads": heads, "head_dim": d,
+                "dtype": str(dtype), "ring_ms": ring_ms, "ring_ms_this_rank": mine, "single_device_ms": one_ms,
+                # kernel time a step on this rank; exposed: the most any rank's step exceeds its compute
+                "compute_ms_this_rank": compute_ms, "nccl_kernel_ms_this_rank": nccl_ms,
+                "exposed_comm_ms": exposed_ms if compute_ms is not None else None,
+                "ring_tflops": ring_tflops, "single_tflops": single_tflops,
+                **({"speedup": one_ms / ring_ms} if scaling == "strong"
+                   else {"efficiency": ring_tflops / (world * single_tflops)}),
+                "peak_mem_gib_this_rank": (torch.cuda.max_memory_allocated(device) / 2**30
+                                           if device.type == "cuda" else None),
+            })
     return rows
 
 
@@ -432,7 +463,7 @@ def main():
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--backend", help="default: nccl on cuda, gloo on cpu")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
-    parser.add_argument("--timing-seq", type=int, help="total tokens of the timing (default 32768 on cuda)")
+    parser.add_argument("--timing-seq", type=int, help="tokens of the one-device timing (default 32768 on cuda)")
     args = parser.parse_args()
     sizes = SIZES[args.device]
     local = int(os.environ["LOCAL_RANK"])

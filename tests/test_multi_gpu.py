@@ -2,7 +2,8 @@
 torch.distributed.run, one GPU each, over NCCL (N = 2, and 4 where 4 GPUs exist): ring attention
 (context_parallel_attention), vocab-parallel flash.cross_entropy, the vocab-parallel lm head and
 flash.linear_cross_entropy over token shards, every check against float64 on the whole problem;
-and a timing line (ring attention forward + backward on N GPUs against one, printed, not checked):
+and timing lines (ring attention forward + backward on N GPUs against one, strong and weak
+scaling, printed, not checked):
 
     pytest tests/test_multi_gpu.py -s -rA              # -k 2gpus / -k 4gpus: one world size
 
@@ -89,21 +90,28 @@ def test_against_float64(gpu_results, section):
 
 
 def timing_lines(results: list[dict]) -> list[str]:
-    """One line a layout: ring attention on N devices against one, and the worker's JSON row."""
+    """One line a timing row: ring attention on N devices against one, and the worker's JSON row."""
     lines = []
     for row in results[0]["timing"]:
-        lines.append(f"{results[0]['device']}: ring attention fwd+bwd, causal, {row['seq_total']} tokens, "
-                     f"H={row['heads']}, D={row['head_dim']}, {row['dtype']}, {row['layout']}: "
-                     f"{row['world']} devices {row['ring_ms']:.2f} ms/step against 1 device "
-                     f"{row['single_device_ms']:.2f} ms ({row['speedup']:.2f}x)\n  {json.dumps(row)}")
+        vs = (f"{row['speedup']:.2f}x faster" if row["scaling"] == "strong"
+              else f"efficiency {row['efficiency']:.2f} of {row['world']} x one device's TFLOP/s")
+        lines.append(f"{results[0]['device']}: ring attention fwd+bwd, causal, {row['scaling']} scaling, "
+                     f"{row['seq_total']} tokens on {row['world']} devices ({row['layout']}) "
+                     f"{row['ring_ms']:.2f} ms/step against {row['seq_single']} on one "
+                     f"{row['single_device_ms']:.2f} ms: {vs}"
+                     + (f"; communication exposed {row['exposed_comm_ms']:.2f} ms a step"
+                        if row["exposed_comm_ms"] is not None else "") + f"\n  {json.dumps(row)}")
     return lines
+
+
+TIMING_ROWS = [(scaling, layout) for scaling in ("strong", "weak") for layout in ("zigzag", "contiguous")]
 
 
 @pytest.mark.cuda
 @needs_2_gpus
 def test_timing(gpu_results):
-    """Printed for the record (run with -s); nothing asserted but that both layouts were timed."""
-    assert [row["layout"] for row in gpu_results[0]["timing"]] == ["zigzag", "contiguous"]
+    """Printed for the record (run with -s); nothing asserted but that every row was timed."""
+    assert [(row["scaling"], row["layout"]) for row in gpu_results[0]["timing"]] == TIMING_ROWS
     print("\n" + "\n".join(timing_lines(gpu_results)))
 
 
@@ -113,4 +121,4 @@ def test_worker_on_cpu_gloo(tmp_path):
     results = launch(2, tmp_path, device="cpu")
     for section in ("attention", "cross_entropy", "lm_head", "linear_cross_entropy"):
         assert_checks(results, section)
-    assert [row["layout"] for row in results[0]["timing"]] == ["zigzag", "contiguous"]
+    assert [(row["scaling"], row["layout"]) for row in results[0]["timing"]] == TIMING_ROWS
