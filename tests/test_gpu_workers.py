@@ -1,5 +1,5 @@
-"""The test suite's own machinery in conftest.py."""
-from conftest import worker_gpu
+"""tests/_gpu_workers.py: the GPU each pytest-xdist worker takes."""
+from _gpu_workers import worker_gpu
 
 
 def test_worker_gpu_spreads_xdist_workers_over_gpus():
