@@ -2,6 +2,7 @@
 // behind flash.attention and flash.attention_backward (torch_flash/ops/attention.py defines the
 // schemas and calls these ops where the kernels serve the call).
 #include <ATen/ATen.h>
+#include <ATen/cuda/EmptyTensor.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -128,9 +129,17 @@ Problem check_problem(const char* op, const at::Tensor& q, const at::Tensor& k, 
   return p;
 }
 
+// A buffer the kernels write in full, unfilled: under torch.use_deterministic_algorithms(True)
+// at::empty fills new memory with NaN (torch.utils.deterministic.fill_uninitialized_memory), a
+// pass as long as the kernel's own write.
+at::Tensor empty_written(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  return at::detail::empty_cuda(sizes, options);
+}
+
 // A dense tensor of q's shape whose dims 0-2 lie in the order of q's strides, largest first
 // (ties in dim order), the last dim contiguous: the forward's out follows q's layout as SDPA's
-// does (torch_flash/reference/attention.py, layout_strides, which the op's fake uses).
+// does (torch_flash/reference/attention.py, layout_strides, which the op's fake uses). Unfilled,
+// as empty_written.
 at::Tensor empty_like_layout(const at::Tensor& q) {
   std::array<int64_t, 3> order{0, 1, 2};
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return q.stride(a) > q.stride(b); });
@@ -140,7 +149,7 @@ at::Tensor empty_like_layout(const at::Tensor& q) {
     strides[order[i]] = step;
     step *= q.size(order[i]);
   }
-  return at::empty_strided(q.sizes(), strides, q.options());
+  return at::detail::empty_strided_cuda(q.sizes(), strides, q.options());
 }
 
 // sinks (Hq,) of any floating dtype on q's device, as fp32 the epilogue reads (a copy only where
@@ -180,7 +189,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_sm90(const at::Tensor& q, const
       check_problem(kOp, q, k, v, causal, entry != nullptr);
   c10::cuda::CUDAGuard guard(q.device());
   auto out = empty_like_layout(q);
-  auto lse = at::empty({batch, heads_q, seqlen_q}, q.options().dtype(at::kFloat));
+  auto lse = empty_written({batch, heads_q, seqlen_q}, q.options().dtype(at::kFloat));
   // GQA: one launch per query head of a group (q heads g, g + G, ... share k/v heads 0, 1, ...)
   const int64_t group = heads_q / heads_kv;
   AttentionFwdSm90Params p{};
@@ -273,29 +282,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_sm90(const at::Tens
   TORCH_CHECK(lse.sizes() == q.sizes().slice(0, 3) && lse.scalar_type() == at::kFloat && lse.device() == q.device(),
               kBwdOp, "lse must be float32 of shape ", shape(q.sizes().slice(0, 3)), ", got ", shape(lse.sizes()),
               ", ", lse.scalar_type());
-  // Deterministic dQ without the causal mask: a head's key blocks (kBwdKeysPerCta keys each) take
-  // turns in the order they reach a query tile, which needs all of them resident at once, one CTA
-  // an SM; with more the kernel would wait forever.
-  constexpr int64_t kBwdKeysPerCta = 128;  // the tile shapes of attention_bwd_sm90_hdim*.cu
-  if (at::globalContext().deterministicAlgorithms() && !causal) {
-    const int64_t sms = device_attribute(cudaDevAttrMultiProcessorCount, device);
-    TORCH_CHECK((seqlen_k + kBwdKeysPerCta - 1) / kBwdKeysPerCta <= sms, kBwdOp,
-                "under torch.use_deterministic_algorithms(True) without a causal mask at most ",
-                num(sms * kBwdKeysPerCta), " keys on this GPU (", num(sms), " SMs), got seqlen_k ", num(seqlen_k));
-  }
+  const bool deterministic = at::globalContext().deterministicAlgorithms();
   c10::cuda::CUDAGuard guard(q.device());
   const auto grad_out_ = tma_ready(grad_out), out_ = tma_ready(out), lse_ = tma_ready(lse);
   const int64_t group = heads_q / heads_kv;
   auto dq = empty_like_layout(q);
   // with a group, one slice of dk and dv per query head, summed below (one kernel each)
-  at::Tensor dk_out = empty_like_layout(k), dv_out = at::empty_like(dk_out);
-  auto dk = group == 1 ? dk_out.unsqueeze(0) : at::empty({group, batch, heads_kv, seqlen_k, head_dim}, q.options());
-  auto dv = group == 1 ? dv_out.unsqueeze(0) : at::empty_like(dk);
+  at::Tensor dk_out = empty_like_layout(k), dv_out = empty_like_layout(k);
+  auto dk = group == 1 ? dk_out.unsqueeze(0) : empty_written({group, batch, heads_kv, seqlen_k, head_dim}, q.options());
+  auto dv = group == 1 ? dv_out.unsqueeze(0) : empty_written(dk.sizes(), q.options());
   const int64_t rows_acc = (seqlen_q + kBwdQueryRowsMax - 1) / kBwdQueryRowsMax * kBwdQueryRowsMax;
-  auto dq_acc = at::zeros({batch, heads_q, rows_acc, head_dim}, q.options().dtype(at::kFloat));
-  auto sum_odo = at::empty({batch, heads_q, seqlen_q}, q.options().dtype(at::kFloat));
+  // Deterministic dQ: each query tile's first turn stores instead of adding, so dq_acc needs no
+  // zeros where every tile sees a key: without the causal mask, and with it where Sq <= Sk (as
+  // check_problem requires; with Sq > Sk the tiles of rows below Sq - Sk would take no key block).
+  const bool every_tile_stored = deterministic && seqlen_k > 0 && (!causal || seqlen_q <= seqlen_k);
+  const auto acc_options = q.options().dtype(at::kFloat);
+  const std::array<int64_t, 4> acc_shape{batch, heads_q, rows_acc, head_dim};
+  auto dq_acc = every_tile_stored ? empty_written(acc_shape, acc_options) : at::zeros(acc_shape, acc_options);
+  auto sum_odo = empty_written({batch, heads_q, seqlen_q}, acc_options);
   at::Tensor dq_semaphore;
-  if (at::globalContext().deterministicAlgorithms()) {
+  if (deterministic) {
     dq_semaphore = at::zeros({batch, heads_q, (seqlen_q + kBwdQueryRows - 1) / kBwdQueryRows},
                              q.options().dtype(at::kInt));
   }
@@ -352,6 +358,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_sm90(const at::Tens
   p.bf16 = q.scalar_type() == at::kBFloat16;
   p.causal = causal;
   p.device = device;
+  p.sm_count = device_attribute(cudaDevAttrMultiProcessorCount, device);
   entry(p, c10::cuda::getCurrentCUDAStream(device).stream());
   if (group > 1) {
     at::sum_out(dk_out, dk, at::IntArrayRef{0});

@@ -262,7 +262,7 @@ void run_bwd(const AttentionBwdSm90Params& p, cudaStream_t stream) {
           p.sum_odo + long(g) * sq, {p.heads_q * sq, sq * group, _1{}},
           p.dq_acc + long(g) * acc_head, {p.heads_q * acc_head, acc_head * group, d, _1{}}},
          p.dq_semaphore == nullptr ? nullptr : p.dq_semaphore + long(g) * q_tiles,
-         p.heads_q * q_tiles, q_tiles * group,
+         p.heads_q * q_tiles, q_tiles * group, p.sm_count,
          p.dq_acc + long(g) * acc_head, long(p.heads_q) * acc_head, long(acc_head) * group},
         p.scale};
     typename Mainloop::Arguments mainloop_args;

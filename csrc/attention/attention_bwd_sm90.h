@@ -11,8 +11,9 @@ namespace torch_flash {
 // contiguous. dq (B, Hq, Sq, D); dk/dv (B, Hkv, Sk, D) for each of G = Hq / Hkv query heads of a
 // group: member g holds the gradients of heads g, g + G, ..., at dkv_member_stride elements
 // from member 0, summed by the caller where G > 1. The workspace: dq_acc (B, Hq, Sq rounded up
-// to kBwdQueryRowsMax, D) fp32 zeroed (each query tile's floats in the kernel's own order),
-// sum_odo (B, Hq, Sq) fp32, both contiguous.
+// to kBwdQueryRowsMax, D) fp32 (each query tile's floats in the kernel's own order), zeroed
+// unless dq_semaphore is given and every query tile sees a key (the first key block to add into
+// a tile then stores), sum_odo (B, Hq, Sq) fp32, both contiguous.
 // The fewest and the most query rows of a backward tile (64 or 128 a head dim): dQ is reduced one
 // tile at a time, and dq_semaphore holds a counter for each tile of kBwdQueryRows rows.
 constexpr int kBwdQueryRows = 64;
@@ -52,6 +53,7 @@ struct AttentionBwdSm90Params {
   bool bf16;    // else fp16
   bool causal;  // aligned bottom-right (row i sees keys j <= i + Sk - Sq), with Sq <= Sk
   int device;
+  int sm_count;  // resident CTAs of the backward (one an SM)
 };
 
 // One entry per head dim, defined in attention_bwd_sm90_hdim{D}.cu (built when D is in

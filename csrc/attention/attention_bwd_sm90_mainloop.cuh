@@ -85,16 +85,20 @@ struct BwdMainloop
   // strides (floats), kDqStage floats each in the stage's order. dq_semaphore (B, H, query
   // tiles) int32 zeros, or null: each dQ tile then takes the key blocks' reductions in a fixed
   // order (torch.use_deterministic_algorithms), each CTA waiting until its predecessors have
-  // added theirs. Strides in elements.
+  // added theirs, the first storing (dq_acc then needs zeros only in tiles no key block sees).
+  // Strides in elements. resident_blocks: how many CTAs run at once (one an SM), the most key
+  // blocks whose turns may follow their arrival (rotates()).
   struct Arguments : Base::Arguments {
     int* dq_semaphore;
     int semaphore_batch_stride, semaphore_head_stride;
+    int resident_blocks;
     float* dq_acc;
     long dq_acc_batch_stride, dq_acc_head_stride;
   };
   struct Params : Base::Params {
     int* dq_semaphore;
     int semaphore_batch_stride, semaphore_head_stride;
+    int resident_blocks;
     float* dq_acc;
     long dq_acc_batch_stride, dq_acc_head_stride;
   };
@@ -102,15 +106,19 @@ struct BwdMainloop
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape const& problem, Arguments const& args, void* workspace) {
     return {Base::to_underlying_arguments(problem, args, workspace), args.dq_semaphore, args.semaphore_batch_stride,
-            args.semaphore_head_stride, args.dq_acc, args.dq_acc_batch_stride, args.dq_acc_head_stride};
+            args.semaphore_head_stride, args.resident_blocks, args.dq_acc, args.dq_acc_batch_stride,
+            args.dq_acc_head_stride};
   }
 
   // The query tiles of a CTA run from first_tile, wrapping around. Under deterministic dQ
   // without a causal mask every key block adds into every tile in its turn: started together at
   // tile 0, the CTAs of a head would queue there behind each other, so each starts at
   // key block * tiles / key blocks instead and a tile's turns follow the order in which the CTAs
-  // reach it (ArrivalTurns). Elsewhere, and where key blocks * tiles passes 32 bits, from tile 0
-  // (the causal mask staggers the CTAs itself).
+  // reach it (ArrivalTurns). That needs all of a head's blocks resident at once: a block waits
+  // on ones that start later, so with more blocks than resident CTAs they could wait on blocks
+  // never dispatched. Elsewhere (more blocks, or key blocks * tiles past 32 bits) from tile 0 in
+  // block order, each waiting only on blocks dispatched before it; the causal mask staggers the
+  // CTAs itself.
   struct TileIter {
     int tile, count;
     CUTLASS_DEVICE int operator*() const { return tile; }
@@ -123,6 +131,7 @@ struct BwdMainloop
   template <class ProblemShape>
   static CUTLASS_DEVICE bool rotates(Params const& params, ProblemShape const& problem, int tiles) {
     return !Fusion::kReverseKeyBlocks && params.dq_semaphore != nullptr &&
+           key_blocks(problem) <= params.resident_blocks &&
            (long(key_blocks(problem)) + 1) * (tiles + 1) < (1l << 31);
   }
 
@@ -214,7 +223,8 @@ struct BwdMainloop
   }
 
   // The reducer warp: each dQ tile the consumers leave in a stage is added into the fp32 dQ
-  // buffer by one bulk reduction a warpgroup's part; a stage goes back once they have read it.
+  // buffer by one bulk reduction a warpgroup's part (stored by a bulk copy on a deterministic
+  // tile's first turn); a stage goes back once they have read it.
   template <class BlkCoord, class ProblemShape, class PipelineReducer, class PipelineStateReducer>
   CUTLASS_DEVICE void reduce(BlkCoord const& blk_coord, Params const& params, ProblemShape const& problem_size,
                              PipelineReducer& pipeline, PipelineStateReducer& read, SharedStorage& storage) {
@@ -224,24 +234,37 @@ struct BwdMainloop
     const uint32_t stages = cute::cast_smem_ptr_to_uint(storage.smem_dq.data());
 
     // Deterministic turns: under the causal mask the key blocks that add into a query tile are a
-    // prefix 0..last, taken last first; without it all of them, in arrival order.
+    // prefix 0..last, taken last first; without it all of them, in arrival order where the CTAs
+    // rotate (rotates()), else by index.
     const int key_block = get<1>(blk_coord);
     int* const locks = params.dq_semaphore == nullptr ? nullptr
         : params.dq_semaphore + get<2, 0>(blk_coord) * params.semaphore_batch_stride +
               get<2, 1>(blk_coord) * params.semaphore_head_stride;
 
     // The stage to return once the next reduction has been issued, -1 for none (an index only:
-    // this warp runs on 24 registers). Deterministic turns return each stage as soon as its
-    // reduction has completed, which passing the turn waits for anyway.
+    // this warp runs on 24 registers). Deterministic turns without deferral return each stage as
+    // soon as its reduction has completed, which passing the turn waits for anyway.
     int previous = -1;
     const int tiles = this->get_inner_tile_count(blk_coord, problem_size);
     const int skipped = skipped_tiles(blk_coord, problem_size, tiles);
     TileIter q_tile{first_tile(blk_coord, params, problem_size, tiles) + skipped, tiles};
     // one tile: every block starts at tile 0, and a block's turn is its index
-    const ArrivalTurns turns(key_block, key_blocks(problem_size), rotates(params, problem_size, tiles) ? tiles : 1);
+    const bool rotated = rotates(params, problem_size, tiles);
+    const ArrivalTurns turns(key_block, key_blocks(problem_size), rotated ? tiles : 1);
+    // Deferred turns: a tile's turn passes once the next tile's reductions have been issued, so
+    // that waiting for one tile's reductions to complete overlaps the next tile's instead of
+    // stalling this warp. Only where the next key block reaches a tile two or more tiles later
+    // (two query tiles a key block, D = 128): under the causal mask always, without it where the
+    // blocks' starting tiles lie two or more apart. A waits only on blocks later in a tile's
+    // order, which never wait on A: no cycle.
+    constexpr bool kTwoTilesABlock = 2 * kQueryRows <= int(get<1>(TileShape{}));
+    const bool defer = kTwoTilesABlock && locks != nullptr &&
+                       (Fusion::kReverseKeyBlocks || (rotated && tiles >= 2 * key_blocks(problem_size)));
+    int pending = -1;  // deferred: the tile whose turn is still to pass
     for (int i = skipped; i < tiles; ++i, ++q_tile) {
       pipeline.consumer_wait(read);
       if (leader) {
+        bool first = false;  // the tile's first turn stores: dq_acc may hold anything there
         if (locks) {
           int turn;
           if constexpr (Fusion::kReverseKeyBlocks) {
@@ -250,21 +273,30 @@ struct BwdMainloop
             turn = turns(*q_tile);
           }
           wait_for_turn(locks + *q_tile, turn);
+          first = turn == 0;
         }
         CUTLASS_PRAGMA_UNROLL
         for (int part = 0; part < 2; ++part) {
-          bulk_reduce_add(dq_acc + long(*q_tile) * kDqStage + part * kDqPart,
-                          stages + (read.index() * kDqStage + part * kDqPart) * uint32_t(sizeof(float)));
+          float* const dst = dq_acc + long(*q_tile) * kDqStage + part * kDqPart;
+          const uint32_t src = stages + (read.index() * kDqStage + part * kDqPart) * uint32_t(sizeof(float));
+          if (first) {
+            bulk_store(dst, src);
+          } else {
+            bulk_reduce_add(dst, src);
+          }
         }
         tma_store_arrive();
-        if (locks) {
-          pass_turn(locks + *q_tile);
+        if (defer) {
+          if (pending >= 0) pass_turn<1>(locks + pending);  // also: the previous stage is read
+          pending = *q_tile;
+        } else if (locks) {
+          pass_turn<0>(locks + *q_tile);
         } else {
           tma_store_wait<1>();  // the previous tile's reduction has read its stage
         }
       }
       __syncwarp();
-      if (locks) {  // pass_turn waited for the reduction: its stage is free
+      if (locks && !defer) {  // pass_turn waited for the reduction: its stage is free
         pipeline.consumer_release(read);
       } else {
         if (previous >= 0) pipeline.consumer_release(PipelineStateReducer(previous, 0, 0));
@@ -272,7 +304,10 @@ struct BwdMainloop
       }
       ++read;
     }
-    if (leader) tma_store_wait<0>();
+    if (leader) {
+      tma_store_wait<0>();
+      if (pending >= 0) pass_turn<0>(locks + pending);
+    }
     __syncwarp();
     if (previous >= 0) pipeline.consumer_release(PipelineStateReducer(previous, 0, 0));
   }
@@ -285,17 +320,23 @@ struct BwdMainloop
     asm volatile("fence.proxy.async.global;" ::: "memory");  // before the bulk reductions
   }
 
-  // Once this thread's bulk reductions have completed (not only read shared memory).
+  // Once this thread's bulk reductions but the newest kNewer groups have completed (not only read
+  // shared memory).
+  template <int kNewer>
   static CUTLASS_DEVICE void pass_turn(int* lock) {
-    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    asm volatile("cp.async.bulk.wait_group %0;" ::"n"(kNewer) : "memory");
     asm volatile("fence.proxy.async.global;" ::: "memory");
     asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(lock) : "memory");
   }
 
-  // One warpgroup's part of a dQ stage added into dq_acc (a bulk copy, completed by the bulk
-  // group as the tensor reductions are).
+  // One warpgroup's part of a dQ stage added into dq_acc, or stored there (bulk copies,
+  // completed by the bulk group as the tensor reductions are).
   static CUTLASS_DEVICE void bulk_reduce_add(float* dst, uint32_t src) {
     asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+                 ::"l"(dst), "r"(src), "n"(kDqPart * int(sizeof(float))) : "memory");
+  }
+  static CUTLASS_DEVICE void bulk_store(float* dst, uint32_t src) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
                  ::"l"(dst), "r"(src), "n"(kDqPart * int(sizeof(float))) : "memory");
   }
 

@@ -146,6 +146,50 @@ def test_deterministic_mode_is_bitwise_reproducible(sq, sk, hq, hkv, causal):
             assert rel_err(g, r) <= 1.05 * rel_err(g_default, r) + 1e-5, f"d={d} d{name}"
 
 
+@pytest.mark.parametrize("sq,sk,hq,hkv,causal", [
+    (200, 8, 4, 2, False), (1000, 136, 2, 2, False), (8, 8, 2, 2, True), (136, 136, 4, 1, True),
+    (264, 4097, 2, 2, True)])
+def test_deterministic_dq_buffer_takes_no_zeros(sq, sk, hq, hkv, causal):
+    """Under torch.use_deterministic_algorithms(True) the first key block to reach a dq tile stores
+    into the fp32 buffer, which is then left unzeroed: every tile must see a key block. Buffers of
+    its size freed with NaN in them just before (the caching allocator hands them back) must not
+    show through, ragged Sq, few keys and GQA included."""
+    for d in HDIMS:
+        q = rand(2, hq, sq, d)
+        k, v = (rand(2, hkv, sk, d) for _ in range(2))
+        out, lse = torch.ops.flash.attention_fwd_sm90(q, k, v, d ** -0.5, causal)
+        grad_out = torch.randn_like(out)
+        default = torch.ops.flash.attention_bwd_sm90(grad_out, q, k, v, out, lse, d ** -0.5, causal)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        numel = 2 * hq * -(-sq // 128) * 128 * d  # dq_acc: Sq rounded up to 128 rows
+        poison = [torch.full((numel,), float("nan"), device="cuda") for _ in range(8)]
+        del poison
+        torch.use_deterministic_algorithms(True)
+        try:
+            grads = torch.ops.flash.attention_bwd_sm90(grad_out, q, k, v, out, lse, d ** -0.5, causal)
+        finally:
+            torch.use_deterministic_algorithms(False)
+        expected = reference_grads(q, k, v, grad_out, d ** -0.5, causal)
+        for name, g, g_default, r in zip("qkv", grads, default, expected):
+            assert torch.isfinite(g).all(), f"d={d} d{name}"
+            assert rel_err(g, r) <= 1.05 * rel_err(g_default, r) + 1e-5, f"d={d} d{name}"
+
+
+def test_deterministic_causal_refuses_more_queries_than_keys():
+    """Causal with Sq > Sk leaves the first Sq - Sk rows without keys, and query tiles of them to no
+    key block: the unzeroed deterministic dq buffer (above) relies on the kernel refusing it."""
+    q, k = rand(1, 2, 64, HDIMS[0]), rand(1, 2, 8, HDIMS[0])
+    lse = torch.zeros(1, 2, 64, device="cuda")
+    torch.use_deterministic_algorithms(True)
+    try:
+        with pytest.raises(RuntimeError, match="attention_bwd_sm90.*causal needs seqlen_q <= seqlen_k"):
+            torch.ops.flash.attention_bwd_sm90(q, q, k, k, q, lse, 0.125, True)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    torch.cuda.synchronize()
+
+
 @pytest.mark.parametrize("s,causal", [(2048, True), (1024, True), (1024, False)])
 def test_flash_attention_backward_dispatch(s, causal):
     """flash.attention's backward runs this kernel on request (use_backend("cuda"), in either
@@ -222,23 +266,26 @@ def test_bad_inputs_raise(bad, match):
     torch.cuda.synchronize()  # and the device is still fine
 
 
-def test_deterministic_without_mask_refuses_more_key_blocks_than_sms():
-    """Under torch.use_deterministic_algorithms without the causal mask a head's key blocks take
-    turns that need all of them resident at once (one CTA an SM, 128 keys each): a call with more
-    is refused with an error naming the limit (the kernel would wait forever), and
-    flash.attention's backward takes Triton's there."""
+def test_deterministic_without_mask_more_key_blocks_than_sms():
+    """Under torch.use_deterministic_algorithms without the causal mask, more key blocks than
+    SMs (128 keys each): the blocks cannot all be resident, so their turns go by block index (each
+    waits only on blocks dispatched before it) instead of arrival: no hang, bitwise reproducible,
+    within the default mode's error; flash.attention's backward takes this kernel there."""
     d = HDIMS[0]
     sk = (torch.cuda.get_device_properties(0).multi_processor_count + 1) * 128
-    q, k, v = rand(1, 1, 64, d), rand(1, 1, sk, d), rand(1, 1, sk, d)
+    q, k, v = rand(1, 2, 256, d), rand(1, 2, sk, d), rand(1, 2, sk, d)
     out, lse = torch.ops.flash.attention_fwd_sm90(q, k, v, d ** -0.5, False)
     dout = torch.randn_like(out)
+    default = torch.ops.flash.attention_bwd_sm90(dout, q, k, v, out, lse, d ** -0.5, False)
+    expected = reference_grads(q, k, v, dout, d ** -0.5, False)
     torch.use_deterministic_algorithms(True)
     try:
-        with pytest.raises(RuntimeError, match="attention_bwd_sm90.*without a causal mask at most"):
-            torch.ops.flash.attention_bwd_sm90(dout, q, k, v, out, lse, d ** -0.5, False)
+        runs = [torch.ops.flash.attention_bwd_sm90(dout, q, k, v, out, lse, d ** -0.5, False) for _ in range(2)]
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         torch.autograd.grad(torch_flash.attention(*leaves), leaves, dout)
-        assert _dispatch.LAST["attention_backward"] == "triton"
+        assert _dispatch.LAST["attention_backward"] == "cuda"
     finally:
         torch.use_deterministic_algorithms(False)
-    torch.cuda.synchronize()
+    for name, a, b, g, r in zip("qkv", *runs, default, expected):
+        assert torch.equal(a, b), f"d{name} differs between runs"
+        assert rel_err(a, r) <= 1.05 * rel_err(g, r) + 1e-5, f"d{name}"

@@ -483,29 +483,6 @@ def test_export_save_load(device, tmp_path):
     assert torch.equal(loaded.module()(q, k, v, bias), expected)
 
 
-def test_sm90_backward_deterministic_key_blocks_at_most_one_an_sm(monkeypatch):
-    """The Hopper backward under torch.use_deterministic_algorithms without the causal mask: at
-    most one key block (SM90_BWD_KEYS_PER_CTA keys) an SM, since its turns need a head's blocks
-    all resident (more would wait forever); with the mask, or not deterministic, any length."""
-    monkeypatch.setattr(attention_ops._extension, "build_info",
-                        lambda: {"ops": ["flash::attention_bwd_sm90"], "backward_hdims": [64]})
-    monkeypatch.setattr(attention_ops, "_sm90_serves", lambda *args: True)
-    monkeypatch.setattr(attention_ops._dispatch, "sm_count", lambda device: 4)
-    most = 4 * attention_ops.SM90_BWD_KEYS_PER_CTA
-
-    def serves(sk, causal, deterministic):
-        q, k = torch.randn(1, 2, 64, 64), torch.randn(1, 2, sk, 64)
-        spec = attention_ops.spec_of(q, None, causal, -1, -1, 0.0, 0.0, None)
-        torch.use_deterministic_algorithms(deterministic)
-        try:
-            return attention_ops._sm90_bwd_serves(None, q, k, k, None, spec)
-        finally:
-            torch.use_deterministic_algorithms(False)
-
-    assert serves(most, False, True) and not serves(most + 1, False, True)
-    assert serves(most + 1, True, True) and serves(most + 1, False, False)
-
-
 # (b, hq, hkv, s, d, causal, bshd): plain calls of the kind models make, which cuDNN serves
 CUDNN_CASES = [(1, 4, 4, 2048, 128, True, False), (2, 8, 2, 200, 64, False, True),
                (1, 4, 4, 1000, 96, False, True), (1, 4, 2, 2056, 64, True, True)]

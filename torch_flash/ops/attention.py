@@ -195,21 +195,19 @@ def _sm90_serves(q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: ref.Spec) -> 
 
 
 # Head dims whose Hopper backward runs by default where cuDNN's does not serve: against FA4 in one
-# run, D=128 0.94x-0.99x, D=64 0.92x-1.00x, the Triton backward 0.55x-0.67x (H200, 2026-11-29:
+# run, D=128 0.93x-0.99x, D=64 0.94x-1.01x, the Triton backward 0.56x-0.68x (H200, 2026-11-29:
 # docs/results/attention/2026-11-29_h200.json, columns cuda-sm90 and triton).
 SM90_BWD_DEFAULT_HDIMS = (64, 128)
-# Head dims whose Hopper backward goes before cuDNN's: in that run 1.10x-1.17x SDPA's cuDNN
-# backward at D=64 and 1.06x-1.10x at D=128 (either mask); the op through cuDNN's adds layout
+# Head dims whose Hopper backward goes before cuDNN's: in that run 1.11x-1.18x SDPA's cuDNN
+# backward at D=64 and 1.05x-1.09x at D=128 (either mask); the op through cuDNN's adds layout
 # copies to SDPA's (0.96x / 1.00x the kernel at D=128 causal S 4k / 16k in an earlier run, filed
 # at a973319).
 SM90_BWD_BEFORE_CUDNN_HDIMS = (64, 128)
 # Head dims whose Hopper backward runs by default under torch.use_deterministic_algorithms (dq
-# added in key-block order): in that run (column cuda-sm90-det) 0.79x-0.91x its default mode at
-# D=128 and 0.83x-0.96x at D=64, and 1.04x-1.47x the Triton backward's deterministic mode
+# added in key-block order): in that run (column cuda-sm90-det) 0.94x-1.01x its default mode at
+# D=128 and 0.96x-1.01x at D=64, and 1.33x-1.58x the Triton backward's deterministic mode
 # (column triton-det).
 SM90_BWD_DETERMINISTIC_HDIMS = (64, 128)
-# Keys a CTA of the Hopper backward takes (the tile shapes of csrc/attention/attention_bwd_sm90_hdim*.cu).
-SM90_BWD_KEYS_PER_CTA = 128
 
 
 def _sm90_bwd_serves(grad_lse, q: Tensor, k: Tensor, v: Tensor, attn_bias, spec: ref.Spec) -> bool:
@@ -223,12 +221,6 @@ def _sm90_bwd_serves(grad_lse, q: Tensor, k: Tensor, v: Tensor, attn_bias, spec:
     if grad_lse is not None or (forced != "cuda" and (
             forced is not None or q.shape[-1] not in SM90_BWD_DEFAULT_HDIMS
             or (torch.are_deterministic_algorithms_enabled() and q.shape[-1] not in SM90_BWD_DETERMINISTIC_HDIMS))):
-        return False
-    # Deterministic dQ without the causal mask: a head's key blocks (SM90_BWD_KEYS_PER_CTA keys
-    # each) take turns in the order they reach a query tile, which needs all of them resident at
-    # once, one CTA an SM; with more, the kernel would wait forever (attention.cpp refuses them).
-    if (torch.are_deterministic_algorithms_enabled() and not spec.causal
-            and -(-k.shape[2] // SM90_BWD_KEYS_PER_CTA) > _dispatch.sm_count(q.device)):
         return False
     info = _extension.build_info()
     # its dq accumulator and dk/dv are indexed in 32 bits (csrc/attention/attention.cpp)
