@@ -25,12 +25,13 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def assert_rel_close(out: torch.Tensor, ref: torch.Tensor, tol: float | None = None,
-                     dtype: torch.dtype | None = None, what: str = "output") -> float:
-    """Checks shape, no NaN, and relative error under tol (default: by dtype)."""
+                     dtype: torch.dtype | None = None, what: str = "output", size: float | None = None) -> float:
+    """Checks shape, no NaN, and relative error under tol (default: by dtype); size: the norm the
+    error is relative to where not ref's."""
     assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
     assert not torch.isnan(out).any(), f"{what}: NaN in output"
     tol = TOL[dtype or out.dtype] if tol is None else tol
-    err = rel_err(out, ref)
+    err = rel_err(out, ref) if size is None else (out.detach().double().cpu() - ref.detach().double().cpu()).norm().item() / size
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
     return err
 
