@@ -368,3 +368,13 @@ def test_graph_timing_captures_backwards_through_autograd():
     for fn in (fwd, bwd):
         assert _common.median_ms(fn, graph=True) > 0
     assert torch.equal(bwd()[0], eager_dx)  # the eager call still works after the capture
+
+
+def test_script_out_dir_is_made_before_the_run(tmp_path, monkeypatch):
+    """A script's results folder (`python scripts/NAME.py OUT`) exists once its arguments are read,
+    not only when its JSON is written after minutes of GPU time."""
+    out = tmp_path / "new" / "nested"
+    monkeypatch.setattr(sys, "argv", ["sweep.py", str(out)])
+    assert _common.out_dir("doc") == str(out) and out.is_dir()
+    _common.write_json(str(out / "r.json"), "suite", [{"a": 1}])
+    assert json.loads((out / "r.json").read_text())["rows"] == [{"a": 1}]

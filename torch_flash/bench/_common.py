@@ -6,6 +6,7 @@ import datetime
 import importlib
 import importlib.metadata
 import json
+import os
 import platform
 import statistics
 import sys
@@ -260,7 +261,9 @@ def write_json(path: str, suite: str, rows: list[dict], extra: dict | None = Non
 
 def out_dir(doc: str | None) -> str:
     """The results folder of a script run as `python scripts/NAME.py OUT` (argparse: an unknown
-    option is an error, not a folder name)."""
+    option is an error, not a folder name), made before the script's minutes of measuring."""
     parser = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
-    parser.add_argument("out", help="folder the JSON results are written to")
-    return parser.parse_args().out
+    parser.add_argument("out", help="folder the JSON results are written to (made if missing)")
+    out = parser.parse_args().out
+    os.makedirs(out, exist_ok=True)
+    return out
