@@ -174,7 +174,8 @@ def test_attention_max_seconds(monkeypatch, capsys, tmp_path):
     timed = []
     monkeypatch.setattr(attention.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(attention.torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(attention, "_time_point", lambda d, s, b, causal, impls: timed.append((d, s, causal)) or [{}])
+    monkeypatch.setattr(attention, "_time_point",
+                        lambda d, s, b, causal, impls, gqa: timed.append((d, s, causal, gqa)[:3 + (gqa > 1)]) or [{}])
     clock = iter(range(0, 1000, 10))
     monkeypatch.setattr(_common.time, "monotonic", lambda: next(clock))
     rows = attention.run(argparse.Namespace(max_seconds=25, configs=None, quick=False, targets=False))
@@ -183,9 +184,18 @@ def test_attention_max_seconds(monkeypatch, capsys, tmp_path):
     timed.clear()
     attention.run(argparse.Namespace(max_seconds=None, hdims="128", configs=None, quick=False, targets=False))
     assert timed == [(128, s, causal) for s in attention.SEQLENS for causal in (False, True)]
+    timed.clear()  # --gqa: K/V heads shared by that many query heads, a divisor of the grid's heads
+    attention.run(argparse.Namespace(max_seconds=None, hdims="128", configs=None, quick=False, targets=False, gqa=4))
+    assert timed == [(128, s, causal, 4) for s in attention.SEQLENS for causal in (False, True)]
+    with pytest.raises(SystemExit, match="--gqa 3"):
+        attention.run(argparse.Namespace(max_seconds=None, hdims="128", configs=None, quick=False, targets=False,
+                                         gqa=3))
     with pytest.raises(SystemExit):
         main(["norm", "--hdims", "64", "--out", str(tmp_path)])
     assert "--hdims is for the attention suite" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["norm", "--gqa", "2", "--out", str(tmp_path)])
+    assert "--gqa is a positive number of query heads a K/V head, for the attention suite" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["train", "--max-seconds", "5", "--out", str(tmp_path)])
     assert "--max-seconds is for the suites other than train" in capsys.readouterr().err

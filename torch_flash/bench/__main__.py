@@ -44,6 +44,8 @@ def parser() -> argparse.ArgumentParser:
                                      "layer_norm, add_rms_norm, add_layer_norm); attention: implementations "
                                      "(bench/attention.py IMPLS); comma-separated, default all")
     p.add_argument("--hdims", help="attention: head dims of the grid, comma-separated (default: 64,128)")
+    p.add_argument("--gqa", type=int, default=1,
+                   help="attention: query heads a K/V head (grouped-query attention; default: 1)")
     p.add_argument("--steps", type=int, help="train: timed steps a configuration (default: 10)")
     p.add_argument("--max-seconds", type=float,
                    help="all but train: start no grid point after this many seconds (the JSON then "
@@ -89,6 +91,8 @@ def main(argv=None) -> None:
         p.error("--configs is for the train, norm and attention suites")
     if args.suite != "attention" and args.hdims:
         p.error("--hdims is for the attention suite")
+    if args.gqa < 1 or (args.gqa > 1 and args.suite != "attention"):
+        p.error("--gqa is a positive number of query heads a K/V head, for the attention suite")
     if args.suite == "train" and args.max_seconds is not None:
         p.error("--max-seconds is for the suites other than train (its --steps bounds it)")
     if args.suite == "plot":

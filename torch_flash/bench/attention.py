@@ -5,7 +5,8 @@ flash.attention as dispatched: the CUDA kernels where they serve, Triton otherwi
 rows are the backwards in deterministic mode, with a fixed dQ accumulation order).
 
 Standard grid: bf16, 32k tokens per batch, hidden 2048 (H = 2048 / D), D in {64, 128},
-S in {1k, 4k, 16k} (B = 32k / S), causal and not. Inputs are (B, S, H, D) buffers viewed as
+S in {1k, 4k, 16k} (B = 32k / S), causal and not; --gqa G: H / G K/V heads, each shared by G
+query heads (FLOPs as without). Inputs are (B, S, H, D) buffers viewed as
 (B, H, S, D), as a model produces them, and every implementation runs on the same tensors in
 the same process. FLOPs: 4*B*H*S*S*D, halved for causal; backward counts 2.5x the forward.
 The backward is timed alone: ours from the saved out/lse, the autograd ones as
@@ -34,7 +35,8 @@ def _sdpa(backend_name: str) -> Callable:
 
     def fn(q, k, v, causal):
         with sdpa_kernel(backend):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                                    enable_gqa=k.shape[1] != q.shape[1])
     return fn
 
 
@@ -77,9 +79,10 @@ def _tflops(b, h, s, d, causal, pass_, ms):
     return None if ms is None else flops / (ms * 1e-3) / 1e12
 
 
-def _qkv(d: int, s: int, b: int) -> tuple[torch.Tensor, ...]:
-    return tuple(torch.randn(b, s, HIDDEN // d, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-                 for _ in range(3))
+def _qkv(d: int, s: int, b: int, gqa: int = 1) -> tuple[torch.Tensor, ...]:
+    """q (B, H, S, D) and k, v (B, H / gqa, S, D), views of (B, S, H, D) buffers."""
+    return tuple(torch.randn(b, s, HIDDEN // d // heads, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+                 for heads in (1, gqa, gqa))
 
 
 def _deterministic(fn: Callable, *args):
@@ -96,10 +99,11 @@ def _deterministic(fn: Callable, *args):
 IMPLS = ("triton", "triton-det", "cuda-sm90", "cuda-sm90-det", "fa4", *AUTOGRAD_IMPLS)
 
 
-def _time_point(d: int, s: int, b: int, causal: bool, impls: frozenset = frozenset(IMPLS)) -> list[dict]:
+def _time_point(d: int, s: int, b: int, causal: bool, impls: frozenset = frozenset(IMPLS),
+                gqa: int = 1) -> list[dict]:
     from torch_flash.kernels.triton import attention as tk, attention_backward as tkb
     h = HIDDEN // d
-    q, k, v = _qkv(d, s, b)
+    q, k, v = _qkv(d, s, b, gqa)
     dout = torch.randn_like(q)
     flags = _flags(causal)
     fns: dict[tuple[str, str], Callable] = {}
@@ -140,7 +144,7 @@ def _time_point(d: int, s: int, b: int, causal: bool, impls: frozenset = frozens
     rows = []
     for (impl, pass_), ms_rounds in times.items():
         ms = median_or_none(ms_rounds)
-        row = {"d": d, "s": s, "b": b, "h": h, "causal": causal, "pass": pass_, "impl": impl,
+        row = {"d": d, "s": s, "b": b, "h": h, "hkv": h // gqa, "causal": causal, "pass": pass_, "impl": impl,
                "ms": ms, "tflops": _tflops(b, h, s, d, causal, pass_, ms)}
         for base in BASELINES:  # speedup of this impl over the baseline (their ms / our ms)
             row[f"vs_{base}"] = median_ratio(times.get((base, pass_)), ms_rounds)
@@ -153,7 +157,8 @@ def _line(row: dict) -> str:
     def fmt(x, spec):
         return "-" if x is None else format(x, spec)
     ratios = "  ".join(f"{k[3:]} x{fmt(row[k], '.2f')}" for k in row if k.startswith("vs_"))
-    return (f"d={row['d']:<4d} s={row['s']:<6d} b={row['b']:<3d} h={row['h']:<3d} "
+    heads = f"h={row['h']}/{row['hkv']}" if row.get("hkv", row["h"]) != row["h"] else f"h={row['h']}"
+    return (f"d={row['d']:<4d} s={row['s']:<6d} b={row['b']:<3d} {heads:<6s} "
             f"{'causal' if row['causal'] else 'full  '} {row['pass']} {row['impl']:<15s} "
             f"{fmt(row['ms'], '9.3f')} ms {fmt(row['tflops'], '7.1f')} TFLOP/s  {ratios}")
 
@@ -210,8 +215,12 @@ def run(args) -> list[dict]:
                   for causal in (False, True)]
     impls = frozenset(pick("attention", getattr(args, "configs", None), IMPLS, "implementation"))
     rows = []
+    gqa = getattr(args, "gqa", 1)
+    if HIDDEN // max(HEAD_DIMS) % gqa:
+        raise SystemExit(f"--gqa {gqa}: the grid's {HIDDEN // max(HEAD_DIMS)} query heads at D={max(HEAD_DIMS)} "
+                         "are not a multiple of it")
     for d, s, b, causal in within_budget("attention", args, points):
-        rows += _time_point(d, s, b, causal, impls)
+        rows += _time_point(d, s, b, causal, impls, gqa)
         torch.cuda.empty_cache()
     return rows
 
