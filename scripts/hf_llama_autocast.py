@@ -17,9 +17,9 @@ import time
 
 import torch
 import transformers
-from torch.profiler import ProfilerActivity, profile
 
 import torch_flash
+from torch_flash.bench._common import kernel_times
 
 B, S = 4, 2048
 CONFIG = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
@@ -73,16 +73,12 @@ def measure(model, ids, backend, reference) -> dict:
         step()
         torch.cuda.synchronize()
         ms.append((time.perf_counter() - t0) * 1e3)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            step()
-        torch.cuda.synchronize()
-    events = prof.key_averages()
-    top = sorted(events, key=lambda e: -e.self_device_time_total)[:8]
+    kernels = kernel_times(step, 5)
+    top = sorted(kernels, key=lambda k: -k[1])[:8]
     return dict(rewrites=dict(torch_flash.counters), **errors, step_ms=statistics.median(ms),
-                kernel_ms=sum(e.self_device_time_total for e in events) / 5e3,
+                kernel_ms=sum(k_ms for _, k_ms, _ in kernels),
                 peak_gib=torch.cuda.max_memory_allocated() / 2**30, loss=loss.item(),
-                top=[(e.key[:70], round(e.self_device_time_total / 5e3, 3)) for e in top])
+                top=[(name[:70], round(k_ms, 3)) for name, k_ms, _ in top])
 
 
 def main() -> None:

@@ -72,15 +72,9 @@ def main() -> None:
 
 def breakdown(call, calls: int) -> None:
     """Each kernel's device time a call (mean over `calls` profiled calls), largest first."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch_flash.bench._common import kernel_times
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            call()
-        torch.cuda.synchronize()
-    # kernels only: host-side ops carry their kernels' time too, but none of their own
-    rows = [(e.self_device_time_total / calls, e.count / calls, e.key) for e in prof.key_averages()
-            if e.self_device_time_total > 0]
+    rows = [(ms * 1e3, count, name) for name, ms, count in kernel_times(call, calls)]
     total = sum(us for us, _, _ in rows)
     for us, count, name in sorted(rows, reverse=True):
         print(f"{us:10.1f} us {us / total:6.1%} {count:4.1f}x  {name[:110]}")

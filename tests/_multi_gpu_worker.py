@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import torch_flash
+from torch_flash.bench._common import kernel_times
 from torch_flash.context_parallel import context_parallel_attention, shard_sequence, unshard_sequence
 from torch_flash.testing.samples import cross_entropy as ce
 
@@ -382,15 +383,9 @@ def _median_ms(fn, device, warmup: int, iters: int, sync=None) -> float:
 def _kernel_ms(step, calls: int = 3) -> tuple[float, float]:
     """Device time a step of this rank's kernels under torch.profiler: (compute, NCCL), ms.
     A ring step's time minus its compute is the communication left exposed."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            step()
-        torch.cuda.synchronize()
     ms = {"compute": 0.0, "nccl": 0.0}
-    for e in prof.key_averages():  # kernels only: host-side ops have no device time of their own
-        ms["nccl" if "nccl" in e.key.lower() else "compute"] += e.self_device_time_total / 1e3 / calls
+    for name, kernel_ms, _ in kernel_times(step, calls):
+        ms["nccl" if "nccl" in name.lower() else "compute"] += kernel_ms
     return ms["compute"], ms["nccl"]
 
 

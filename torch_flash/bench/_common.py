@@ -253,6 +253,18 @@ def peak_memory(fn: Callable[[], object], device: str = "cuda") -> int:
     return torch.cuda.max_memory_allocated() - before
 
 
+def kernel_times(fn: Callable[[], object], calls: int = 1) -> list[tuple[str, float, float]]:
+    """The CUDA kernels of `calls` calls of fn under torch.profiler: (name, device ms a call,
+    launches a call) each, kernels only (host-side ops have no device time of their own)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return [(e.key, e.self_device_time_total / 1e3 / calls, e.count / calls) for e in prof.key_averages()
+            if e.self_device_time_total > 0]
+
+
 def write_json(path: str, suite: str, rows: list[dict], extra: dict | None = None) -> None:
     with open(path, "w") as f:
         json.dump({"suite": suite, "env": env_info(), **(extra or {}), "rows": rows}, f, indent=1)

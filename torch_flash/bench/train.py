@@ -63,7 +63,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ._common import pick, write_json
+from ._common import kernel_times, pick, write_json
 
 SEED = 0
 
@@ -248,12 +248,7 @@ def _kernel_kind(name: str) -> str:
 def _kernel_profile(fn, opt, ids) -> dict:
     """GPU time of one more training step by kernel kind (ms; KERNEL_KINDS) and its 12 longest
     kernels, from torch.profiler: where a configuration's step goes."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        _train_step(fn, opt, ids)
-        torch.cuda.synchronize()
-    kernels = [(e.key, e.self_device_time_total / 1e3) for e in prof.key_averages()
-               if e.self_device_time_total > 0]
+    kernels = [(name, ms) for name, ms, _ in kernel_times(lambda: _train_step(fn, opt, ids))]
     by_kind: dict[str, float] = {}
     for name, ms in kernels:
         by_kind[_kernel_kind(name)] = by_kind.get(_kernel_kind(name), 0.0) + ms
