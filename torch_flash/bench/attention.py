@@ -216,9 +216,9 @@ def run(args) -> list[dict]:
     impls = frozenset(pick("attention", getattr(args, "configs", None), IMPLS, "implementation"))
     rows = []
     gqa = getattr(args, "gqa", 1)
-    if HIDDEN // max(HEAD_DIMS) % gqa:
-        raise SystemExit(f"--gqa {gqa}: the grid's {HIDDEN // max(HEAD_DIMS)} query heads at D={max(HEAD_DIMS)} "
-                         "are not a multiple of it")
+    for d in sorted({d for d, *_ in points}):
+        if HIDDEN // d % gqa:
+            raise SystemExit(f"--gqa {gqa}: the grid's {HIDDEN // d} query heads at D={d} are not a multiple of it")
     for d, s, b, causal in within_budget("attention", args, points):
         rows += _time_point(d, s, b, causal, impls, gqa)
         torch.cuda.empty_cache()
