@@ -359,6 +359,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_sm90(const at::Tens
   p.causal = causal;
   p.device = device;
   p.sm_count = device_attribute(cudaDevAttrMultiProcessorCount, device);
+  p.l2_bytes = device_attribute(cudaDevAttrL2CacheSize, device);
+  Scratch scratch{q.options().dtype(at::kByte), {}};
+  p.alloc = &Scratch::alloc;
+  p.alloc_ctx = &scratch;
   entry(p, c10::cuda::getCurrentCUDAStream(device).stream());
   if (group > 1) {
     at::sum_out(dk_out, dk, at::IntArrayRef{0});

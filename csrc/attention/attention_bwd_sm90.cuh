@@ -108,12 +108,20 @@ struct CausalBottomRightBwd : NoMaskBwd {
 
 // One CTA per (key block, head, batch), as the example's IndividualTileScheduler; reversed: the
 // key blocks numbered last to first, so that deterministic dQ reductions from the last key block
-// to the first (kReverseKeyBlocks) wait only for CTAs dispatched before them.
+// to the first (kReverseKeyBlocks) wait only for CTAs dispatched before them. group > 0: a 1-D
+// grid of the first `count` CTAs of this order: the (batch, head) pairs taken group at a time,
+// and within a group key block by key block, all pairs of the group at each. Under the causal
+// mask without deterministic turns, where a key block's work falls with its index, groups of
+// group_for_l2 pairs put the shortest CTAs last (the tail of the grid) while a group's Q, dO and
+// dQ stay within L2; groups of one pair give the 3-D grid's order, less its last CTAs where a
+// split tail takes those (BwdTailSplit).
 struct KeyBlockScheduler {
   using Base = cutlass::fmha::kernel::IndividualTileScheduler;
   struct Params {
-    dim3 grid;
+    dim3 grid;  // (key blocks, batch, heads)
     bool reversed;
+    int group;
+    int count;
   };
 
   Params params;
@@ -124,16 +132,37 @@ struct KeyBlockScheduler {
   template <class ProblemSize, class ClusterShape, class TileShape>
   static Params to_underlying_arguments(ProblemSize const& problem, cutlass::KernelHardwareInfo hw,
                                         ClusterShape const& cluster, TileShape const& tile) {
-    return {Base::to_underlying_arguments(problem, hw, cluster, tile).grid, false};
+    const dim3 grid = Base::to_underlying_arguments(problem, hw, cluster, tile).grid;
+    return {grid, false, 0, int(grid.x * grid.y * grid.z)};
   }
 
-  static dim3 get_grid_shape(Params const& params) { return params.grid; }
+  // The most (batch, head) pairs, a power of two, whose Q, dO (Element) and fp32 dQ rows fit in
+  // l2_bytes.
+  static int group_for_l2(long l2_bytes, long seqlen_q, int head_dim, int element_size) {
+    const long pair = seqlen_q * head_dim * (2 * element_size + 4);
+    int group = 1;
+    while (2l * group * pair <= l2_bytes) group *= 2;
+    return group;
+  }
+
+  static dim3 get_grid_shape(Params const& params) {
+    return params.group > 0 ? dim3(params.count, 1, 1) : params.grid;
+  }
 
   CUTLASS_DEVICE bool is_valid() { return valid; }
 
   CUTLASS_DEVICE auto get_block_coord() {
+    if (params.group > 0) {
+      const int blocks = params.grid.x, pairs = params.grid.y * params.grid.z;
+      const int index = blockIdx.x, per_group = params.group * blocks;
+      const int first = index / per_group * params.group;
+      const int members = min(params.group, pairs - first);  // the last group may be short
+      const int within = index - first * blocks;
+      const int pair = first + within % members;
+      return make_coord(within / members, _0{}, make_coord(pair % int(params.grid.y), pair / int(params.grid.y)));
+    }
     const int block = params.reversed ? int(gridDim.x - 1 - blockIdx.x) : int(blockIdx.x);
-    return make_coord(block, _0{}, make_coord(blockIdx.y, blockIdx.z));
+    return make_coord(block, _0{}, make_coord(int(blockIdx.y), int(blockIdx.z)));
   }
 
   CUTLASS_DEVICE KeyBlockScheduler& operator++() {
@@ -222,12 +251,125 @@ void launch_simple(const typename Kernel::Params& params, cudaStream_t stream, c
   check_cuda(cudaGetLastError(), what);
 }
 
+// One launch of the main kernel: (batch, heads) pairs of sq query rows against sk keys, each
+// tensor at a base pointer with its batch and head strides (elements; rows as in the op).
+template <class Element>
+struct BwdLaunch {
+  int batch, heads, sq, sk;
+  const Element *q, *k, *v, *grad_out;
+  const float *lse, *sum_odo;
+  float* dq_acc;
+  Element *dk, *dv;
+  long q_batch, q_head, k_batch, k_head, v_batch, v_head, do_batch, do_head;
+  long lse_batch, lse_head, odo_batch, odo_head, acc_batch, acc_head, dk_batch, dk_head;
+  int dk_row;
+  bool shared_kv;  // every pair reads the K and V of pair (0, 0)
+};
+
+// The split tail: without a mask (each key block's CTA the same work) T CTAs on P SMs leave the
+// last round r = T % P SMs busy and the rest idle (the standard grid at D=128: T = 4096 on 132
+// SMs, 31 full rounds and 4 CTAs: 3 % of the kernel's time). Those r CTAs, the last key blocks
+// of the last (batch, head), are left out of the launch and run as r x parts CTAs, each over
+// Sq / parts query rows: a second launch whose batch is the parts (their K and V shared,
+// BwdMainloop::shared_kv), whose dK and dV come out per part and one more kernel sums. Only by
+// default (deterministic turns expect every key block in one CTA), without ALiBi (positions
+// would restart in each part), from one full round, where the r CTAs lie within one (batch,
+// head) and parts >= 2 divides Sq's query tiles.
+struct BwdTailSplit {
+  int blocks = 0;  // key blocks of the last (batch, head) left to the parts; 0: no split
+  int parts = 1;
+};
+
+template <class Fusion, class TileShape>
+BwdTailSplit plan_bwd_tail(const AttentionBwdSm90Params& p, int batch, int heads) {
+  constexpr int kRows = get<0>(TileShape{}), kKeys = get<1>(TileShape{});
+  BwdTailSplit plan;
+  const int key_blocks = ceil_div(p.seqlen_k, kKeys), tiles = p.seqlen_q / kRows;
+  const long ctas = long(key_blocks) * batch * heads;
+  const int rest = int(ctas % p.sm_count);
+  if (p.alloc == nullptr || Fusion::kReverseKeyBlocks || kIsAlibi<Fusion> || p.dq_semaphore != nullptr ||
+      ctas < p.sm_count || rest == 0 || rest > key_blocks || p.seqlen_q % kRows != 0) {
+    return plan;
+  }
+  int parts = std::min(tiles, p.sm_count / rest);
+  while (parts > 1 && tiles % parts != 0) --parts;
+  if (parts < 2) return plan;
+  plan.blocks = rest;
+  plan.parts = parts;
+  return plan;
+}
+
+// Row r, column c of `rows` x dim: out[r * out_row_stride + c] = sum over the parts of
+// part[i][r][c] (parts x rows x dim), in fp32; blockIdx.y picks dK (0) or dV (1).
+template <class Element>
+__global__ void sum_parts(const Element* part_k, const Element* part_v, int parts, int rows, int dim,
+                          Element* dk, Element* dv, int out_row_stride) {
+  const Element* part = blockIdx.y == 0 ? part_k : part_v;
+  Element* out = (blockIdx.y == 0 ? dk : dv) + long(blockIdx.x) * out_row_stride;
+  for (int c = threadIdx.x; c < dim; c += blockDim.x) {
+    float acc = 0.f;
+    for (int i = 0; i < parts; ++i) acc += float(part[(long(i) * rows + blockIdx.x) * dim + c]);
+    out[c] = Element(acc);
+  }
+}
+
+template <class Element, class Fusion, class TileShape>
+void launch_bwd(const AttentionBwdSm90Params& p, const BwdLaunch<Element>& l, int member, int count,
+                cudaStream_t stream) {
+  using K = BwdKernel<Element, Fusion, TileShape>;
+  using Kernel = typename K::Kernel;
+  using Mainloop = typename K::Mainloop;
+  const int group = p.heads_q / p.heads_kv, d = p.head_dim;
+  const int q_tiles = ceil_div(p.seqlen_q, int(get<0>(TileShape{})));
+  const typename K::Scaled::Arguments scaled{
+      {{l.q, {int(l.q_batch), int(l.q_head), p.q_row_stride, _1{}},
+        l.k, {int(l.k_batch), int(l.k_head), p.k_row_stride, _1{}},
+        l.v, {int(l.v_batch), int(l.v_head), p.v_row_stride, _1{}},
+        l.grad_out, {int(l.do_batch), int(l.do_head), p.grad_out_row_stride, _1{}},
+        l.lse, {int(l.lse_batch), int(l.lse_head), _1{}},
+        l.sum_odo, {int(l.odo_batch), int(l.odo_head), _1{}},
+        l.dq_acc, {int(l.acc_batch), int(l.acc_head), d, _1{}}},
+       p.dq_semaphore == nullptr ? nullptr : p.dq_semaphore + long(member) * q_tiles,
+       p.heads_q * q_tiles, q_tiles * group, p.sm_count,
+       l.dq_acc, l.acc_batch, l.acc_head, l.shared_kv},
+      p.scale};
+  typename Mainloop::Arguments mainloop_args;
+  if constexpr (kIsAlibi<Fusion>) {  // query heads g, g + G, ...
+    mainloop_args = {scaled, p.alibi_slopes + long(member) * p.alibi_head_stride, p.alibi_batch_stride,
+                     p.alibi_head_stride * group};
+  } else {
+    mainloop_args = scaled;
+  }
+  cutlass::KernelHardwareInfo hw;
+  hw.device_id = p.device;
+  typename Kernel::Arguments args{
+      {l.batch, l.heads, l.sq, l.sk, d},
+      mainloop_args,
+      {l.dk, {int(l.dk_batch), int(l.dk_head), l.dk_row, _1{}}, l.dv, {int(l.dk_batch), int(l.dk_head), l.dk_row, _1{}}},
+      hw};
+  if (!Kernel::can_implement(args)) {
+    throw std::runtime_error("flash.attention_backward (sm90 kernel): unsupported problem (head dim " +
+                             std::to_string(d) + ", seqlen_q " + std::to_string(l.sq) + ")");
+  }
+  auto params = Kernel::to_underlying_arguments(args, nullptr);
+  auto& scheduler = params.tile_scheduler;
+  scheduler.reversed = Fusion::kReverseKeyBlocks && p.dq_semaphore != nullptr;
+  if (Fusion::kReverseKeyBlocks && p.dq_semaphore == nullptr) {
+    scheduler.group = KeyBlockScheduler::group_for_l2(p.l2_bytes, l.sq, d, int(sizeof(Element)));
+  }
+  if (count < scheduler.count) {  // the first count CTAs in the 3-D grid's order
+    scheduler.group = 1;
+    scheduler.count = count;
+  }
+  cutlass::device_kernel<Kernel>
+      <<<Kernel::get_grid_shape(params), Kernel::get_block_shape(), Kernel::SharedStorageSize, stream>>>(params);
+  check_cuda(cudaGetLastError(), "backward kernel launch");
+}
+
 template <class Element, class Fusion, class TileShape>
 void run_bwd(const AttentionBwdSm90Params& p, cudaStream_t stream) {
   using K = BwdKernel<Element, Fusion, TileShape>;
-  using Kernel = typename K::Kernel;
-  using Scaled = typename K::Scaled;
-  using Mainloop = typename K::Mainloop;
+  constexpr int kKeys = get<1>(TileShape{});
   const int group = p.heads_q / p.heads_kv;
   const int sq = p.seqlen_q, d = p.head_dim, q_tiles = ceil_div(sq, int(get<0>(TileShape{})));
   const cute::tuple<int, int, int, int, int> all_heads{p.batch, p.heads_q, sq, p.seqlen_k, d};
@@ -243,50 +385,60 @@ void run_bwd(const AttentionBwdSm90Params& p, cudaStream_t stream) {
   if (!K::SumOdO::can_implement(sum_args)) throw std::runtime_error("flash.attention_backward (sm90 kernel): head dim");
   launch_simple<typename K::SumOdO>(K::SumOdO::to_underlying_arguments(sum_args, nullptr), stream, "sum(dO * O)");
 
-  cutlass::KernelHardwareInfo hw;
-  hw.device_id = p.device;
-  allow_shared_memory<Kernel>(p.device);
+  allow_shared_memory<typename K::Kernel>(p.device);
+  const BwdTailSplit tail = plan_bwd_tail<Fusion, TileShape>(p, p.batch, p.heads_kv);
+  const int key_blocks = ceil_div(p.seqlen_k, kKeys);
+  const int key0 = (key_blocks - tail.blocks) * kKeys, keys = p.seqlen_k - key0;  // the tail's keys
+  Element* part_k = tail.blocks == 0 ? nullptr : static_cast<Element*>(p.alloc(
+      p.alloc_ctx, 2 * size_t(tail.parts) * keys * d * sizeof(Element)));  // dK, then dV, of each part
+  Element* part_v = part_k == nullptr ? nullptr : part_k + long(tail.parts) * keys * d;
   for (int g = 0; g < group; ++g) {  // query heads g, g + G, ... against kv heads 0, 1, ...
-    auto at = [g](const void* base, int head_stride, int element_size) {
-      return static_cast<const char*>(base) + long(g) * head_stride * element_size;
-    };
-    const long dkv_at = g * p.dkv_member_stride;
-    const typename Scaled::Arguments scaled{
-        {{reinterpret_cast<const Element*>(at(p.q, p.q_head_stride, sizeof(Element))),
-          {p.q_batch_stride, p.q_head_stride * group, p.q_row_stride, _1{}},
-          static_cast<const Element*>(p.k), {p.k_batch_stride, p.k_head_stride, p.k_row_stride, _1{}},
-          static_cast<const Element*>(p.v), {p.v_batch_stride, p.v_head_stride, p.v_row_stride, _1{}},
-          reinterpret_cast<const Element*>(at(p.grad_out, p.grad_out_head_stride, sizeof(Element))),
-          {p.grad_out_batch_stride, p.grad_out_head_stride * group, p.grad_out_row_stride, _1{}},
-          p.lse + long(g) * p.lse_head_stride, {p.lse_batch_stride, p.lse_head_stride * group, _1{}},
-          p.sum_odo + long(g) * sq, {p.heads_q * sq, sq * group, _1{}},
-          p.dq_acc + long(g) * acc_head, {p.heads_q * acc_head, acc_head * group, d, _1{}}},
-         p.dq_semaphore == nullptr ? nullptr : p.dq_semaphore + long(g) * q_tiles,
-         p.heads_q * q_tiles, q_tiles * group, p.sm_count,
-         p.dq_acc + long(g) * acc_head, long(p.heads_q) * acc_head, long(acc_head) * group},
-        p.scale};
-    typename Mainloop::Arguments mainloop_args;
-    if constexpr (kIsAlibi<Fusion>) {  // query heads g, g + G, ...
-      mainloop_args = {scaled, p.alibi_slopes + long(g) * p.alibi_head_stride, p.alibi_batch_stride,
-                       p.alibi_head_stride * group};
-    } else {
-      mainloop_args = scaled;
-    }
-    typename Kernel::Arguments args{
-        {p.batch, p.heads_kv, sq, p.seqlen_k, d},
-        mainloop_args,
-        {static_cast<Element*>(p.dk) + dkv_at, {p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride, _1{}},
-         static_cast<Element*>(p.dv) + dkv_at, {p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride, _1{}}},
-        hw};
-    if (!Kernel::can_implement(args)) {
-      throw std::runtime_error("flash.attention_backward (sm90 kernel): unsupported problem (head dim " +
-                               std::to_string(d) + ", seqlen_q " + std::to_string(sq) + ")");
-    }
-    auto params = Kernel::to_underlying_arguments(args, nullptr);
-    params.tile_scheduler.reversed = Fusion::kReverseKeyBlocks && p.dq_semaphore != nullptr;
-    cutlass::device_kernel<Kernel>
-        <<<Kernel::get_grid_shape(params), Kernel::get_block_shape(), Kernel::SharedStorageSize, stream>>>(params);
-    check_cuda(cudaGetLastError(), "backward kernel launch");
+    const BwdLaunch<Element> l{
+        p.batch, p.heads_kv, sq, p.seqlen_k,
+        static_cast<const Element*>(p.q) + long(g) * p.q_head_stride, static_cast<const Element*>(p.k),
+        static_cast<const Element*>(p.v), static_cast<const Element*>(p.grad_out) + long(g) * p.grad_out_head_stride,
+        p.lse + long(g) * p.lse_head_stride, p.sum_odo + long(g) * sq, p.dq_acc + long(g) * acc_head,
+        static_cast<Element*>(p.dk) + g * p.dkv_member_stride, static_cast<Element*>(p.dv) + g * p.dkv_member_stride,
+        p.q_batch_stride, long(p.q_head_stride) * group, p.k_batch_stride, p.k_head_stride,
+        p.v_batch_stride, p.v_head_stride, p.grad_out_batch_stride, long(p.grad_out_head_stride) * group,
+        p.lse_batch_stride, long(p.lse_head_stride) * group, long(p.heads_q) * sq, long(sq) * group,
+        long(p.heads_q) * acc_head, long(acc_head) * group, p.dk_batch_stride, p.dk_head_stride,
+        p.dk_row_stride, false};
+    const long ctas = long(key_blocks) * p.batch * p.heads_kv;
+    launch_bwd<Element, Fusion, TileShape>(p, l, g, int(ctas - tail.blocks), stream);
+    if (tail.blocks == 0) continue;
+
+    // The tail: the last tail.blocks key blocks of (B - 1, Hkv - 1), the parts as the batch.
+    const int rows = sq / tail.parts;
+    auto last = [](auto* base, long batch, long head, long row) { return base + batch + head + row; };
+    const long b1 = p.batch - 1, h1 = p.heads_kv - 1;
+    BwdLaunch<Element> t = l;
+    t.batch = tail.parts;
+    t.heads = 1;
+    t.sq = rows;
+    t.sk = keys;
+    t.q = last(l.q, b1 * l.q_batch, h1 * l.q_head, 0);
+    t.grad_out = last(l.grad_out, b1 * l.do_batch, h1 * l.do_head, 0);
+    t.k = last(l.k, b1 * l.k_batch, h1 * l.k_head, long(key0) * p.k_row_stride);
+    t.v = last(l.v, b1 * l.v_batch, h1 * l.v_head, long(key0) * p.v_row_stride);
+    t.lse = last(l.lse, b1 * l.lse_batch, h1 * l.lse_head, 0);
+    t.sum_odo = last(l.sum_odo, b1 * l.odo_batch, h1 * l.odo_head, 0);
+    t.dq_acc = last(l.dq_acc, b1 * l.acc_batch, h1 * l.acc_head, 0);
+    t.q_batch = long(rows) * p.q_row_stride;
+    t.do_batch = long(rows) * p.grad_out_row_stride;
+    t.lse_batch = t.odo_batch = rows;
+    t.acc_batch = long(rows) * d;  // whole query tiles: their floats lie in row order
+    t.dk = part_k;
+    t.dv = part_v;
+    t.dk_batch = long(keys) * d;
+    t.dk_head = t.dk_batch * tail.parts;  // one head: any stride TMA accepts
+    t.dk_row = d;
+    t.shared_kv = true;
+    launch_bwd<Element, Fusion, TileShape>(p, t, g, tail.blocks * tail.parts, stream);
+    sum_parts<Element><<<dim3(keys, 2), 128, 0, stream>>>(
+        part_k, part_v, tail.parts, keys, d, last(l.dk, b1 * l.dk_batch, h1 * l.dk_head, long(key0) * l.dk_row),
+        last(l.dv, b1 * l.dk_batch, h1 * l.dk_head, long(key0) * l.dk_row), l.dk_row);
+    check_cuda(cudaGetLastError(), "tail dK/dV sums");
   }
 
   const typename K::Convert::Params convert{p.dq_acc, long(p.heads_q) * acc_head, acc_head,

@@ -54,6 +54,11 @@ struct AttentionBwdSm90Params {
   bool causal;  // aligned bottom-right (row i sees keys j <= i + Sk - Sq), with Sq <= Sk
   int device;
   int sm_count;  // resident CTAs of the backward (one an SM)
+  long l2_bytes;  // the device's L2 cache
+  // Device memory for the split tail (BwdTailSplit): alloc(alloc_ctx, bytes) returns memory that
+  // work queued on the stream may use until the op returns; null: no split.
+  void* (*alloc)(void* ctx, size_t bytes);
+  void* alloc_ctx;
 };
 
 // One entry per head dim, defined in attention_bwd_sm90_hdim{D}.cu (built when D is in

@@ -87,13 +87,15 @@ struct BwdMainloop
   // order (torch.use_deterministic_algorithms), each CTA waiting until its predecessors have
   // added theirs, the first storing (dq_acc then needs zeros only in tiles no key block sees).
   // Strides in elements. resident_blocks: how many CTAs run at once (one an SM), the most key
-  // blocks whose turns may follow their arrival (rotates()).
+  // blocks whose turns may follow their arrival (rotates()). shared_kv: every (batch, head)
+  // reads the K and V of (0, 0) (the split tail's parts, BwdTailSplit).
   struct Arguments : Base::Arguments {
     int* dq_semaphore;
     int semaphore_batch_stride, semaphore_head_stride;
     int resident_blocks;
     float* dq_acc;
     long dq_acc_batch_stride, dq_acc_head_stride;
+    bool shared_kv;
   };
   struct Params : Base::Params {
     int* dq_semaphore;
@@ -101,13 +103,14 @@ struct BwdMainloop
     int resident_blocks;
     float* dq_acc;
     long dq_acc_batch_stride, dq_acc_head_stride;
+    bool shared_kv;
   };
 
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape const& problem, Arguments const& args, void* workspace) {
     return {Base::to_underlying_arguments(problem, args, workspace), args.dq_semaphore, args.semaphore_batch_stride,
             args.semaphore_head_stride, args.resident_blocks, args.dq_acc, args.dq_acc_batch_stride,
-            args.dq_acc_head_stride};
+            args.dq_acc_head_stride, args.shared_kv};
   }
 
   // The query tiles of a CTA run from first_tile, wrapping around. Under deterministic dQ
@@ -194,8 +197,11 @@ struct BwdMainloop
     typename Base::LoadODO load_odo{params.tma_load_odo, pipeline_inner, storage.smem_sumOdO};
     auto state_q = load_q.init_state(block_rank_in_cluster, problem_size, TileShapeNM{}, blk_coord, inner_count);
     auto state_do = load_do.init_state(block_rank_in_cluster, problem_size, TileShapeNM{}, blk_coord, inner_count);
-    auto state_k = load_k.init_state(_0{}, problem_size, TileShapeNM{}, blk_coord, outer_count);
-    auto state_v = load_v.init_state(_0{}, problem_size, TileShapeNM{}, blk_coord, outer_count);
+    const auto kv_coord = make_coord(get<0>(blk_coord), get<1>(blk_coord),
+                                     make_coord(params.shared_kv ? 0 : get<2, 0>(blk_coord),
+                                                params.shared_kv ? 0 : get<2, 1>(blk_coord)));
+    auto state_k = load_k.init_state(_0{}, problem_size, TileShapeNM{}, kv_coord, outer_count);
+    auto state_v = load_v.init_state(_0{}, problem_size, TileShapeNM{}, kv_coord, outer_count);
     auto state_lse = load_lse.init_state(_0{}, problem_size, TileShapeNM{}, blk_coord, outer_count);
     auto state_odo = load_odo.init_state(_0{}, problem_size, TileShapeNM{}, blk_coord, outer_count);
     outer_count *= 2;  // K and V

@@ -108,6 +108,45 @@ def test_gqa_layouts_and_scale(hq, hkv, transposed, causal):
         check_backward(q, k, v, 0.37, causal)
 
 
+def _splits_tail(b, hkv, sq, sk, d):
+    """Whether the backward runs its last key blocks split over the query rows (BwdTailSplit in
+    csrc/attention/attention_bwd_sm90.cuh, default mode without a mask), as it plans it."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = 64 if d == 128 else 128  # query rows a tile (attention_bwd_sm90_hdim*.cu)
+    blocks = -(-sk // 128)
+    ctas = blocks * b * hkv
+    rest = ctas % sms
+    if ctas < sms or rest == 0 or rest > blocks or sq % rows:
+        return False
+    tiles = sq // rows
+    return max(p for p in range(1, min(tiles, sms // rest) + 1) if tiles % p == 0) >= 2
+
+
+@pytest.mark.parametrize("sq,sk,hq,hkv", [(4096, 4096, 5, 5), (4096, 4097, 10, 5), (2048, 4096, 5, 5)])
+def test_split_tail(sq, sk, hq, hkv):
+    """Without a mask the last round's key blocks (fewer than the SMs) run split over the query
+    rows, their dK and dV summed over the parts (BwdTailSplit): 160-165 CTAs on 132 SMs, GQA,
+    ragged keys, Sq != Sk; the split must have run where the plan says so (its sum kernel)."""
+    for d in HDIMS:
+        q, k, v = rand(1, hq, sq, d), rand(1, hkv, sk, d), rand(1, hkv, sk, d)
+        out, lse = torch.ops.flash.attention_fwd_sm90(q, k, v, d ** -0.5, False)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            torch.ops.flash.attention_bwd_sm90(torch.randn_like(out), q, k, v, out, lse, d ** -0.5, False)
+            torch.cuda.synchronize()
+        ran = any("sum_parts" in e.name for e in prof.events())
+        assert ran == _splits_tail(1, hkv, sq, sk, d), f"d={d}: split ran: {ran}"
+        check_backward(q, k, v, d ** -0.5, False)
+
+
+def test_causal_grid_in_l2_groups():
+    """Under the causal mask the default mode's grid takes the (batch, head) pairs a group at a
+    time, each key block for all pairs of a group, longest first (KeyBlockScheduler): 15 pairs of
+    4096 rows, two groups at D=128 (the second short) and one short group at D=64 on a 50 MB L2."""
+    for d in HDIMS:
+        q, k, v = (rand(3, 5, 4096, d) for _ in range(3))
+        check_backward(q, k, v, d ** -0.5, True)
+
+
 @pytest.mark.parametrize("sq,sk", [(8, 3), (16, 17), (112, 113), (1000, 1000), (8, 4097), (1000, 4097),
                                    (4096, 4097), (200, 16)])
 def test_ragged_lengths(sq, sk):
