@@ -9,7 +9,7 @@ by default, about 10 GPU minutes each but prefetch, about 2):
           (BWD_CHUNK; a chunk as wide as the row is the one-pass kernel), against quack's;
   prefetch  the backward with and without loading the next row tile ahead (BWD_PREFETCH),
           default tiles, RMSNorm and LayerNorm (from saved statistics, as its op calls it);
-          rows wider than BWD_MAX_BLOCK also as one pass (the whole row a program).
+          rows wider than BWD_MAX_BLOCK in chunks and as one pass (the whole row a program).
 quack is timed where importable. Writes OUT/sweep_norm.json: the fraction of a device copy each
 setting reaches, with the autotuned num_warps, so that the defaults in
 torch_flash/kernels/triton/norm.py and norm_backward.py are chosen from measurements.
@@ -143,12 +143,15 @@ def sweep_wide(rows):
 
 def sweep_prefetch(rows):
     """The backward with and without the next row tile loaded ahead (BWD_PREFETCH); rows wider
-    than BWD_MAX_BLOCK also as one pass (block_n = the row: its one CTA an SM has nothing else
-    to hide its loads behind)."""
+    than BWD_MAX_BLOCK in BWD_CHUNK chunks and as one pass (block_n = the row, which the kernel
+    runs without prefetch: its one CTA an SM, BWD_RMS_MAX_BLOCK)."""
     default = nb.BWD_PREFETCH
     for (m, n), is_rms in itertools.product(PREFETCH_SHAPES, (True, False)):
         x, g, w, b, kw, nbytes, ceiling, stats = _bwd_inputs(m, n, is_rms)
-        for block_n, prefetch in itertools.product([None] + ([n] if n > nb.BWD_MAX_BLOCK else []), (True, False)):
+        blocks = [None] if n <= nb.BWD_MAX_BLOCK else [nb.BWD_CHUNK, n]
+        for block_n, prefetch in itertools.product(blocks, (True, False)):
+            if block_n == n and prefetch:
+                continue
             nb.BWD_PREFETCH = prefetch
             nb._norm_bwd_kernel.cache.clear()
             ms = median_ms(lambda: nb.norm_bwd(g, None, x, w, b, out_dtype=x.dtype, block_n=block_n, **stats, **kw))

@@ -188,20 +188,25 @@ def test_cast_before_weight_rounds_xhat(block_n):
     assert rel_err(dw, (gy * rounded).sum(0)) < 0.3 * rel_err(dw, (gy * unrounded).sum(0))
 
 
-@pytest.mark.parametrize("n,is_rms", [(12000, True), (12000, False)], ids=["rms-12000", "ln-12000"])
-def test_large_hidden(n, is_rms):
+@pytest.mark.parametrize("n,is_rms,dtype", [(12000, True, FP32), (12000, False, FP32), (12000, True, BF16)],
+                         ids=["rms-12000", "ln-12000", "rms-12000-bf16"])
+def test_large_hidden(n, is_rms, dtype):
     """Rows wider than the backward's whole-row block, default blocks: its column chunks (six,
-    padded to eight row-sum slots), with and without a bias."""
-    x, w = torch.randn(2, n, device=DEV), torch.randn(n, device=DEV)
+    padded to eight row-sum slots), with and without a bias; 16-bit RMSNorm's rows of up to
+    BWD_RMS_MAX_BLOCK columns in one pass instead, without prefetch."""
+    x, w = torch.randn(2, n, device=DEV, dtype=dtype), torch.randn(n, device=DEV, dtype=dtype)
     b = None if is_rms else torch.randn(n, device=DEV)
     kw = dict(eps=1e-6, is_rms=is_rms, weight_offset=0.0, cast_before_weight=is_rms)
     y, _ = K.norm_fwd(x, w, b, None, residual_in_fp32=False, **kw)
-    assert_rel_close(y, _norm64(x, w, b, round_dtype=FP32, **kw), TOL[FP32])
+    assert_rel_close(y, _norm64(x, w, b, round_dtype=dtype, **kw), TOL[dtype])
     gy = torch.randn_like(x)
-    dx, dw, db = KB.norm_bwd(gy, None, x, w, b, out_dtype=FP32, **kw)
-    edx, edw, edb = _grads64(gy, None, x, w, b, kw, FP32)
-    assert_rel_close(dx, edx, TOL[FP32], what="dx")
-    assert_rel_close(dw, edw, TOL[FP32], what="dweight")
+    one_pass = dtype == BF16
+    consts = KB.NormBwd(gy, None, x, w, b, out_dtype=dtype, **kw).consts
+    assert (consts["BLOCK_N"], consts["PREFETCH"]) == ((16384, False) if one_pass else (KB.BWD_CHUNK, True))
+    dx, dw, db = KB.norm_bwd(gy, None, x, w, b, out_dtype=dtype, **kw)
+    edx, edw, edb = _grads64(gy, None, x, w, b, kw, dtype)
+    assert_rel_close(dx, edx, TOL[dtype], what="dx")
+    assert_rel_close(dw, edw, TOL[dtype], what="dweight")
     if b is not None:
         assert_rel_close(db, edb, TOL[FP32], what="dbias")
 

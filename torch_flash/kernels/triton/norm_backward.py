@@ -5,8 +5,8 @@ The backward recomputes each row's statistics from x (or residual_out) with the 
 arithmetic, or reads the forward's (stats=True: LayerNorm then takes one cross-warp reduction
 round per row tile instead of two). dW/dB: each program sums g * xhat over its own range of
 rows (and column chunk) into one row of an fp32 (programs, N) buffer, then a second kernel sums
-the programs' rows: no atomics, bitwise reproducible. A row of up to BWD_MAX_BLOCK columns is
-held in registers; wider rows are split into BWD_CHUNK-column chunks.
+the programs' rows: no atomics, bitwise reproducible. A row of up to BWD_MAX_BLOCK columns (16-bit
+RMSNorm: BWD_RMS_MAX_BLOCK) is held in registers; wider rows are split into BWD_CHUNK-column chunks.
 """
 from __future__ import annotations
 
@@ -42,6 +42,11 @@ BWD_ROW_ACC = True
 # an sm_90 compile (Triton 3.9: 111 spill instructions for RMSNorm, 218 for LayerNorm from saved
 # statistics; without it 0 and 42): scripts/sweep_norm.py (part prefetch) times both.
 BWD_PREFETCH = True
+# 16-bit RMSNorm rows of up to BWD_RMS_MAX_BLOCK columns in one pass, the whole row a program and
+# no prefetch: 0.65 of copy at (4096, 16384) against the chunks' 0.57, where LayerNorm's one
+# pass runs at 0.14-0.23 (H200, scripts/sweep_norm.py part prefetch,
+# docs/results/sweep_norm/2026-11-29_h200_prefetch.json).
+BWD_RMS_MAX_BLOCK = 16384
 
 
 @triton.jit
@@ -334,7 +339,8 @@ class NormBwd:
                  cast_before_weight, out_dtype, mean=None, rstd=None, block_n=None):
         self.n = n = x.shape[-1]
         self.m = m = x.numel() // n
-        block, rows_per_tile = _blocks(n, BWD_MAX_BLOCK if n <= BWD_MAX_BLOCK else BWD_CHUNK, block_n)
+        one_pass = BWD_RMS_MAX_BLOCK if is_rms and x.element_size() <= 2 else BWD_MAX_BLOCK
+        block, rows_per_tile = _blocks(n, one_pass if n <= one_pass else BWD_CHUNK, block_n)
         self.chunks = chunks = cdiv(n, block)
         self.programs = _bwd_programs(m, block, chunks, x.device) if m > 0 else 0
         self.scalars = (eps, weight_offset)
@@ -342,7 +348,8 @@ class NormBwd:
                            HAS_DW=weight is not None, HAS_DB=bias is not None, CAST_BEFORE_W=cast_before_weight,
                            ROUND=_ROUND_CODE.get(out_dtype, 0), HAS_STATS=rstd is not None,
                            CHUNKS=next_power_of_2(chunks), BLOCK_N=block, ROWS=rows_per_tile,
-                           ROW_ACC=BWD_ROW_ACC and rows_per_tile > 1, PREFETCH=BWD_PREFETCH)
+                           ROW_ACC=BWD_ROW_ACC and rows_per_tile > 1,
+                           PREFETCH=BWD_PREFETCH and block <= BWD_MAX_BLOCK)
         self.sums_consts = {k: self.consts[k] for k in ("IS_RMS", "HAS_W", "HAS_STATS", "CHUNKS", "BLOCK_N",
                                                          "ROWS")}
         self.sums_grid = (cdiv(m, rows_per_tile), self.consts["CHUNKS"])  # chunks past the row: zeros
