@@ -100,12 +100,14 @@ def _tile_class(q, args: dict) -> str:
 # Device helpers
 # --------------------------------------------------------------------------------------
 @triton.jit
-def _seq_bounds(Cu, b, SEQ, IS_VARLEN: tl.constexpr):
-    """(first row as int64, length) of sequence b."""
+def _seq_bounds(start, end, SEQ, IS_VARLEN: tl.constexpr):
+    """(first row as int64, length) of sequence b from its offsets start = Cu[b], end = Cu[b + 1]
+    (ignored unless IS_VARLEN). The kernels load those themselves: torch's mutation analysis takes
+    every argument of a helper whose result addresses a store as written, and cu_seqlens counted as
+    written were cloned and copied back by Inductor (an assertion under dynamic shapes in 2.11)."""
     if IS_VARLEN:
-        start = tl.load(Cu + b).to(tl.int64)
-        end = tl.load(Cu + b + 1).to(tl.int64)
-        return start, (end - start).to(tl.int32)
+        start = start.to(tl.int64)
+        return start, (end.to(tl.int64) - start).to(tl.int32)
     else:
         return tl.full([], 0, tl.int64), SEQ
 
@@ -345,8 +347,10 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias, Seed, CuQ, CuK, Alibi, Sinks,
     h = tl.program_id(1)
     b = tl.program_id(2)
     bh = b * H + h
-    q_start, seq_q = _seq_bounds(CuQ, b, SEQ_Q, IS_VARLEN)
-    k_start, seq_k = _seq_bounds(CuK, b, SEQ_K, IS_VARLEN)
+    q_start, seq_q = _seq_bounds(tl.load(CuQ + b, mask=IS_VARLEN), tl.load(CuQ + b + 1, mask=IS_VARLEN),
+                                 SEQ_Q, IS_VARLEN)
+    k_start, seq_k = _seq_bounds(tl.load(CuK + b, mask=IS_VARLEN), tl.load(CuK + b + 1, mask=IS_VARLEN),
+                                 SEQ_K, IS_VARLEN)
     m0 = tl.program_id(0) * BLOCK_M
     if m0 >= seq_q:  # varlen: the grid covers the longest sequence
         return

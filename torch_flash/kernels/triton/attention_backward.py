@@ -73,7 +73,8 @@ def _attn_bwd_delta(Out, DO, GradLse, Delta, CuQ, Lse, Sinks, SinkPart,
     # grid (row blocks, heads, batch), as the forward's
     h = tl.program_id(1)
     b = tl.program_id(2)
-    q_start, seq_q = _seq_bounds(CuQ, b, SEQ_Q, IS_VARLEN)
+    q_start, seq_q = _seq_bounds(tl.load(CuQ + b, mask=IS_VARLEN), tl.load(CuQ + b + 1, mask=IS_VARLEN),
+                                 SEQ_Q, IS_VARLEN)
     m0 = tl.program_id(0) * BLOCK_M
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
@@ -191,8 +192,10 @@ def _attn_bwd_dkdv(Q, K, V, DO, DQ, DK, DV, Lse, Delta, Bias, DBias, Seed, CuQ, 
     softcap, dropout_p = fp32(softcap), fp32(dropout_p)
     hk = tl.program_id(1)  # grid (key blocks, kv heads, batch), as the forward's
     b = tl.program_id(2)
-    q_start, seq_q = _seq_bounds(CuQ, b, SEQ_Q, IS_VARLEN)
-    k_start, seq_k = _seq_bounds(CuK, b, SEQ_K, IS_VARLEN)
+    q_start, seq_q = _seq_bounds(tl.load(CuQ + b, mask=IS_VARLEN), tl.load(CuQ + b + 1, mask=IS_VARLEN),
+                                 SEQ_Q, IS_VARLEN)
+    k_start, seq_k = _seq_bounds(tl.load(CuK + b, mask=IS_VARLEN), tl.load(CuK + b + 1, mask=IS_VARLEN),
+                                 SEQ_K, IS_VARLEN)
     n0 = tl.program_id(0) * BLOCK_N
     if n0 >= seq_k:
         return
@@ -293,8 +296,10 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Bias, Seed, CuQ, CuK, Alibi,
     h = tl.program_id(1)
     b = tl.program_id(2)
     bh = b * H + h
-    q_start, seq_q = _seq_bounds(CuQ, b, SEQ_Q, IS_VARLEN)
-    k_start, seq_k = _seq_bounds(CuK, b, SEQ_K, IS_VARLEN)
+    q_start, seq_q = _seq_bounds(tl.load(CuQ + b, mask=IS_VARLEN), tl.load(CuQ + b + 1, mask=IS_VARLEN),
+                                 SEQ_Q, IS_VARLEN)
+    k_start, seq_k = _seq_bounds(tl.load(CuK + b, mask=IS_VARLEN), tl.load(CuK + b + 1, mask=IS_VARLEN),
+                                 SEQ_K, IS_VARLEN)
     m0 = tl.program_id(0) * BLOCK_M
     if m0 >= seq_q:
         return
