@@ -75,11 +75,14 @@ _KEY = ["BLOCK_D", "BLOCK_DV", "BLOCK_M", "PAGED", "SPLIT"]
 # Device helpers
 # --------------------------------------------------------------------------------------
 @triton.jit
-def _slots(BT, stride_bt, b, pos, ok, page, num_pages, PAGED: tl.constexpr):
-    """Physical (block, offset) of the logical positions pos of sequence b, and ok narrowed
-    to the slots that exist. A contiguous cache is one block per sequence (block b)."""
+def _slots(table, b, pos, ok, page, num_pages, PAGED: tl.constexpr):
+    """Physical (block, offset) of the logical positions pos of sequence b, and ok narrowed to
+    the slots that exist; table: the block table's entries for pos (PAGED). The kernels load
+    those themselves: torch's mutation analysis takes a helper's arguments as written where its
+    result addresses a store (the block table cloned and copied back under compile). A
+    contiguous cache is one block per sequence (block b)."""
     if PAGED:
-        blk = tl.load(BT + b.to(tl.int64) * stride_bt + pos // page, mask=ok, other=0).to(tl.int64)
+        blk = table.to(tl.int64)
         return blk, pos % page, ok & (blk >= 0) & (blk < num_pages)
     else:
         return (pos * 0 + b).to(tl.int64), pos, ok
@@ -139,7 +142,10 @@ def _append_kernel(KN, VN, KC, VC, SEQLENS, BT, COS, SIN,
     # never write outside the cache, whatever cache_seqlens holds
     ok = (s < SNEW) & (pos >= 0) & (pos < CAPACITY)
     pos = tl.where(ok, pos, 0).to(tl.int32)
-    blk, off, ok = _slots(BT, stride_bt, b, pos, ok, PAGE, NUM_PAGES, PAGED)
+    table = pos
+    if PAGED:
+        table = tl.load(BT + b64 * stride_bt + pos // PAGE, mask=ok, other=0)
+    blk, off, ok = _slots(table, b, pos, ok, PAGE, NUM_PAGES, PAGED)
     d = tl.arange(0, BLOCK_D)
     k = _load_rows(KN + b64 * stride_knb + h * stride_knh + s.to(tl.int64) * stride_kns, s < SNEW, d,
                    pos, COS, SIN, stride_c, SEQ_RO, HEAD_DIM, RD2, ROTARY, INTERLEAVED)
@@ -214,7 +220,10 @@ def _decode_kernel(Q, KC, VC, SEQLENS, BT, COS, SIN, Alibi, Sinks, LEFTPAD, Out,
     for n0 in range(start, end, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N)
         in_seq = (j < end) & (j >= first)  # slots before `first` are padding, their blocks unread
-        blk, off, ok = _slots(BT, stride_bt, b, j, in_seq, PAGE, NUM_PAGES, PAGED)
+        table = j
+        if PAGED:
+            table = tl.load(BT + b.to(tl.int64) * stride_bt + j // PAGE, mask=in_seq, other=0)
+        blk, off, ok = _slots(table, b, j, in_seq, PAGE, NUM_PAGES, PAGED)
         if PAGED:  # a used block_table entry outside the pool
             bad = bad | (tl.max((in_seq & ~ok).to(tl.int32), 0) > 0)
         k = tl.load((KC + blk * stride_kb + hk * stride_kh + off.to(tl.int64) * stride_kn)[:, None]
