@@ -397,12 +397,17 @@ def layout_strides(like: Tensor, shape) -> tuple:
     out and gradients follow q's, k's and v's layout as SDPA's do, so a (B, S, H, D) buffer seen
     as (B, H, S, D) gets outputs its transpose back reads without a copy. csrc/attention's
     forward allocates alike (empty_like_layout)."""
-    order = sorted(range(3), key=lambda i: -like.stride(i))
+    order = layout_order(like)
     strides, step = [0, 0, 0, 1], shape[3]
-    for i in reversed(order):
+    for i in reversed(order[:3]):
         strides[i] = step
         step = step * shape[i]
     return tuple(strides)
+
+
+def layout_order(like: Tensor) -> tuple:
+    """layout_strides' dims from outermost to innermost (torch.empty_permuted's physical_layout)."""
+    return (*sorted(range(3), key=lambda i: -like.stride(i)), 3)
 
 
 def in_layout(t: Tensor, like: Tensor) -> Tensor:

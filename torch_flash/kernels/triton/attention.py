@@ -547,10 +547,9 @@ class AttentionFwd:
         self.lse_shape = (q.shape[1], q.shape[0]) if cu_q is not None else q.shape[:-1]
         self.empty = any(d == 0 for d in self.out_shape)
         # out laid out like q (ref.layout_strides; packed sequences: contiguous)
-        self.out_strides = (torch.empty(self.out_shape, device="meta").stride() if cu_q is not None
-                            else ref.layout_strides(q, self.out_shape))
+        self.out_order = tuple(range(q.dim())) if cu_q is not None else ref.layout_order(q)
         # the outputs' strides, from meta tensors of their shapes (the launches allocate alike)
-        out = torch.empty_strided(self.out_shape, self.out_strides, device="meta")
+        out = torch.empty_permuted(self.out_shape, self.out_order, device="meta")
         lse = torch.empty(self.lse_shape, device="meta")
         args = _shape_args(q, k, v, cu_q, cu_k, seq_q, seq_k)
         mask = _mask_args(q, **flags)
@@ -567,7 +566,9 @@ class AttentionFwd:
         self.launcher = None
 
     def __call__(self, q, k, v, attn_bias, cu_q, cu_k, dropout_seed, alibi_slopes, sinks):
-        out = q.new_empty_strided(self.out_shape, self.out_strides)
+        # empty_permuted (aten.empty once traced): compiled, the joint graph's CSE spares only
+        # aten.empty, and merged a new_empty_strided out with the backward's dq of the same layout
+        out = torch.empty_permuted(self.out_shape, self.out_order, dtype=q.dtype, device=q.device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         if self.empty:
             return out, lse

@@ -368,8 +368,9 @@ class AttentionBwd:
         self.sink_grad = sinks is not None
         # the gradients laid out like q, k and v (ref.layout_strides; packed sequences:
         # contiguous), from meta tensors (the calls allocate alike)
-        self.grad_strides = tuple(torch.empty(t.shape, device="meta").stride() if cu_q is not None
-                                  else ref.layout_strides(t, t.shape) for t in (q, k, v))
+        self.grad_orders = tuple(tuple(range(t.dim())) if cu_q is not None else ref.layout_order(t) for t in (q, k, v))
+        self.grad_strides = tuple(torch.empty_permuted(t.shape, order, device="meta").stride()
+                                  for t, order in zip((q, k, v), self.grad_orders))
         if self.empty:
             return
         args = _shape_args(q, k, v, cu_q, cu_k, seq_q, seq_k)
@@ -397,7 +398,10 @@ class AttentionBwd:
 
     def __call__(self, grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, dropout_seed, alibi_slopes,
                  sinks=None):
-        dq, dk, dv = (t.new_empty_strided(t.shape, st) for t, st in zip((q, k, v), self.grad_strides))
+        # empty_permuted, as the forward's out (attention.py: new_empty_strided made dq the
+        # forward's out buffer under compile, saved for the backward and cloned)
+        dq, dk, dv = (torch.empty_permuted(t.shape, order, dtype=t.dtype, device=t.device)
+                      for t, order in zip((q, k, v), self.grad_orders))
         dbias_full = (torch.zeros(self.dbias_shape, dtype=torch.float32, device=q.device) if self.bias_grad
                       else None)
         if self.empty:
