@@ -45,7 +45,7 @@ BWD_PREFETCH = True
 # 16-bit RMSNorm rows of up to BWD_RMS_MAX_BLOCK columns in one pass, the whole row a program and
 # no prefetch: 0.65 of copy at (4096, 16384) against the chunks' 0.57, where LayerNorm's one
 # pass runs at 0.14-0.23 (H200, scripts/sweep_norm.py part prefetch,
-# docs/results/sweep_norm/2026-11-29_h200_prefetch.json).
+# docs/results/sweep_norm_prefetch/2026-11-29_h200.json).
 BWD_RMS_MAX_BLOCK = 16384
 
 
