@@ -8,7 +8,9 @@ launches side by side (ours against FA4's).
 
 Every numeric column of the page is summed per opcode (predicates and modifiers dropped: HGMMA,
 SYNCS, LDS, ...); the column to rank by (--column, default: the first whose name holds
-"Sampling") gives each opcode's and each instruction's share. Files may be gzipped.
+"Sampling") gives each opcode's and each instruction's share. Where the pages count executed
+instructions and MUFU runs, each opcode's executions per 64 MUFU follow: one exponential a
+score, so kernels of different tile shapes compare per unit of work. Files may be gzipped.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import io
 import re
 from collections import defaultdict
 
+EXECUTED = "Instructions Executed"
 OPCODE = re.compile(r"^\s*(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
 
 
@@ -73,6 +76,13 @@ def main() -> None:
     ranked = sorted(set().union(*opcodes), key=lambda op: -max(o.get(op, 0) / t for o, t in zip(opcodes, totals)))
     for op in ranked[:args.top]:
         print(f"  {op:12s} " + "  ".join(f"{100 * o.get(op, 0) / t:6.2f} %" for o, t in zip(opcodes, totals)))
+    executed = [by_opcode(rows, EXECUTED) if EXECUTED in numeric else {} for numeric, rows in loaded]
+    if all(e.get("MUFU") for e in executed):
+        print(f"\n{EXECUTED} per 64 MUFU (an exponential a score): " + " | ".join(args.files))
+        per = [{op: 64 * n / e["MUFU"] for op, n in e.items()} for e in executed]
+        print(f"  {'all':12s} " + "  ".join(f"{sum(p.values()):8.1f}" for p in per))
+        for op in sorted(set().union(*per), key=lambda op: -max(p.get(op, 0) for p in per))[:args.top]:
+            print(f"  {op:12s} " + "  ".join(f"{p.get(op, 0):8.1f}" for p in per))
     for path, (_, rows), total in zip(args.files, loaded, totals):
         print(f"\n{path}: the {args.top} hottest instructions by {column}")
         for r in sorted(rows, key=lambda r: -r[column])[:args.top]:

@@ -392,14 +392,16 @@ def test_script_out_dir_is_made_before_the_run(tmp_path, monkeypatch):
 
 def test_ncu_source_sums_stall_samples_by_opcode(tmp_path):
     """scripts/ncu_source.py on an Nsight Compute source page (SASS, CSV; gzipped too): each
-    opcode's share of the sampling column, predicates dropped, and the hottest instructions."""
+    opcode's share of the sampling column, predicates dropped, the hottest instructions, and
+    executions per 64 MUFU."""
     import gzip
     import subprocess
     page = ('"# Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed"\n'
             '"0x10","HGMMA.64x64x16.F32.BF16 R184, gdesc[UR20], RZ, !UPT ;","30","8"\n'
             '"0x20","@!P0 SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR23], R5 ;","50","8"\n'
             '"0x30","SYNCS.ARRIVE.TRANS64.A1T0 RZ, [UR20], RZ ;","10","8"\n'
-            '"0x40","LDS.64 R6, [R20+0x34000] ;","10","16"\n')
+            '"0x40","LDS.64 R6, [R20+0x34000] ;","10","16"\n'
+            '"0x50","MUFU.EX2 R7, R7 ;","0","32"\n')
     (tmp_path / "a.csv").write_text("==PROF== a preamble line\n" + page)
     with gzip.open(tmp_path / "b.csv.gz", "wt") as f:
         f.write(page.replace('"50"', '"10"'))
@@ -409,3 +411,5 @@ def test_ncu_source_sums_stall_samples_by_opcode(tmp_path):
     assert re.search(r"SYNCS\s+60\.00 %\s+33\.33 %", out), out
     assert re.search(r"HGMMA\s+30\.00 %\s+50\.00 %", out), out
     assert "50.00 %  @!P0 SYNCS.PHASECHK" in out and out.count("hottest instructions") == 2
+    # executions per 64 MUFU: 8 HGMMA, 16 SYNCS, 16 LDS, 32 MUFU -> 16, 32, 32, 64 (144 in all)
+    assert re.search(r"all\s+144\.0\s+144\.0", out) and re.search(r"SYNCS\s+32\.0\s+32\.0", out), out
