@@ -413,3 +413,27 @@ def test_ncu_source_sums_stall_samples_by_opcode(tmp_path):
     assert "50.00 %  @!P0 SYNCS.PHASECHK" in out and out.count("hottest instructions") == 2
     # executions per 64 MUFU: 8 HGMMA, 16 SYNCS, 16 LDS, 32 MUFU -> 16, 32, 32, 64 (144 in all)
     assert re.search(r"all\s+144\.0\s+144\.0", out) and re.search(r"SYNCS\s+32\.0\s+32\.0", out), out
+
+
+def test_sass_loops_finds_the_mma_loop():
+    """scripts/sass_loops.py: a backward branch whose range holds an HGMMA is a loop, listed
+    innermost first; predicates and modifiers dropped from the opcodes."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "sass_loops.py")
+    spec = importlib.util.spec_from_file_location("sass_loops", path)
+    sl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sl)
+    sass = """
+        Function : _Z6kernelv
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT ;
+        /*0020*/                   MUFU.EX2 R2, R2 ;
+        /*0030*/              @!P0 BRA 0x10 ;
+        /*0040*/                   STL [R1], R2 ;
+        /*0050*/                   BRA 0x0 ;
+        /*0060*/                   EXIT ;
+    """
+    ins = sl.parse(sass)["_Z6kernelv"]
+    assert [op for _, op, _ in ins] == ["MOV", "HGMMA", "MUFU", "BRA", "STL", "BRA", "EXIT"]
+    loops = sl.mma_loops(ins)
+    assert [len(body) for body in loops] == [3, 6]  # 0x10-0x30 inside 0x0-0x50
