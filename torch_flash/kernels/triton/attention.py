@@ -502,6 +502,15 @@ def _grid(rows: int, heads: int, batch: int, block: str = "BLOCK_M"):
     return lambda meta: (cdiv(rows, meta[block]), heads, batch)
 
 
+def _layout_order(t, varlen: bool) -> tuple:
+    """The dims of an output or gradient laid out like t, outermost first (torch.empty_permuted's
+    physical_layout): t's layout (ref.layout_order), or contiguous for packed sequences. Allocated
+    with torch.empty_permuted (aten.empty once traced): compiled, the joint graph's CSE spares
+    only aten.empty, and merged a new_empty_strided out with the backward's dq of the same layout
+    (the forward then saved the empty buffer and the backward cloned it)."""
+    return tuple(range(t.dim())) if varlen else ref.layout_order(t)
+
+
 def _absent(q) -> dict:
     """Stand-ins for an absent Bias, Seed, CuQ, CuK or DBias (never read), typed as the
     launchers always had them."""
@@ -546,8 +555,7 @@ class AttentionFwd:
         self.out_shape = (*q.shape[:-1], v.shape[-1])
         self.lse_shape = (q.shape[1], q.shape[0]) if cu_q is not None else q.shape[:-1]
         self.empty = any(d == 0 for d in self.out_shape)
-        # out laid out like q (ref.layout_strides; packed sequences: contiguous)
-        self.out_order = tuple(range(q.dim())) if cu_q is not None else ref.layout_order(q)
+        self.out_order = _layout_order(q, cu_q is not None)
         # the outputs' strides, from meta tensors of their shapes (the launches allocate alike)
         out = torch.empty_permuted(self.out_shape, self.out_order, device="meta")
         lse = torch.empty(self.lse_shape, device="meta")
@@ -566,8 +574,6 @@ class AttentionFwd:
         self.launcher = None
 
     def __call__(self, q, k, v, attn_bias, cu_q, cu_k, dropout_seed, alibi_slopes, sinks):
-        # empty_permuted (aten.empty once traced): compiled, the joint graph's CSE spares only
-        # aten.empty, and merged a new_empty_strided out with the backward's dq of the same layout
         out = torch.empty_permuted(self.out_shape, self.out_order, dtype=q.dtype, device=q.device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         if self.empty:

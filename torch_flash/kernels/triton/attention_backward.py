@@ -13,11 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ...reference import attention as ref
 from .attention import (_INTERPRET, _LOG2E, _absent, _alibi_fold, _alibi_shift, _alibi_slope, _bhm, _bias_args,
                         _block_ranges, _block_start, _configs, _dot, _dropout_keep, _flags, _grid, _inputs, _key_ranges,
-                        _load_tile, _loop_plan, _lse_strides, _mask_args, _positions, _pow2, _scale, _scores,
-                        _seq_bounds, _shape_args, _store_tile, _tile_class, _tuned)
+                        _layout_order, _load_tile, _loop_plan, _lse_strides, _mask_args, _positions, _pow2, _scale,
+                        _scores, _seq_bounds, _shape_args, _store_tile, _tile_class, _tuned)
 from .launch import cdiv, launch_as
 from .scalars import fp32
 
@@ -366,9 +365,9 @@ class AttentionBwd:
         self.empty = q.numel() == 0 or k.numel() == 0
         self.deterministic = deterministic
         self.sink_grad = sinks is not None
-        # the gradients laid out like q, k and v (ref.layout_strides; packed sequences:
-        # contiguous), from meta tensors (the calls allocate alike)
-        self.grad_orders = tuple(tuple(range(t.dim())) if cu_q is not None else ref.layout_order(t) for t in (q, k, v))
+        # the gradients laid out like q, k and v, their strides from meta tensors (the calls
+        # allocate alike)
+        self.grad_orders = tuple(_layout_order(t, cu_q is not None) for t in (q, k, v))
         self.grad_strides = tuple(torch.empty_permuted(t.shape, order, device="meta").stride()
                                   for t, order in zip((q, k, v), self.grad_orders))
         if self.empty:
@@ -398,8 +397,6 @@ class AttentionBwd:
 
     def __call__(self, grad_out, grad_lse, q, k, v, attn_bias, out, lse, cu_q, cu_k, dropout_seed, alibi_slopes,
                  sinks=None):
-        # empty_permuted, as the forward's out (attention.py: new_empty_strided made dq the
-        # forward's out buffer under compile, saved for the backward and cloned)
         dq, dk, dv = (torch.empty_permuted(t.shape, order, dtype=t.dtype, device=t.device)
                       for t, order in zip((q, k, v), self.grad_orders))
         dbias_full = (torch.zeros(self.dbias_shape, dtype=torch.float32, device=q.device) if self.bias_grad
