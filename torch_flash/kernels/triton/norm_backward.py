@@ -339,8 +339,8 @@ class NormBwd:
                  cast_before_weight, out_dtype, mean=None, rstd=None, block_n=None):
         self.n = n = x.shape[-1]
         self.m = m = x.numel() // n
-        one_pass = BWD_RMS_MAX_BLOCK if is_rms and x.element_size() <= 2 else BWD_MAX_BLOCK
-        block, rows_per_tile = _blocks(n, one_pass if n <= one_pass else BWD_CHUNK, block_n)
+        widest_whole = BWD_RMS_MAX_BLOCK if is_rms and x.element_size() <= 2 else BWD_MAX_BLOCK  # in registers
+        block, rows_per_tile = _blocks(n, widest_whole if n <= widest_whole else BWD_CHUNK, block_n)
         self.chunks = chunks = cdiv(n, block)
         self.programs = _bwd_programs(m, block, chunks, x.device) if m > 0 else 0
         self.scalars = (eps, weight_offset)
